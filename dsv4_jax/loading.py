@@ -1,0 +1,169 @@
+"""`load_model`: a DeepSeek checkpoint directory -> a callable model.
+
+Tensors keep the checkpoint's representation on the device (FP8 + block scales, MXFP4,
+bf16/f32); the forward dequantises per use inside one jitted pure function (the module is
+split once; no `nnx.jit` per call).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dsv4_jax.config import DeepseekV4Config
+from dsv4_jax.model.options import Ablations, ForwardOptions
+from dsv4_jax.model.transformer import DeepseekV4, Segment, check_token_ids
+
+logger = logging.getLogger(__name__)
+
+Path_ = tuple[Any, ...]
+
+
+def parameter_names(path: Path_, plan: list[Segment], n_experts: int) -> Iterator[tuple[tuple[int, ...], str]]:
+    """Checkpoint names stored in the state leaf at `path`, with each one's index in the leaf.
+
+    Stacked layers add a leading repetition axis and routed experts an expert axis, so one leaf
+    can hold many checkpoint tensors: `segments.2.units.1.ffn.experts.w1.weight[k, e]` is
+    `layers.{first + 2k + 1}.ffn.experts.{e}.w1.weight`.
+    """
+    if path[0] == "segments":
+        segment = plan[path[1]]
+        if segment.count > 1:
+            position, rest = path[3], path[4:]
+            prefixes = [((k,), f"layers.{segment.layer(k, position)}") for k in range(segment.count)]
+        else:
+            rest, prefixes = path[2:], [((), f"layers.{segment.first}")]
+    elif path[0] == "mtp":
+        rest, prefixes = path[2:], [((), f"mtp.{path[1]}")]
+    else:
+        rest, prefixes = path, [((), "")]
+    parts = [str(p) for p in rest]
+    if "experts" in parts and parts[parts.index("experts") + 1] in ("w1", "w2", "w3"):
+        at = parts.index("experts") + 1
+        expanded = [((e,), ".".join(parts[:at] + [str(e)] + parts[at:])) for e in range(n_experts)]
+    else:
+        expanded = [((), ".".join(parts))]
+    for index, prefix in prefixes:
+        for sub_index, name in expanded:
+            yield index + sub_index, f"{prefix}.{name}" if prefix else name
+
+
+class CausalLM:
+    """A loaded DeepSeek-V4: `model(input_ids)` -> float32 logits [batch, seq, vocab]."""
+
+    def __init__(self, module: DeepseekV4, options: ForwardOptions, mtp_enabled: bool):
+        self.config: DeepseekV4Config = module.config
+        self.options = options
+        self.mtp_enabled = mtp_enabled
+        self.graphdef, self.state = nnx.split(module)
+
+    @functools.cached_property
+    def _jitted(self) -> dict[str, Callable]:
+        graphdef = self.graphdef
+
+        def logits(state, ids, options):
+            return nnx.merge(graphdef, state)(ids, options)
+
+        def streams(state, ids, options):
+            return nnx.merge(graphdef, state).hidden_streams(ids, options)
+
+        def mtp(state, streams, next_ids, options):
+            return nnx.merge(graphdef, state).mtp_logits(streams, next_ids, options)
+
+        return {
+            "logits": jax.jit(logits, static_argnums=2),
+            "streams": jax.jit(streams, static_argnums=2),
+            "mtp": jax.jit(mtp, static_argnums=3),
+        }
+
+    def _ids(self, input_ids: Any) -> jax.Array:
+        ids = np.asarray(input_ids)
+        if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer):
+            raise ValueError(f"input_ids must be an integer array [batch, seq], got {ids.dtype} {ids.shape}")
+        check_token_ids(ids, self.config.vocab_size)
+        return jnp.asarray(ids.astype(np.int32))
+
+    def __call__(self, input_ids: Any, *, ablations: Ablations | None = None) -> jax.Array:
+        options = self.options if ablations is None else ForwardOptions(
+            self.options.dtype, self.options.kv_cache_rounding, ablations
+        )
+        return self._jitted["logits"](self.state, self._ids(input_ids), options)
+
+    def hidden_streams(self, input_ids: Any) -> jax.Array:
+        """The main model's streams before hc_head, [batch, seq, hc_mult, hidden] (MTP input)."""
+        return self._jitted["streams"](self.state, self._ids(input_ids), self.options)
+
+    def mtp_logits(self, streams: jax.Array, next_ids: Any) -> jax.Array:
+        if not self.mtp_enabled:
+            raise ValueError("this checkpoint has no usable DeepSeek-V4 MTP block (it loaded with MTP disabled)")
+        return self._jitted["mtp"](self.state, streams, self._ids(next_ids), self.options)
+
+    def with_options(self, **changes: Any) -> "CausalLM":
+        clone = object.__new__(CausalLM)
+        clone.__dict__.update({k: v for k, v in self.__dict__.items() if k != "_jitted"})
+        fields = {"dtype": self.options.dtype, "kv_cache_rounding": self.options.kv_cache_rounding,
+                  "ablations": self.options.ablations, **changes}
+        clone.options = ForwardOptions(**fields)
+        return clone
+
+
+def load_model(
+    path: str | Path,
+    dtype: str = "float32",
+    *,
+    kv_cache_rounding: bool = False,
+) -> CausalLM:
+    """Load a DeepSeek-V4 checkpoint directory (DeepSeek's names, or transformers' saved ones)."""
+    from dsv4_jax.checkpoint import load_checkpoint
+
+    options = ForwardOptions(dtype=dtype, kv_cache_rounding=kv_cache_rounding)
+    path = Path(path)
+    config = DeepseekV4Config.from_json(path)
+    full = nnx.eval_shape(lambda: DeepseekV4(config, mtp=True))
+    segments = full.segments_plan
+    _, abstract = nnx.split(full)
+
+    # name -> (leaf path, index in leaf); stacked leaves are assembled on the host, the rest
+    # go to the device as they arrive.
+    targets: dict[str, tuple[Path_, tuple[int, ...]]] = {}
+    leaves: dict[Path_, Any] = {}
+    for leaf_path, variable in nnx.to_flat_state(abstract):
+        for index, name in parameter_names(leaf_path, segments, config.n_routed_experts):
+            targets[name] = (leaf_path, index)
+        leaves[leaf_path] = variable
+    pending: dict[Path_, np.ndarray] = {}
+    placed: dict[Path_, jax.Array] = {}
+    filled: dict[Path_, int] = {}
+
+    def put(name: str, array: np.ndarray) -> None:
+        leaf_path, index = targets[name]
+        shape = leaves[leaf_path].get_value().shape
+        if not index:
+            placed[leaf_path] = jax.device_put(array)
+            return
+        buffer = pending.get(leaf_path)
+        if buffer is None:
+            buffer = pending[leaf_path] = np.empty(shape, array.dtype)
+        buffer[index] = array
+        filled[leaf_path] = filled.get(leaf_path, 0) + 1
+        if filled[leaf_path] == int(np.prod(shape[: len(index)])):
+            placed[leaf_path] = jax.device_put(pending.pop(leaf_path))
+
+    report = load_checkpoint(path, config, put)
+    module_abstract = nnx.eval_shape(lambda: DeepseekV4(config, mtp=report.mtp_enabled))
+    graphdef, state = nnx.split(module_abstract)
+    flat = nnx.to_flat_state(state)
+    missing = [leaf_path for leaf_path, _ in flat if leaf_path not in placed]
+    if missing:  # load_checkpoint validated names, so this is a bug in the mapping
+        raise RuntimeError(f"parameters left unfilled after loading: {missing[:5]}")
+    for leaf_path, variable in flat:
+        variable.set_value(placed[leaf_path])
+    module = nnx.merge(graphdef, nnx.from_flat_state(flat))
+    return CausalLM(module, options, report.mtp_enabled)

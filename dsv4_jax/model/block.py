@@ -1,0 +1,60 @@
+"""A decoder block (spec 4.3): hc_pre -> attention -> hc_post, hc_pre -> MoE -> hc_post."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dsv4_jax.config import DeepseekV4Config
+from dsv4_jax.model.attention import Attention
+from dsv4_jax.model.attention_core import AttentionCore, dense_attention
+from dsv4_jax.model.hyper_connection import hc_post, hc_pre
+from dsv4_jax.model.layers import RMSNorm
+from dsv4_jax.model.moe import MoE
+from dsv4_jax.model.options import ForwardOptions
+
+
+class Block(nnx.Module):
+    def __init__(self, config: DeepseekV4Config, layer_type: str, ratio: int, hash_routed: bool):
+        c = config
+        self.config = c
+        n = c.hc_mult
+        self.attn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.attn = Attention(c, layer_type, ratio)
+        self.ffn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.ffn = MoE(c, hash_routed)
+        mix = (2 + n) * n
+        for site in ("attn", "ffn"):
+            setattr(self, f"hc_{site}_fn", nnx.Param(jnp.zeros((mix, n * c.hidden_size), jnp.float32)))
+            setattr(self, f"hc_{site}_base", nnx.Param(jnp.zeros((mix,), jnp.float32)))
+            setattr(self, f"hc_{site}_scale", nnx.Param(jnp.zeros((3,), jnp.float32)))
+
+    def _hc_pre(self, streams: jax.Array, site: str):
+        c = self.config
+        return hc_pre(
+            streams,
+            getattr(self, f"hc_{site}_fn")[...],
+            getattr(self, f"hc_{site}_base")[...],
+            getattr(self, f"hc_{site}_scale")[...],
+            norm_eps=c.rms_norm_eps,
+            hc_eps=c.hc_eps,
+            sinkhorn_iters=c.hc_sinkhorn_iters,
+        )
+
+    def __call__(
+        self,
+        streams: jax.Array,  # [batch, seq, hc_mult, hidden]
+        token_ids: jax.Array,  # [batch, seq]
+        cos: jax.Array,  # [seq, rope/2]
+        sin: jax.Array,
+        options: ForwardOptions,
+        core: AttentionCore = dense_attention,
+    ) -> jax.Array:
+        transpose = not options.ablations.untransposed_comb
+        x, post, comb = self._hc_pre(streams, "attn")
+        out = self.attn(self.attn_norm(x), cos, sin, options, core)
+        streams = hc_post(out, streams, post, comb, transpose_comb=transpose)
+        x, post, comb = self._hc_pre(streams, "ffn")
+        out = self.ffn(self.ffn_norm(x), token_ids, bias_in_weights=options.ablations.bias_in_weights)
+        return hc_post(out, streams, post, comb, transpose_comb=transpose)

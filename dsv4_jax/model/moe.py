@@ -1,0 +1,197 @@
+"""Mixture of experts (spec 5): sqrt-softplus router with a selection-only bias or hash
+routing, top-k renormalised weights x routed_scaling_factor, clamped SwiGLU experts and a
+shared expert.
+
+Routed experts run as a grouped matmul over (token, expert) pairs sorted by expert: each
+expert's rows are padded to a tile of `G` rows and each tile multiplies one expert's weights,
+dequantised from the checkpoint format only for the tiles that use it. FLOPs scale with
+tokens x top-k (plus at most one partial tile per used expert), not with the expert count.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dsv4_jax import weights as wfmt
+from dsv4_jax.config import DeepseekV4Config, num_blocks
+from dsv4_jax.model.layers import Linear
+
+# Tiles at most this many at a time through the experts (bounds the gathered-weight memory).
+_TILES_PER_STEP = 64
+
+
+class ExpertWeights(nnx.Module):
+    """One projection of all routed experts, stacked: weight [experts, out, in] as stored."""
+
+    def __init__(self, n_experts: int, in_features: int, out_features: int, config: DeepseekV4Config):
+        self.format = config.expert_dtype if config.quantized else None
+        if self.format == "fp4":
+            self.weight = nnx.Param(jnp.zeros((n_experts, out_features, in_features // 2), jnp.uint8))
+            self.scale = nnx.Param(jnp.zeros((n_experts, out_features, in_features // 32), jnp.uint8))
+        elif self.format == "fp8":
+            bo, bi = config.quantization.weight_block_size
+            self.block = (bo, bi)
+            scale_dtype = jnp.uint8 if config.quantization.scale_fmt == "ue8m0" else jnp.float32
+            self.weight = nnx.Param(jnp.zeros((n_experts, out_features, in_features), jnp.float8_e4m3fn))
+            self.scale = nnx.Param(
+                jnp.zeros((n_experts, num_blocks(out_features, bo), num_blocks(in_features, bi)), scale_dtype)
+            )
+        else:
+            self.weight = nnx.Param(jnp.zeros((n_experts, out_features, in_features), jnp.float32))
+
+    def gather(self, experts: jax.Array, dtype) -> jax.Array:
+        """Dequantised weights of the given experts. experts [n] -> [n, out, in]"""
+        w = self.weight[...][experts]
+        if self.format == "fp4":
+            return jax.vmap(lambda p, s: wfmt.dequantize_mxfp4(p, s, dtype))(w, self.scale[...][experts])
+        if self.format == "fp8":
+            return jax.vmap(lambda q, s: wfmt.dequantize_fp8_blocks(q, s, self.block, dtype))(
+                w, self.scale[...][experts]
+            )
+        return w.astype(dtype)
+
+
+def swiglu(gate: jax.Array, up: jax.Array, limit: float) -> jax.Array:
+    """silu(min(gate, L)) * clamp(up, -L, L); L = 0 means no clamp."""
+    if limit > 0:
+        gate = jnp.minimum(gate, limit)
+        up = jnp.clip(up, -limit, limit)
+    return jax.nn.silu(gate) * up
+
+
+class SharedExpert(nnx.Module):
+    def __init__(self, config: DeepseekV4Config):
+        width = config.n_shared_experts * config.moe_intermediate_size
+        self.w1 = Linear(config.hidden_size, width, config, quantized=True)
+        self.w2 = Linear(width, config.hidden_size, config, quantized=True)
+        self.w3 = Linear(config.hidden_size, width, config, quantized=True)
+        self.limit = config.swiglu_limit
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.w2(swiglu(self.w1(x), self.w3(x), self.limit))
+
+
+class Gate(nnx.Module):
+    def __init__(self, config: DeepseekV4Config, hash_routed: bool):
+        self.hash_routed = hash_routed
+        self.top_k, self.scoring = config.num_experts_per_tok, config.scoring_func
+        self.renormalize = config.norm_topk_prob or config.scoring_func != "softmax"
+        self.scaling = config.routed_scaling_factor
+        self.weight = nnx.Param(jnp.zeros((config.n_routed_experts, config.hidden_size), jnp.float32))
+        if hash_routed:
+            self.tid2eid = nnx.Param(jnp.zeros((config.vocab_size, config.num_experts_per_tok), jnp.int32))
+        elif config.topk_method == "noaux_tc":
+            self.bias = nnx.Param(jnp.zeros((config.n_routed_experts,), jnp.float32))
+
+    def __call__(
+        self, x: jax.Array, token_ids: jax.Array, *, bias_in_weights: bool = False
+    ) -> tuple[jax.Array, jax.Array]:
+        """x [tokens, hidden], token_ids [tokens] -> (experts [tokens, k] int32, weights [tokens, k] f32)"""
+        logits = jnp.einsum("td,ed->te", x.astype(jnp.float32), self.weight[...].astype(jnp.float32))
+        if self.scoring == "sqrtsoftplus":
+            scores = jnp.sqrt(jax.nn.softplus(logits))
+        elif self.scoring == "sigmoid":
+            scores = jax.nn.sigmoid(logits)
+        else:
+            scores = jax.nn.softmax(logits, axis=-1)
+        if self.hash_routed:
+            experts = self.tid2eid[...][token_ids].astype(jnp.int32)
+        else:
+            biased = scores + self.bias[...] if hasattr(self, "bias") else scores
+            _, experts = jax.lax.top_k(biased, self.top_k)  # the bias picks experts, never weighs them
+            if bias_in_weights and hasattr(self, "bias"):
+                scores = biased  # ablation only
+        weights = jnp.take_along_axis(scores, experts, axis=-1)
+        if self.renormalize:
+            weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+        return experts, weights * self.scaling
+
+
+class MoE(nnx.Module):
+    def __init__(self, config: DeepseekV4Config, hash_routed: bool):
+        c = config
+        self.n_experts, self.top_k, self.limit = c.n_routed_experts, c.num_experts_per_tok, c.swiglu_limit
+        self.gate = Gate(c, hash_routed)
+        self.experts = RoutedExperts(c)
+        self.shared_experts = SharedExpert(c)
+
+    def __call__(self, x: jax.Array, token_ids: jax.Array, *, bias_in_weights: bool = False) -> jax.Array:
+        """x [batch, seq, hidden] ffn_norm output, token_ids [batch, seq] -> [batch, seq, hidden]"""
+        batch, seq, hidden = x.shape
+        flat = x.reshape(-1, hidden)
+        experts, weights = self.gate(flat, token_ids.reshape(-1), bias_in_weights=bias_in_weights)
+        routed = self.experts(flat, experts, weights, self.limit)
+        shared = self.shared_experts(flat).astype(jnp.float32)
+        return (routed + shared).astype(x.dtype).reshape(batch, seq, hidden)
+
+
+class RoutedExperts(nnx.Module):
+    def __init__(self, config: DeepseekV4Config):
+        e, d, f = config.n_routed_experts, config.hidden_size, config.moe_intermediate_size
+        self.w1 = ExpertWeights(e, d, f, config)
+        self.w2 = ExpertWeights(e, f, d, config)
+        self.w3 = ExpertWeights(e, d, f, config)
+        self.n_experts = e
+
+    def __call__(
+        self,
+        x: jax.Array,  # [tokens, hidden]
+        experts: jax.Array,  # [tokens, k] int32
+        weights: jax.Array,  # [tokens, k] float32
+        limit: float,
+    ) -> jax.Array:  # [tokens, hidden] float32
+        tokens, k = experts.shape
+        pairs = tokens * k
+        tile = tile_rows(pairs)
+        n_tiles = pairs if tile == 1 else math.ceil(pairs / tile) + min(self.n_experts, pairs)
+        rows = n_tiles * tile
+
+        pair_expert = experts.reshape(-1)
+        order = jnp.argsort(pair_expert, stable=True)
+        sorted_expert = pair_expert[order]
+        sorted_token = order // k
+        sorted_weight = weights.reshape(-1)[order]
+        if tile == 1:
+            dest, tile_expert = jnp.arange(pairs), sorted_expert
+        else:
+            counts = jnp.bincount(pair_expert, length=self.n_experts)
+            padded = (counts + tile - 1) // tile * tile
+            start = jnp.cumsum(counts) - counts
+            padded_start = jnp.cumsum(padded) - padded
+            dest = padded_start[sorted_expert] + jnp.arange(pairs) - start[sorted_expert]
+            # Expert of each tile: the last expert whose padded group starts at or before it.
+            tile_start = jnp.arange(n_tiles) * tile
+            tile_expert = jnp.searchsorted(padded_start + padded, tile_start, side="right")
+            tile_expert = jnp.minimum(tile_expert, self.n_experts - 1).astype(jnp.int32)
+        row_token = jnp.zeros((rows,), jnp.int32).at[dest].set(sorted_token.astype(jnp.int32))
+        row_weight = jnp.zeros((rows,), jnp.float32).at[dest].set(sorted_weight)  # padding rows weigh 0
+        x_rows = x[row_token].reshape(n_tiles, tile, -1)
+        w_rows = row_weight.reshape(n_tiles, tile)
+        dtype = x.dtype
+
+        def run_tiles(args):
+            xt, wt, et = args  # [n, tile, hidden], [n, tile], [n]
+            g = jnp.einsum("ntd,nfd->ntf", xt, self.w1.gather(et, dtype))
+            u = jnp.einsum("ntd,nfd->ntf", xt, self.w3.gather(et, dtype))
+            h = (swiglu(g, u, limit).astype(jnp.float32) * wt[..., None]).astype(dtype)
+            return jnp.einsum("ntf,ndf->ntd", h, self.w2.gather(et, dtype)).astype(jnp.float32)
+
+        if n_tiles <= _TILES_PER_STEP:
+            y = run_tiles((x_rows, w_rows, tile_expert))
+        else:
+            y = jax.lax.map(
+                lambda a: run_tiles(jax.tree.map(lambda v: v[None], a))[0],
+                (x_rows, w_rows, tile_expert),
+                batch_size=_TILES_PER_STEP,
+            )
+        return jnp.zeros((tokens, x.shape[-1]), jnp.float32).at[row_token].add(y.reshape(rows, -1))
+
+
+def tile_rows(pairs: int) -> int:
+    """Rows per expert tile: one row per (token, expert) pair for decode-sized batches (no
+    padding at all), 64 for prefill where one weight fetch serves many rows."""
+    return 1 if pairs <= 512 else 64

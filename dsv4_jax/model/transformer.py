@@ -1,0 +1,204 @@
+"""The DeepSeek-V4 model: embedding, hc_mult residual streams, the decoder stack, hc_head,
+final norm and head (spec 2), plus the MTP block (spec 6).
+
+Layers whose kinds repeat (DeepSeek-V4-Flash: 20 (HCA, CSA) pairs) are stacked and run under
+`nnx.scan`, so compile time does not grow with depth.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dsv4_jax.config import SLIDING, DeepseekV4Config
+from dsv4_jax.model.attention_core import AttentionCore, dense_attention
+from dsv4_jax.model.block import Block
+from dsv4_jax.model.hyper_connection import hc_head
+from dsv4_jax.model.layers import Embedding, Linear, RMSNorm
+from dsv4_jax.model.options import ForwardOptions
+from dsv4_jax.model.rope import layer_frequencies, rope_angles
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerKind:
+    layer_type: str
+    ratio: int
+    hash_routed: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class Segment:
+    """Layers [first, first + period * count) as `count` repetitions of `period` kinds."""
+
+    first: int
+    kinds: tuple[LayerKind, ...]
+    count: int
+
+    @property
+    def period(self) -> int:
+        return len(self.kinds)
+
+    def layer(self, repetition: int, position: int) -> int:
+        return self.first + repetition * self.period + position
+
+
+def layer_kinds(config: DeepseekV4Config) -> list[LayerKind]:
+    return [
+        LayerKind(config.layer_type(i), config.compress_ratio(i), config.is_hash_layer(i))
+        for i in range(config.num_hidden_layers)
+    ]
+
+
+def plan_segments(kinds: list[LayerKind]) -> list[Segment]:
+    """Greedy split of the layer list into stacked runs (period 2 or 1, >= 2 repetitions)
+    and single layers."""
+    segments, i = [], 0
+    while i < len(kinds):
+        for period in (2, 1):
+            unit = tuple(kinds[i : i + period])
+            count = 0
+            while tuple(kinds[i + count * period : i + (count + 1) * period]) == unit and len(unit) == period:
+                count += 1
+            if count >= 2:
+                segments.append(Segment(i, unit, count))
+                i += period * count
+                break
+        else:
+            segments.append(Segment(i, (kinds[i],), 1))
+            i += 1
+    return segments
+
+
+class BlockStack(nnx.Module):
+    """`count` repetitions of a unit of blocks, parameters stacked on a leading axis."""
+
+    def __init__(self, config: DeepseekV4Config, segment: Segment):
+        self.segment = segment
+
+        def make_unit(_):
+            return nnx.List([Block(config, k.layer_type, k.ratio, k.hash_routed) for k in segment.kinds])
+
+        self.units = nnx.vmap(make_unit, in_axes=0, out_axes=0)(jnp.arange(segment.count))
+
+    def __call__(self, streams, token_ids, tables, options, core):
+        kinds = self.segment.kinds
+
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+        def run(x, unit):
+            for block, kind in zip(unit, kinds):
+                cos, sin = tables[kind.layer_type != SLIDING]
+                x = block(x, token_ids, cos, sin, options, core)
+            return x
+
+        return run(streams, self.units)
+
+
+class MTPBlock(Block):
+    """The multi-token-prediction block: a sliding, top-k routed block whose input mixes the
+    main model's pre-hc_head streams with the next token's embedding; its own hc_head and norm,
+    the main model's embedding and head."""
+
+    def __init__(self, config: DeepseekV4Config):
+        super().__init__(config, SLIDING, 0, hash_routed=False)
+        c, n = config, config.hc_mult
+        self.e_proj = Linear(c.hidden_size, c.hidden_size, c, quantized=True)
+        self.h_proj = Linear(c.hidden_size, c.hidden_size, c, quantized=True)
+        self.enorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.hnorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.hc_head_fn = nnx.Param(jnp.zeros((n, n * c.hidden_size), jnp.float32))
+        self.hc_head_base = nnx.Param(jnp.zeros((n,), jnp.float32))
+        self.hc_head_scale = nnx.Param(jnp.zeros((1,), jnp.float32))
+
+
+class DeepseekV4(nnx.Module):
+    def __init__(self, config: DeepseekV4Config, mtp: bool = True):
+        c = self.config = config
+        n = c.hc_mult
+        self.embed = Embedding(c.vocab_size, c.hidden_size)
+        self.segments_plan = plan_segments(layer_kinds(c))
+        self.segments = nnx.List(
+            [
+                BlockStack(c, s) if s.count > 1 else Block(c, *dataclasses.astuple(s.kinds[0]))
+                for s in self.segments_plan
+            ]
+        )
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.head = Linear(c.hidden_size, c.vocab_size, c, quantized=False)
+        self.hc_head_fn = nnx.Param(jnp.zeros((n, n * c.hidden_size), jnp.float32))
+        self.hc_head_base = nnx.Param(jnp.zeros((n,), jnp.float32))
+        self.hc_head_scale = nnx.Param(jnp.zeros((1,), jnp.float32))
+        self.mtp = nnx.List([MTPBlock(c) for _ in range(c.num_nextn_predict_layers if mtp else 0)])
+
+    # ---- pieces -------------------------------------------------------------------------
+    def rope_tables(self, seq: int, options: ForwardOptions) -> tuple[tuple[jax.Array, jax.Array], ...]:
+        """(main table, compress table) at positions 0..seq-1, each [seq, rope/2]."""
+        c = self.config
+        positions = jnp.arange(seq)
+        sliding_layer = c.num_hidden_layers  # the MTP layer index is always sliding
+        compressed_layers = [i for i in range(c.num_hidden_layers) if c.compress_ratio(i)]
+        main = layer_frequencies(c, sliding_layer)
+        compress = (
+            layer_frequencies(c, compressed_layers[0], yarn_enabled=not options.ablations.no_yarn)
+            if compressed_layers
+            else main
+        )
+        return rope_angles(positions, jnp.asarray(main)), rope_angles(positions, jnp.asarray(compress))
+
+    def hidden_streams(
+        self,
+        token_ids: jax.Array,  # [batch, seq] int32, already checked against the vocabulary
+        options: ForwardOptions,
+        core: AttentionCore = dense_attention,
+    ) -> jax.Array:  # [batch, seq, hc_mult, hidden]: the streams before hc_head
+        dtype = options.jnp_dtype
+        x = self.embed(token_ids, dtype)
+        streams = jnp.broadcast_to(x[:, :, None, :], (*x.shape[:2], self.config.hc_mult, x.shape[-1]))
+        tables = self.rope_tables(token_ids.shape[1], options)
+        for plan, segment in zip(self.segments_plan, self.segments):
+            if plan.count > 1:
+                streams = segment(streams, token_ids, tables, options, core)
+            else:
+                cos, sin = tables[plan.kinds[0].layer_type != SLIDING]
+                streams = segment(streams, token_ids, cos, sin, options, core)
+        return streams
+
+    def logits_from_streams(self, streams: jax.Array, owner: "DeepseekV4 | MTPBlock") -> jax.Array:
+        c = self.config
+        h = hc_head(
+            streams, owner.hc_head_fn[...], owner.hc_head_base[...], owner.hc_head_scale[...],
+            norm_eps=c.rms_norm_eps, hc_eps=c.hc_eps,
+        )
+        h = owner.norm(h)
+        return self.head(h.astype(jnp.float32), jnp.float32)  # logits in fp32
+
+    def __call__(self, token_ids: jax.Array, options: ForwardOptions = ForwardOptions()) -> jax.Array:
+        """[batch, seq] int32 -> logits [batch, seq, vocab] float32 (full sequence, no cache)."""
+        return self.logits_from_streams(self.hidden_streams(token_ids, options), self)
+
+    def mtp_logits(
+        self,
+        streams: jax.Array,  # [batch, seq, hc_mult, hidden] main-model streams at positions t
+        next_ids: jax.Array,  # [batch, seq] the token at t + 1 for each position t
+        options: ForwardOptions = ForwardOptions(),
+        depth: int = 0,
+        core: AttentionCore = dense_attention,
+    ) -> jax.Array:  # [batch, seq, vocab] float32: predictions of the token at t + 2
+        mtp = self.mtp[depth]
+        dtype = options.jnp_dtype
+        e = mtp.enorm(self.embed(next_ids, dtype))
+        h = mtp.h_proj(mtp.hnorm(streams.astype(dtype))) + mtp.e_proj(e)[:, :, None, :]
+        main_table, _ = self.rope_tables(next_ids.shape[1], options)
+        h = mtp(h, next_ids, *main_table, options, core)
+        return self.logits_from_streams(h, mtp)
+
+
+def check_token_ids(token_ids: np.ndarray, vocab_size: int) -> None:
+    """JAX clamps out-of-range gathers silently, so ids are checked on the host."""
+    if token_ids.size and (token_ids.min() < 0 or token_ids.max() >= vocab_size):
+        bad = token_ids[(token_ids < 0) | (token_ids >= vocab_size)]
+        raise ValueError(f"token ids must be in [0, {vocab_size}); got {sorted(set(bad.tolist()))[:8]}")
