@@ -119,14 +119,18 @@ def load_model(
     dtype: str = "float32",
     *,
     kv_cache_rounding: bool = False,
+    stack_layers: bool = True,
 ) -> CausalLM:
-    """Load a DeepSeek-V4 checkpoint directory (DeepSeek's names, or transformers' saved ones)."""
+    """Load a DeepSeek-V4 checkpoint directory (DeepSeek's names, or transformers' saved ones).
+
+    `dtype` is the compute dtype of activations and dequantised weights; `kv_cache_rounding`
+    rounds KV as the fp8 caches store it; `stack_layers=False` runs every layer unrolled."""
     from dsv4_jax.checkpoint import load_checkpoint
 
     options = ForwardOptions(dtype=dtype, kv_cache_rounding=kv_cache_rounding)
     path = Path(path)
     config = DeepseekV4Config.from_json(path)
-    full = nnx.eval_shape(lambda: DeepseekV4(config, mtp=True))
+    full = nnx.eval_shape(lambda: DeepseekV4(config, mtp=True, stack_layers=stack_layers))
     segments = full.segments_plan
     _, abstract = nnx.split(full)
 
@@ -157,7 +161,7 @@ def load_model(
             placed[leaf_path] = jax.device_put(pending.pop(leaf_path))
 
     report = load_checkpoint(path, config, put)
-    module_abstract = nnx.eval_shape(lambda: DeepseekV4(config, mtp=report.mtp_enabled))
+    module_abstract = nnx.eval_shape(lambda: DeepseekV4(config, mtp=report.mtp_enabled, stack_layers=stack_layers))
     graphdef, state = nnx.split(module_abstract)
     flat = nnx.to_flat_state(state)
     missing = [leaf_path for leaf_path, _ in flat if leaf_path not in placed]

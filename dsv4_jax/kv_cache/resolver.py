@@ -1,0 +1,437 @@
+"""KV-cache dtype and attention-backend resolution (spec section 8; policy in docs/kv_cache.md).
+
+`resolve_kv_cache` never fails on `auto`: it picks the format the device can run fast, says why
+in `KVCacheSpec.reason`, and logs the choice. Explicit requests the device or the chosen backend
+cannot serve are `ValueError`s that name the flag to change (`--kv-cache-dtype`,
+`--attention-backend`) and the way out. Nothing here touches a device unless
+`compute_capability` is None and the device kind is missing from our own table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import re
+from typing import TYPE_CHECKING, Any
+
+from dsv4_jax.config import DeepseekV4Config
+from dsv4_jax.presets import get_config
+from pallas_kernels.formats import (
+    bf16_bytes_per_token,
+    fp8_ds_mla_bytes_per_token,
+    indexer_bf16_bytes_per_entry,
+    indexer_fp8_bytes_per_entry,
+)
+
+if TYPE_CHECKING:  # pragma: no cover
+    import jax
+
+logger = logging.getLogger(__name__)
+
+FP8_DS_MLA_LOG = "Using DeepSeek's fp8_ds_mla KV cache format."
+
+FP8_DS_MLA = "fp8_ds_mla"
+BFLOAT16 = "bfloat16"
+KV_CACHE_DTYPES = (FP8_DS_MLA, BFLOAT16)
+
+PALLAS_FP8_DS_MLA = "pallas_fp8_ds_mla"
+PALLAS_BF16 = "pallas_bf16"
+XLA = "xla"
+ATTENTION_BACKENDS = (PALLAS_FP8_DS_MLA, PALLAS_BF16, XLA)
+
+AUTO = "auto"
+FP8_REQUESTS = ("fp8", "fp8_e4m3", "fp8_ds_mla")
+BF16_REQUESTS = ("bfloat16", "bf16")
+ACCEPTED_REQUESTS = (AUTO, *FP8_REQUESTS, *BF16_REQUESTS)
+
+# Device classes of the policy table in docs/kv_cache.md.
+FP8_GPU = "fp8_gpu"  # compute capability >= 8.9: Ada, Hopper, Blackwell (SM100/103/120/121)
+BF16_GPU = "bf16_gpu"  # 8.0 <= cc < 8.9: Ampere; Triton has no fp8 there
+LEGACY_GPU = "legacy_gpu"  # cc < 8.0: Turing, Volta, Pascal
+CPU = "cpu"
+TPU = "tpu"
+DEVICE_CLASSES = (FP8_GPU, BF16_GPU, LEGACY_GPU, CPU, TPU)
+
+# Our own table of NVIDIA device kinds (jax's lacks H20, H800, L40S, RTX 5090 and more). Matched
+# in order, case-insensitively, with `re.search` against what `jax.Device.device_kind` reports
+# (e.g. "NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB", "NVIDIA GeForce RTX 5090").
+DEVICE_KIND_CAPABILITIES: tuple[tuple[str, str], ...] = (
+    (r"\bGB10\b", "12.1"),  # DGX Spark
+    (r"\bG?B300\b", "10.3"),
+    (r"\bG?B200\b|\bB100\b", "10.0"),
+    (r"\bRTX PRO \d+ Blackwell\b|\bRTX 50\d0\b", "12.0"),
+    (r"\bG?H(?:100|200|800|20)\b", "9.0"),
+    (r"\bL40S?\b|\bL4\b|\bL20\b|\bRTX 40\d0\b|\bRTX \d+ Ada\b", "8.9"),
+    (r"\bA100\b|\bA800\b|\bA30\b", "8.0"),
+    (r"\bA10G?\b|\bA40\b|\bA16\b|\bA2\b|\bRTX 30\d0\b|\bRTX A\d+\b", "8.6"),
+    (r"\bT4\b|\bRTX 20\d0\b|\bQuadro RTX\b|\bTITAN RTX\b", "7.5"),
+    (r"\bV100\b|\bTITAN V\b", "7.0"),
+    (r"\bP100\b", "6.0"),
+    (r"\bP40\b|\bP4\b", "6.1"),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolBytes:
+    """Bytes of one unit of each cache pool, per layer (sizes of the planes, no padding)."""
+
+    sliding_per_token: int  # window KV, every attention layer
+    csa_per_entry: int  # compressed KV entry of a CSA layer (one per `ratio` tokens)
+    hca_per_entry: int  # compressed KV entry of an HCA layer
+    indexer_per_entry: int  # indexer key of a CSA layer (one per CSA entry)
+    csa_state_per_seq: int  # fp32 compressor state of a CSA layer's main compressor, one slot
+    csa_indexer_state_per_seq: int  # fp32 state of a CSA layer's indexer compressor, one slot
+    hca_state_per_seq: int  # fp32 compressor state of an HCA layer, one slot
+
+    def as_dict(self) -> dict[str, int]:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class KVCacheSpec:
+    """What the server stores and runs: the resolved KV format, backend and pool sizes."""
+
+    requested: str  # the request as given (lower case), e.g. "auto"
+    kv_cache_dtype: str  # "fp8_ds_mla" | "bfloat16"
+    attention_backend: str  # "pallas_fp8_ds_mla" | "pallas_bf16" | "xla"
+    indexer_dtype: str  # "fp8" | "bfloat16"
+    device_kind: str
+    device_class: str  # one of DEVICE_CLASSES
+    compute_capability: str | None  # "9.0"; None on CPU/TPU
+    bytes_per_token: int  # main/sliding KV bytes per token
+    pool_bytes: PoolBytes
+    reason: str  # one line: why this format and backend
+    warnings: tuple[str, ...] = ()
+    head_dim: int = 512
+    rope_dim: int = 64
+    index_head_dim: int = 128
+
+    @property
+    def emulated(self) -> bool:
+        """fp8_ds_mla read through XLA ops (or Pallas interpret mode) rather than a GPU kernel."""
+        return self.kv_cache_dtype == FP8_DS_MLA and self.attention_backend != PALLAS_FP8_DS_MLA
+
+    def summary(self) -> str:
+        """The one line logged at start-up and reported by the server."""
+        cc = f" (compute capability {self.compute_capability})" if self.compute_capability else ""
+        p = self.pool_bytes
+        return (
+            f"KV cache: {self.kv_cache_dtype} on {self.attention_backend} for {self.device_kind}{cc}, "
+            f"requested {self.requested!r}; indexer keys {self.indexer_dtype}; bytes: sliding "
+            f"{p.sliding_per_token}/token, CSA {p.csa_per_entry}/entry, HCA {p.hca_per_entry}/entry, "
+            f"indexer {p.indexer_per_entry}/entry, compressor state {p.csa_state_per_seq}+"
+            f"{p.csa_indexer_state_per_seq} (CSA) {p.hca_state_per_seq} (HCA)/sequence/layer. {self.reason}"
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["warnings"] = list(self.warnings)
+        return out
+
+
+# ---- device classification -------------------------------------------------------------------
+def parse_compute_capability(value: Any) -> tuple[int, int]:
+    """'9.0', '9', 9.0, (9, 0), 'sm_90', 'sm90', 'sm_120a' -> (major, minor)."""
+    if isinstance(value, tuple) and len(value) == 2 and all(isinstance(v, int) for v in value):
+        return value
+    text = str(value).strip().lower()
+    m = re.fullmatch(r"(\d+)(?:\.(\d+))?", text)
+    if m:
+        return int(m.group(1)), int(m.group(2) or 0)
+    m = re.fullmatch(r"sm_?(\d+?)(\d)[af]?", text)
+    if m:
+        return int(m.group(1)), int(m.group(2))
+    raise ValueError(f"cannot read compute capability {value!r}: expected e.g. '9.0', '8.6' or 'sm_90'")
+
+
+def lookup_compute_capability(device_kind: str) -> str | None:
+    """Compute capability of an NVIDIA device kind from our table, or None if unknown."""
+    for pattern, cc in DEVICE_KIND_CAPABILITIES:
+        if re.search(pattern, device_kind, flags=re.IGNORECASE):
+            return cc
+    return None
+
+
+def _live_compute_capability(device_kind: str) -> str | None:
+    """The compute capability of a live JAX device of this kind, if one is attached."""
+    try:
+        import jax  # local: no device is touched at import
+
+        for dev in jax.devices():
+            if dev.device_kind == device_kind and getattr(dev, "compute_capability", None):
+                return str(dev.compute_capability)
+    except Exception:  # no backend, or a plugin that fails to initialise: fall through
+        return None
+    return None
+
+
+def classify_device(
+    device_kind: str, compute_capability: Any = None, *, trust_capability: bool = True
+) -> tuple[str, str | None]:
+    """(device class, normalised compute capability or None) for the policy table.
+
+    With `trust_capability=False` a device kind found in our table keeps the table's compute
+    capability when the given one disagrees (`resolve_kv_cache`'s default "9.0" belongs to its
+    default "NVIDIA H200" and must not turn an A100 into an fp8 device)."""
+    if not isinstance(device_kind, str) or not device_kind.strip():
+        raise ValueError(f"device_kind must be a non-empty string such as 'NVIDIA H200' or 'cpu', got {device_kind!r}")
+    kind = device_kind.strip()
+    if kind.lower() == "cpu":
+        return CPU, None
+    if kind.lower().startswith("tpu"):
+        return TPU, None
+    known = lookup_compute_capability(kind)
+    cc = compute_capability
+    if cc is not None and known is not None and not trust_capability:
+        if parse_compute_capability(cc) != parse_compute_capability(known):
+            logger.warning(
+                "compute capability %s given for %r disagrees with its known %s; using %s", cc, kind, known, known
+            )
+            cc = known
+    if cc is None:
+        cc = known or _live_compute_capability(kind)
+    if cc is None:
+        raise ValueError(
+            f"unknown device kind {kind!r} and no compute capability: pass compute_capability "
+            f"(e.g. '9.0'), or run on the device so it can be read from JAX"
+        )
+    major, minor = parse_compute_capability(cc)
+    text = f"{major}.{minor}"
+    if (major, minor) >= (8, 9):
+        return FP8_GPU, text
+    if (major, minor) >= (8, 0):
+        return BF16_GPU, text
+    return LEGACY_GPU, text
+
+
+# ---- pool sizes ------------------------------------------------------------------------------
+def compressor_state_bytes(ratio: int, head_dim: int, overlap: bool) -> int:
+    """fp32 kv_state + score_state of one compressor for one sequence: 2 * (c*r) * (c*d) * 4."""
+    c = 2 if overlap else 1
+    return 2 * (c * ratio) * (c * head_dim) * 4
+
+
+def pool_bytes(config: DeepseekV4Config, kv_cache_dtype: str, indexer_dtype: str) -> PoolBytes:
+    if kv_cache_dtype == FP8_DS_MLA:
+        per_token = fp8_ds_mla_bytes_per_token(config.head_dim, config.qk_rope_head_dim)
+    else:
+        per_token = bf16_bytes_per_token(config.head_dim)
+    if indexer_dtype == "fp8":
+        indexer = indexer_fp8_bytes_per_entry(config.index_head_dim)
+    else:
+        indexer = indexer_bf16_bytes_per_entry(config.index_head_dim)
+    ratios = [config.compress_ratio(i) for i in range(config.num_hidden_layers)]
+    hca = [r for r in ratios if r and r != config.csa_compress_ratio]
+    hca_ratio = max(hca) if hca else 128
+    csa = config.csa_compress_ratio
+    return PoolBytes(
+        sliding_per_token=per_token,
+        csa_per_entry=per_token,
+        hca_per_entry=per_token,
+        indexer_per_entry=indexer,
+        csa_state_per_seq=compressor_state_bytes(csa, config.head_dim, overlap=True),
+        csa_indexer_state_per_seq=compressor_state_bytes(csa, config.index_head_dim, overlap=True),
+        hca_state_per_seq=compressor_state_bytes(hca_ratio, config.head_dim, overlap=False),
+    )
+
+
+# ---- the policy --------------------------------------------------------------------------------
+def _normalise_request(requested: Any) -> str:
+    if requested is None:
+        return AUTO
+    if isinstance(requested, str) and requested.strip().lower() in ACCEPTED_REQUESTS:
+        return requested.strip().lower()
+    raise ValueError(
+        f"--kv-cache-dtype {requested!r} is not supported for DeepSeek-V4; accepted values: "
+        f"{', '.join(ACCEPTED_REQUESTS)} (auto picks fp8_ds_mla where the GPU has fp8, else bfloat16)"
+    )
+
+
+def _normalise_backend(backend: Any) -> str | None:
+    if backend is None:
+        return None
+    if isinstance(backend, str) and backend.strip().lower() in ATTENTION_BACKENDS:
+        return backend.strip().lower()
+    raise ValueError(
+        f"--attention-backend {backend!r} is not a DeepSeek-V4 attention backend; accepted values: "
+        f"{', '.join(ATTENTION_BACKENDS)} (or leave it unset to choose by device)"
+    )
+
+
+def _policy(
+    device_class: str, request: str, backend: str | None, where: str
+) -> tuple[str, str, str, tuple[str, ...]]:
+    """(kv dtype, backend, reason, warnings); raises ValueError for impossible combinations.
+
+    This is the table of docs/kv_cache.md (tests/test_kv_resolver.py checks the two agree)."""
+    fp8 = request in FP8_REQUESTS
+    bf16 = request in BF16_REQUESTS
+    warnings: list[str] = []
+    gpu = device_class in (FP8_GPU, BF16_GPU, LEGACY_GPU)
+
+    # 1. Backends the device cannot run at all.
+    if backend in (PALLAS_FP8_DS_MLA, PALLAS_BF16):
+        if device_class == TPU:
+            raise ValueError(
+                f"--attention-backend {backend} runs Pallas Triton kernels (NVIDIA GPUs) and cannot run on "
+                f"{where}; pass --attention-backend xla or leave it unset"
+            )
+        if device_class == LEGACY_GPU:
+            raise ValueError(
+                f"--attention-backend {backend} needs compute capability >= 8.0 (Triton bf16/fp8); {where} "
+                f"is older; pass --attention-backend xla or leave it unset"
+            )
+        if device_class == BF16_GPU and backend == PALLAS_FP8_DS_MLA:
+            raise ValueError(
+                f"--attention-backend pallas_fp8_ds_mla needs fp8 in Triton (compute capability >= 8.9); "
+                f"{where} has none; pass --attention-backend pallas_bf16 (bfloat16 KV), or "
+                f"--attention-backend xla --kv-cache-dtype fp8 to emulate fp8 slowly"
+            )
+
+    # 2. The backend: explicit, or the device's default for this request.
+    if backend is None:
+        if device_class == FP8_GPU:
+            backend = PALLAS_BF16 if bf16 else PALLAS_FP8_DS_MLA
+        elif device_class == BF16_GPU:
+            if fp8:
+                raise ValueError(
+                    f"--kv-cache-dtype {request} needs fp8 support (compute capability >= 8.9) and {where} has "
+                    f"none in Triton; pass --kv-cache-dtype bfloat16 (or auto), or --attention-backend xla "
+                    f"to emulate fp8 slowly"
+                )
+            backend = PALLAS_BF16
+        else:
+            backend = XLA
+
+    # 3. The dtype the backend reads.
+    if backend == PALLAS_FP8_DS_MLA:
+        if bf16:
+            raise ValueError(
+                f"--attention-backend pallas_fp8_ds_mla reads only the fp8_ds_mla KV cache, but "
+                f"--kv-cache-dtype {request} was given; pass --kv-cache-dtype fp8 (or auto), or "
+                f"--attention-backend pallas_bf16 for a bfloat16 cache"
+            )
+        dtype = FP8_DS_MLA
+    elif backend == PALLAS_BF16:
+        if fp8:
+            raise ValueError(
+                f"--attention-backend pallas_bf16 reads only a bfloat16 KV cache, but --kv-cache-dtype "
+                f"{request} was given; pass --kv-cache-dtype bfloat16 (or auto), or --attention-backend "
+                + ("pallas_fp8_ds_mla for fp8_ds_mla" if device_class in (FP8_GPU, CPU) else "xla to emulate fp8")
+            )
+        dtype = BFLOAT16
+    else:  # XLA: bf16 unless fp8 was asked for
+        dtype = FP8_DS_MLA if fp8 else BFLOAT16
+
+    # 4. Reason and warnings.
+    if device_class == FP8_GPU and backend == PALLAS_FP8_DS_MLA:
+        reason = f"{where} has fp8 (compute capability >= 8.9), so the KV cache is fp8_ds_mla"
+    elif device_class == FP8_GPU and backend == PALLAS_BF16 and bf16:
+        reason = (
+            f"--kv-cache-dtype {request} asks for bfloat16 on {where}, so the pallas_bf16 backend reads plain bf16 "
+            f"rows (about 1.75x the memory of fp8_ds_mla; --kv-cache-dtype auto would pick fp8_ds_mla)"
+        )
+    elif device_class == BF16_GPU and backend == PALLAS_BF16:
+        reason = f"{where} has no fp8 in Triton (compute capability < 8.9), so the KV cache is bfloat16"
+    elif device_class == CPU:
+        reason = f"CPU: {dtype} KV cache on the {backend} backend" + (
+            " (fp8 emulated in XLA ops)" if dtype == FP8_DS_MLA and backend == XLA else ""
+        ) + (" (Pallas interpret mode, slow)" if backend != XLA else "")
+    elif device_class == TPU:
+        reason = f"{where}: the Pallas kernels target NVIDIA GPUs, so {dtype} KV cache on the xla backend" + (
+            " (fp8 emulated)" if dtype == FP8_DS_MLA else ""
+        )
+    else:
+        reason = f"{where}: {dtype} KV cache on the {backend} backend" + (
+            f" (--kv-cache-dtype {request})" if request != AUTO else " (auto)"
+        )
+
+    if device_class == LEGACY_GPU:
+        warnings.append(
+            f"{where} is unsupported for speed (compute capability < 8.0): attention runs on the xla backend "
+            f"without Pallas kernels"
+        )
+    elif gpu and backend == XLA:
+        warnings.append(
+            f"--attention-backend xla on {where} runs attention as plain XLA ops (slow)"
+            + ("; fp8_ds_mla is dequantised in XLA" if dtype == FP8_DS_MLA else "")
+        )
+    return dtype, backend, reason, tuple(warnings)
+
+
+def resolve_kv_cache(
+    requested: str | None,
+    device_kind: str = "NVIDIA H200",
+    compute_capability: str | None = "9.0",
+    attention_backend: str | None = None,
+    config: DeepseekV4Config | str | None = None,
+) -> KVCacheSpec:
+    """Resolve `--kv-cache-dtype` (and `--attention-backend`) for a device (policy: docs/kv_cache.md).
+
+    Args:
+      requested: auto, fp8, fp8_e4m3, fp8_ds_mla, bfloat16 or bf16 (None means auto).
+      device_kind: `jax.Device.device_kind`, e.g. "NVIDIA H200", "NVIDIA GeForce RTX 5090", "cpu".
+      compute_capability: e.g. "9.0". None reads it from our device-kind table or a live JAX device.
+        For a device kind our table knows, the table wins when the two disagree (with a warning),
+        so that the default "9.0" never makes e.g. an A100 an fp8 device; `resolve_for_device`
+        passes the live device's own value, which always wins.
+      attention_backend: pallas_fp8_ds_mla, pallas_bf16, xla, or None to choose by device.
+      config: model config or preset name; None means DeepSeek-V4-Flash dimensions.
+    """
+    return _resolve(requested, device_kind, compute_capability, attention_backend, config, trust_capability=False)
+
+
+def resolve_for_device(
+    requested: str | None,
+    device: "jax.Device",
+    attention_backend: str | None = None,
+    config: DeepseekV4Config | str | None = None,
+) -> KVCacheSpec:
+    """`resolve_kv_cache` for a live `jax.Device` (kind and compute capability read from it)."""
+    kind = device.device_kind
+    cc = getattr(device, "compute_capability", None)
+    if device.platform == "cpu":
+        kind, cc = "cpu", None
+    elif device.platform == "tpu" and not kind.lower().startswith("tpu"):
+        kind = f"TPU {kind}"
+    return _resolve(
+        requested, kind, None if cc is None else str(cc), attention_backend, config, trust_capability=True
+    )
+
+
+def _resolve(
+    requested: Any, device_kind: str, compute_capability: Any, attention_backend: Any, config: Any,
+    *, trust_capability: bool,
+) -> KVCacheSpec:
+    request = _normalise_request(requested)
+    backend = _normalise_backend(attention_backend)
+    device_class, cc = classify_device(device_kind, compute_capability, trust_capability=trust_capability)
+    kind = device_kind.strip()
+    where = f"{kind} (compute capability {cc})" if cc else kind
+    dtype, backend, reason, warnings = _policy(device_class, request, backend, where)
+
+    cfg = get_config("dsv4-flash" if config is None else config)
+    indexer_dtype = "fp8" if device_class == FP8_GPU or dtype == FP8_DS_MLA else "bfloat16"
+    pools = pool_bytes(cfg, dtype, indexer_dtype)
+    spec = KVCacheSpec(
+        requested=request,
+        kv_cache_dtype=dtype,
+        attention_backend=backend,
+        indexer_dtype=indexer_dtype,
+        device_kind=kind,
+        device_class=device_class,
+        compute_capability=cc,
+        bytes_per_token=pools.sliding_per_token,
+        pool_bytes=pools,
+        reason=reason,
+        warnings=warnings,
+        head_dim=cfg.head_dim,
+        rope_dim=cfg.qk_rope_head_dim,
+        index_head_dim=cfg.index_head_dim,
+    )
+    if dtype == FP8_DS_MLA:
+        logger.info(FP8_DS_MLA_LOG)
+    logger.info("%s", reason)
+    for message in warnings:
+        logger.warning("%s", message)
+    return spec

@@ -1,0 +1,234 @@
+"""DeepSeek-V4 prompt encoder: golden prompts, format details, and properties of assistant turns."""
+
+import json
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dsv4_jax.chat import encode_messages, parse_completion
+from dsv4_jax.chat_parser import ChatStreamParser, MessageBuilder
+
+GOLDEN = Path(__file__).resolve().parents[2] / "shared/golden/dsv4_chat_vectors.jsonl"
+ROWS = [json.loads(line) for line in GOLDEN.read_text(encoding="utf-8").splitlines() if line.strip()]
+ENCODE_ROWS = [row for row in ROWS if row["kind"] == "encode"]
+
+BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
+SPECIAL_TEXTS = (BOS, EOS, "<think>", "</think>", "｜DSML｜")
+PROPERTY_SETTINGS = settings(max_examples=50, deadline=None)
+
+
+@pytest.mark.parametrize("row", ENCODE_ROWS, ids=[row["name"] for row in ENCODE_ROWS])
+def test_golden_prompt(row):
+    prompt = encode_messages(
+        row["messages"],
+        thinking_mode=row["thinking_mode"],
+        drop_thinking=row["drop_thinking"],
+        reasoning_effort=row["reasoning_effort"],
+    )
+    assert prompt == row["prompt"]
+
+
+def test_golden_rows_cover_the_format():
+    # Guards against a truncated golden file silently shrinking the checks above.
+    assert len(ENCODE_ROWS) >= 30 and len(ROWS) - len(ENCODE_ROWS) >= 6
+
+
+def test_package_never_reads_golden_files():
+    package = Path(__file__).resolve().parents[1] / "dsv4_jax"
+    for name in ("chat.py", "chat_parser.py", "chat_request.py"):
+        source = (package / name).read_text(encoding="utf-8")
+        assert "shared/golden" not in source and ".jsonl" not in source
+
+
+def test_simplest_prompts():
+    hi = [{"role": "user", "content": "Hi"}]
+    assert encode_messages(hi, "chat") == f"{BOS}<｜User｜>Hi<｜Assistant｜></think>"
+    assert encode_messages(hi, "thinking") == f"{BOS}<｜User｜>Hi<｜Assistant｜><think>"
+    assert encode_messages([], "thinking", reasoning_effort="max") == BOS
+
+
+def test_high_effort_adds_nothing_and_max_needs_thinking():
+    hi = [{"role": "user", "content": "Hi"}]
+    assert encode_messages(hi, "thinking", reasoning_effort="high") == encode_messages(hi, "thinking")
+    assert encode_messages(hi, "chat", reasoning_effort="max") == encode_messages(hi, "chat")
+
+
+def test_tool_results_follow_call_order_and_merge_with_user_text():
+    messages = [
+        {"role": "user", "content": "go"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {"id": "x", "type": "function", "function": {"name": "f", "arguments": "{}"}},
+                {"id": "y", "type": "function", "function": {"name": "g", "arguments": {"a": 1}}},
+            ],
+        },
+        {"role": "tool", "tool_call_id": "y", "content": "Y"},
+        {"role": "tool", "tool_call_id": "x", "content": [{"type": "text", "text": "X"}]},
+        {"role": "user", "content": "and?"},
+    ]
+    prompt = encode_messages(messages, "chat")
+    assert prompt.endswith(
+        "<｜User｜><tool_result>X</tool_result>\n\n<tool_result>Y</tool_result>\n\nand?<｜Assistant｜></think>"
+    )
+    assert '<｜DSML｜invoke name="f">\n\n</｜DSML｜invoke>' in prompt
+    assert '<｜DSML｜parameter name="a" string="false">1</｜DSML｜parameter>' in prompt
+
+
+def test_consecutive_user_messages_join_with_a_blank_line():
+    messages = [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]
+    assert encode_messages(messages, "chat") == f"{BOS}<｜User｜>a\n\nb<｜Assistant｜></think>"
+
+
+def test_dropped_thinking_drops_earlier_developer_turns_and_reasoning():
+    messages = [
+        {"role": "developer", "content": "Be brief."},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello", "reasoning_content": "greet"},
+        {"role": "user", "content": "Bye"},
+    ]
+    dropped = encode_messages(messages, "thinking", drop_thinking=True)
+    assert dropped == f"{BOS}<｜User｜>Hi<｜Assistant｜></think>Hello{EOS}<｜User｜>Bye<｜Assistant｜><think>"
+    kept = encode_messages(messages, "thinking", drop_thinking=False)
+    assert kept == (
+        f"{BOS}<｜User｜>Be brief.<｜User｜>Hi<｜Assistant｜><think>greet</think>Hello{EOS}"
+        "<｜User｜>Bye<｜Assistant｜><think>"
+    )
+
+
+def test_latest_reminder_follows_the_generation_prompt_of_its_user_turn():
+    messages = [{"role": "user", "content": "Hi"}, {"role": "latest_reminder", "content": "Today is Monday."}]
+    prompt = encode_messages(messages, "chat")
+    assert prompt == f"{BOS}<｜User｜>Hi<｜Assistant｜></think><｜latest_reminder｜>Today is Monday."
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"thinking_mode": "deep"}, {"reasoning_effort": "low"}, {"reasoning_effort": "none"}],
+)
+def test_rejects_unknown_modes(kwargs):
+    with pytest.raises(ValueError):
+        encode_messages([{"role": "user", "content": "Hi"}], **kwargs)
+
+
+def test_rejects_empty_developer_message_and_unknown_roles():
+    with pytest.raises(ValueError):
+        encode_messages([{"role": "developer", "content": ""}])
+    with pytest.raises(ValueError):
+        encode_messages([{"role": "critic", "content": "x"}])
+
+
+# ---- properties of assistant turns ---------------------------------------------------------------
+
+_CHARS = st.one_of(
+    st.sampled_from(list("\"'\\\n\t<>/{}[]:, ｜éü日本🚀")),
+    st.characters(codec="utf-8", exclude_categories=("Cs",)),
+)
+safe_text = st.text(_CHARS, max_size=12).filter(lambda s: not any(t in s for t in SPECIAL_TEXTS))
+names = st.text(st.one_of(st.sampled_from("_-."), st.characters(categories=("L", "Nd"))), min_size=1, max_size=10)
+json_values = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-(10**9), 10**9)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | safe_text,
+    lambda children: st.lists(children, max_size=3) | st.dictionaries(safe_text, children, max_size=3),
+    max_leaves=6,
+)
+tool_calls = st.lists(st.tuples(names, st.dictionaries(names, json_values, max_size=4)), max_size=3)
+
+
+@st.composite
+def assistant_turns(draw):
+    calls = draw(tool_calls)
+    message = {"role": "assistant", "content": draw(safe_text), "reasoning_content": draw(safe_text)}
+    if calls:
+        message["tool_calls"] = [
+            {"id": f"call_{i}", "type": "function", "function": {"name": n, "arguments": json.dumps(a)}}
+            for i, (n, a) in enumerate(calls)
+        ]
+    return message, calls
+
+
+@st.composite
+def conversations(draw):
+    """Conversations that end where the model is asked to answer (a user turn or tool results)."""
+    messages = []
+    if draw(st.booleans()):
+        system = {"role": "system", "content": draw(safe_text)}
+        if draw(st.booleans()):
+            system["tools"] = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+        messages.append(system)
+    messages.append({"role": "user", "content": draw(safe_text)})
+    for _ in range(draw(st.integers(0, 2))):
+        message, calls = draw(assistant_turns())
+        messages.append(message)
+        results = [{"role": "tool", "tool_call_id": f"call_{i}", "content": draw(safe_text)} for i in range(len(calls))]
+        messages.extend(draw(st.permutations(results)))
+        if not calls or draw(st.booleans()):
+            messages.append({"role": "user", "content": draw(safe_text)})
+    return messages
+
+
+def expected_assistant_text(message, calls, thinking):
+    """An assistant turn as the format writes it (its generation prompt is already in the prefix)."""
+    text = message["reasoning_content"] + "</think>" if thinking else ""
+    text += message["content"]
+    if calls:
+        invokes = []
+        for name, arguments in calls:
+            params = "\n".join(
+                f'<｜DSML｜parameter name="{key}" string="true">{value}</｜DSML｜parameter>'
+                if isinstance(value, str)
+                else f'<｜DSML｜parameter name="{key}" string="false">'
+                f"{json.dumps(value, ensure_ascii=False)}</｜DSML｜parameter>"
+                for key, value in arguments.items()
+            )
+            invokes.append(f'<｜DSML｜invoke name="{name}">\n{params}\n</｜DSML｜invoke>')
+        text += "\n\n<｜DSML｜tool_calls>\n" + "\n".join(invokes) + "\n</｜DSML｜tool_calls>"
+    return text + EOS
+
+
+modes = st.sampled_from(["chat", "thinking"])
+efforts = st.sampled_from([None, "high", "max"])
+
+
+@PROPERTY_SETTINGS
+@given(conversations(), assistant_turns(), modes, st.booleans(), efforts)
+def test_one_more_assistant_turn_extends_the_prompt(conversation, turn, mode, drop_thinking, effort):
+    message, calls = turn
+    shorter = encode_messages(conversation, mode, drop_thinking, effort)
+    longer = encode_messages([*conversation, message], mode, drop_thinking, effort)
+    assert shorter.endswith("<｜Assistant｜>" + ("<think>" if mode == "thinking" else "</think>"))
+    assert longer == shorter + expected_assistant_text(message, calls, mode == "thinking")
+
+
+@PROPERTY_SETTINGS
+@given(conversations(), assistant_turns(), modes, st.lists(st.integers(0, 400), max_size=6))
+def test_rendered_assistant_turn_parses_back(conversation, turn, mode, cuts):
+    message, calls = turn
+    shorter = encode_messages(conversation, mode)
+    completion = encode_messages([*conversation, message], mode)[len(shorter) :]
+    expected = {
+        "role": "assistant",
+        "content": message["content"],
+        "reasoning_content": message["reasoning_content"] if mode == "thinking" else "",
+        "tool_calls": [
+            {"type": "function", "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}}
+            for name, arguments in calls
+        ],
+    }
+    assert parse_completion(completion, mode) == expected
+    for call, (_, arguments) in zip(expected["tool_calls"], calls):
+        assert json.loads(call["function"]["arguments"]) == arguments
+
+    # The lenient streaming parser, fed arbitrary pieces, ends with the same message.
+    parser, builder = ChatStreamParser(mode), MessageBuilder()
+    bounds = sorted({0, len(completion), *(c for c in cuts if c < len(completion))})
+    for start, end in zip(bounds, bounds[1:]):
+        builder.add(parser.feed(completion[start:end]))
+    builder.add(parser.finish())
+    assert builder.message() == expected

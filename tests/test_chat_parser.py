@@ -1,0 +1,254 @@
+"""The incremental V4 output parser: golden completions however they are split, recovery, malformed DSML."""
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+
+from dsv4_jax.chat import parse_completion
+from dsv4_jax.chat_parser import (
+    ChatStreamParser,
+    ContentDelta,
+    MessageBuilder,
+    ReasoningDelta,
+    ToolCallArguments,
+    ToolCallFinished,
+    ToolCallStarted,
+)
+from dsv4_jax.chat_request import load_tokenizer
+
+GOLDEN = Path(__file__).resolve().parents[2] / "shared/golden/dsv4_chat_vectors.jsonl"
+ROWS = [json.loads(line) for line in GOLDEN.read_text(encoding="utf-8").splitlines() if line.strip()]
+PARSE_ROWS = [row for row in ROWS if row["kind"] == "parse"]
+ROW_IDS = [row["name"] for row in PARSE_ROWS]
+
+EOS = "<｜end▁of▁sentence｜>"
+D = "｜DSML｜"
+WEATHER_CALL = (
+    f'\n\n<{D}tool_calls>\n<{D}invoke name="get_weather">\n'
+    f'<{D}parameter name="city" string="true">Paris</{D}parameter>\n</{D}invoke>\n</{D}tool_calls>'
+)
+WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+
+
+def run_stream(deltas, thinking_mode, strict=False):
+    """Feed deltas; return the final message and all events, checking the event order on the way."""
+    parser, builder, events = ChatStreamParser(thinking_mode, strict=strict), MessageBuilder(), []
+    for delta in deltas:
+        events += parser.feed(delta)
+    events += parser.finish()
+    builder.add(events)
+    check_event_order(events)
+    return builder.message(), events
+
+
+def check_event_order(events):
+    open_call, started = None, 0
+    for event in events:
+        if isinstance(event, ToolCallStarted):
+            assert open_call is None and event.index == started
+            open_call, started = event.index, started + 1
+        elif isinstance(event, (ToolCallArguments, ToolCallFinished)):
+            assert event.index == open_call
+            if isinstance(event, ToolCallFinished):
+                open_call = None
+        else:
+            assert isinstance(event, (ReasoningDelta, ContentDelta)) and event.text
+    assert open_call is None
+
+
+@pytest.mark.parametrize("row", PARSE_ROWS, ids=ROW_IDS)
+def test_golden_completion(row):
+    assert parse_completion(row["text"], row["thinking_mode"]) == row["message"]
+
+
+@pytest.mark.parametrize("row", PARSE_ROWS, ids=ROW_IDS)
+def test_golden_completion_split_at_every_index(row):
+    text, mode = row["text"], row["thinking_mode"]
+    for cut in range(len(text) + 1):
+        message, _ = run_stream([text[:cut], text[cut:]], mode)
+        assert message == row["message"], cut
+
+
+@pytest.mark.parametrize("row", PARSE_ROWS, ids=ROW_IDS)
+def test_golden_completion_one_character_at_a_time(row):
+    # Every emitted piece is final, so text deltas concatenating to the message's fields shows that
+    # no fragment of a special token was ever emitted as text.
+    message, events = run_stream(list(row["text"]), row["thinking_mode"])
+    assert message == row["message"]
+    assert "".join(e.text for e in events if isinstance(e, ContentDelta)) == row["message"]["content"]
+
+
+def detokenized_deltas(tokenizer, text, tokens_per_delta):
+    """Deltas as a server's detokenizer makes them: decode the id prefix, emit the new suffix, and
+    hold back a trailing U+FFFD (a character whose UTF-8 bytes are split across tokens)."""
+    ids = tokenizer.encode(text, add_special_tokens=False).ids
+    deltas, emitted = [], ""
+    for end in range(tokens_per_delta, len(ids) + tokens_per_delta, tokens_per_delta):
+        decoded = tokenizer.decode(ids[:end], skip_special_tokens=False)
+        if decoded.endswith("\ufffd"):
+            continue
+        assert decoded.startswith(emitted)
+        deltas.append(decoded[len(emitted) :])
+        emitted = decoded
+    assert emitted == text
+    return deltas
+
+
+@pytest.mark.parametrize("tokens_per_delta", [1, 2, 3])
+@pytest.mark.parametrize("row", PARSE_ROWS, ids=ROW_IDS)
+def test_golden_completion_from_detokenized_tokens(row, tokens_per_delta):
+    deltas = detokenized_deltas(load_tokenizer(), row["text"], tokens_per_delta)
+    message, events = run_stream(deltas, row["thinking_mode"])
+    assert message == parse_completion(row["text"], row["thinking_mode"]) == row["message"]
+    for index, call in enumerate(row["message"]["tool_calls"]):
+        fragments = [e.fragment for e in events if isinstance(e, ToolCallArguments) and e.index == index]
+        assert "".join(fragments) == call["function"]["arguments"]
+
+
+def test_string_arguments_stream_before_the_parameter_closes():
+    parser = ChatStreamParser("chat")
+    head = f'\n\n<{D}tool_calls>\n<{D}invoke name="say">\n<{D}parameter name="text" string="true">He said "hi'
+    events = parser.feed(head)
+    assert events[0] == ToolCallStarted(0, "say")
+    assert "".join(e.fragment for e in events[1:]) == '{"text": "He said \\"hi'
+    rest = parser.feed(f'"</{D}parameter>\n</{D}invoke>\n</{D}tool_calls>{EOS}') + parser.finish()
+    assert "".join(e.fragment for e in rest if isinstance(e, ToolCallArguments)) == '\\""}'
+    assert rest[-1] == ToolCallFinished(0)
+
+
+def test_possible_marker_prefixes_are_held_back():
+    parser = ChatStreamParser("thinking")
+    assert parser.feed("Think</thi") == [ReasoningDelta("Think")]
+    assert parser.feed("nk>Done\n") == [ContentDelta("Done")]
+    assert parser.feed("\n<｜DS") == []
+    assert parser.feed("ML｜tool_calls>\n") == []
+    assert parser.feed(f"</{D}tool_calls><｜end▁of") == []
+    assert parser.feed("▁sentence｜>") == [] and parser.finish() == []
+
+
+def test_text_that_only_looks_like_a_marker_is_released():
+    message, _ = run_stream(["a <b>\n", "x</thin", "g>", "<｜endless", "\n\n", EOS], "chat")
+    assert message["content"] == "a <b>\nx</thing><｜endless\n\n"
+
+
+def test_tool_block_inside_unclosed_reasoning_is_recovered():
+    text = "Need weather." + WEATHER_CALL + EOS
+    for deltas in ([text], list(text)):
+        message, _ = run_stream(deltas, "thinking")
+        assert message == {
+            "role": "assistant",
+            "content": "",
+            "reasoning_content": "Need weather.",
+            "tool_calls": [WEATHER_TOOL],
+        }
+    with pytest.raises(ValueError):
+        parse_completion(text, "thinking")
+
+
+def test_reasoning_cut_off_stays_reasoning():
+    message, _ = run_stream(["still thinking", " ..."], "thinking")
+    assert message["reasoning_content"] == "still thinking ..." and message["content"] == ""
+
+
+def test_tool_block_may_end_the_text_without_eos():
+    message = parse_completion("Sure." + WEATHER_CALL, "chat")
+    assert message["content"] == "Sure." and message["tool_calls"] == [WEATHER_TOOL]
+
+
+def test_lenient_mode_ignores_text_after_eos(caplog):
+    message, _ = run_stream(["Done." + EOS, "junk"], "chat")
+    assert message["content"] == "Done."
+    assert "after end-of-sentence" in caplog.text
+    with pytest.raises(ValueError):
+        parse_completion("Done." + EOS + "junk", "chat")
+
+
+BLOCK = f"\n\n<{D}tool_calls>\n"
+INVOKE_F = f'<{D}invoke name="f">\n'
+END = f"</{D}invoke>\n</{D}tool_calls>"
+# name: (completion, expected content, expected arguments of the calls that were started)
+MALFORMED = {
+    "bad_invoke_tag": (f'Hi{BLOCK}<{D}invoke nam="f">\n{END}{EOS}', f'Hi{BLOCK}<{D}invoke nam="f">\n{END}', []),
+    "no_newline_after_block_tag": (
+        f"Hi\n\n<{D}tool_calls>{INVOKE_F}{END}{EOS}",
+        f"Hi\n\n<{D}tool_calls>{INVOKE_F}{END}",
+        [],
+    ),
+    "garbage_between_parameters": (
+        f'Hi{BLOCK}{INVOKE_F}<{D}parameter name="a" string="true">x</{D}parameter>oops{END}{EOS}',
+        f"Hi</{D}parameter>oops{END}",
+        ['{"a": "x"}'],
+    ),
+    "bad_string_flag": (
+        f'Hi{BLOCK}{INVOKE_F}<{D}parameter name="a" string="maybe">x</{D}parameter>\n{END}{EOS}',
+        f'Hi<{D}parameter name="a" string="maybe">x</{D}parameter>\n{END}',
+        ["{}"],
+    ),
+    "eos_inside_value": (f'Hi{BLOCK}{INVOKE_F}<{D}parameter name="a" string="true">x{EOS}', "Hi", ['{"a": "x"}']),
+    "truncated_in_json_value": (
+        f'Hi{BLOCK}{INVOKE_F}<{D}parameter name="a" string="false">12',
+        f'Hi<{D}parameter name="a" string="false">12',
+        ["{}"],
+    ),
+    "unknown_dsml_tag": (f"Hi\n\n<{D}function_calls>\n{EOS}", f"Hi\n\n<{D}function_calls>\n", []),
+    "text_after_block": (f"Hi{WEATHER_CALL}\nmore{EOS}", "Hi\nmore", ['{"city": "Paris"}']),
+}
+
+
+@pytest.mark.parametrize("name", MALFORMED)
+def test_malformed_dsml_degrades_to_content_with_a_warning(name, caplog):
+    text, content, arguments = MALFORMED[name]
+    for deltas in ([text], list(text)):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="dsv4_jax.chat_parser"):
+            message, _ = run_stream(deltas, "chat")
+        assert caplog.records, "a warning is logged"
+        assert message["content"] == content
+        assert [call["function"]["arguments"] for call in message["tool_calls"]] == arguments
+    with pytest.raises(ValueError):
+        parse_completion(text, "chat")
+
+
+def test_invalid_json_value_becomes_a_string_in_lenient_mode(caplog):
+    text = (
+        f'\n\n<{D}tool_calls>\n<{D}invoke name="f">\n<{D}parameter name="n" string="false">3 apples</{D}parameter>\n'
+        f"</{D}invoke>\n</{D}tool_calls>{EOS}"
+    )
+    message, _ = run_stream(list(text), "chat")
+    assert message["tool_calls"][0]["function"]["arguments"] == '{"n": "3 apples"}'
+    assert "not valid JSON" in caplog.text
+    with pytest.raises(ValueError):
+        parse_completion(text, "chat")
+
+
+@pytest.mark.parametrize(
+    "text, mode",
+    [
+        ("no end token", "chat"),
+        ("reasoning only" + EOS, "thinking"),
+        ("a<think>b" + EOS, "chat"),
+        ("a</think>b" + EOS, "chat"),
+        (f"a{D}b" + EOS, "chat"),
+        (f"a<{D}tool_calls>\n</{D}tool_calls>" + EOS, "chat"),  # the block needs a blank line before it
+    ],
+)
+def test_strict_parse_rejects_format_violations(text, mode):
+    with pytest.raises(ValueError):
+        parse_completion(text, mode)
+    run_stream([text], mode)  # lenient mode never raises
+
+
+def test_nested_and_non_ascii_arguments_stay_byte_exact():
+    arguments = {"q": 'say "hi"\n<tag> 日本 🚀', "n": {"a": [1, 2.5, None, True]}}
+    params = "\n".join(
+        f'<{D}parameter name="{k}" string="{str(isinstance(v, str)).lower()}">'
+        f"{v if isinstance(v, str) else json.dumps(v)}</{D}parameter>"
+        for k, v in arguments.items()
+    )
+    text = f'\n\n<{D}tool_calls>\n<{D}invoke name="f">\n{params}\n</{D}invoke>\n</{D}tool_calls>{EOS}'
+    expected = json.dumps(arguments, ensure_ascii=False)
+    assert parse_completion(text)["tool_calls"][0]["function"]["arguments"] == expected
+    message, _ = run_stream(list(text), "chat")
+    assert message["tool_calls"][0]["function"]["arguments"] == expected

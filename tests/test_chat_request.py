@@ -1,0 +1,148 @@
+"""OpenAI request fields -> V4 prompt, and prompt token ids from the real V4 tokenizer."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from dsv4_jax.chat import encode_messages
+from dsv4_jax.chat_request import (
+    ChatOptions,
+    InvalidRequestField,
+    attach_request_fields,
+    build_prompt,
+    encode_prompt,
+    load_tokenizer,
+    resolve_chat_options,
+)
+
+GOLDEN = Path(__file__).resolve().parents[2] / "shared/golden/dsv4_chat_vectors.jsonl"
+ROWS = [json.loads(line) for line in GOLDEN.read_text(encoding="utf-8").splitlines() if line.strip()]
+ENCODE_ROWS = [row for row in ROWS if row["kind"] == "encode"]
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+SCHEMA = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}
+
+
+@pytest.mark.parametrize(
+    "kwargs, effort, expected",
+    [
+        (None, None, ChatOptions("thinking", None)),  # thinking is on by default
+        ({"thinking": False}, None, ChatOptions("chat", None)),
+        ({"enable_thinking": False}, None, ChatOptions("chat", None)),
+        ({"thinking": True, "enable_thinking": False}, None, ChatOptions("thinking", None)),
+        ({"drop_thinking": False}, None, ChatOptions("thinking", None, drop_thinking=False)),
+        (None, "none", ChatOptions("chat", None)),
+        ({"thinking": True}, "none", ChatOptions("chat", None)),
+        (None, "max", ChatOptions("thinking", "max")),
+        (None, "high", ChatOptions("thinking", "high")),
+        (None, "medium", ChatOptions("thinking", None)),
+        (None, "low", ChatOptions("thinking", None)),
+        (None, "minimal", ChatOptions("thinking", None)),
+        ({"thinking": False}, "max", ChatOptions("chat", "max")),
+    ],
+)
+def test_resolve_chat_options(kwargs, effort, expected):
+    assert resolve_chat_options(kwargs, effort) == expected
+
+
+@pytest.mark.parametrize("effort", ["xhigh", "MAX", "", 3])
+def test_unknown_reasoning_effort_is_rejected_naming_the_field(effort):
+    with pytest.raises(ValueError, match="reasoning_effort") as error:
+        resolve_chat_options(None, effort)
+    assert isinstance(error.value, InvalidRequestField) and error.value.field == "reasoning_effort"
+
+
+def test_non_boolean_thinking_flag_is_rejected():
+    with pytest.raises(InvalidRequestField, match="chat_template_kwargs.thinking"):
+        resolve_chat_options({"thinking": "false"})
+
+
+def test_tools_attach_to_the_leading_system_or_developer_message():
+    for role in ("system", "developer"):
+        messages = [{"role": role, "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+        attached = attach_request_fields(messages, tools=[WEATHER], response_format=SCHEMA)
+        assert attached[0] == {"role": role, "content": "Be brief.", "tools": [WEATHER], "response_format": SCHEMA}
+        assert attached[1:] == messages[1:]
+        assert "tools" not in messages[0]  # the request's own messages are left alone
+
+
+def test_tools_get_a_new_system_message_when_none_leads():
+    messages = [{"role": "user", "content": "Hi"}, {"role": "system", "content": "late"}]
+    attached = attach_request_fields(messages, tools=[WEATHER])
+    assert attached == [{"role": "system", "content": "", "tools": [WEATHER]}, *messages]
+    assert attach_request_fields(messages) == messages
+    assert attach_request_fields(messages, response_format={"type": "text"}) == messages
+
+
+def test_request_tools_extend_message_tools():
+    other = {"type": "function", "function": {"name": "calc"}}
+    messages = [{"role": "system", "content": "", "tools": [other]}]
+    assert attach_request_fields(messages, tools=[WEATHER])[0]["tools"] == [other, WEATHER]
+
+
+@pytest.mark.parametrize(
+    "row", [r for r in ENCODE_ROWS if r["messages"][0].get("tools")], ids=lambda r: r["name"]
+)
+def test_request_level_tools_give_the_golden_prompt(row):
+    first, *rest = row["messages"]
+    tools = first["tools"]
+    first = {key: value for key, value in first.items() if key != "tools"}
+    prompt = build_prompt(
+        [first, *rest],
+        tools=tools,
+        chat_template_kwargs={"thinking": row["thinking_mode"] == "thinking", "drop_thinking": row["drop_thinking"]},
+        reasoning_effort=row["reasoning_effort"],
+    )
+    assert prompt == row["prompt"]
+
+
+def test_build_prompt_defaults_to_thinking():
+    hi = [{"role": "user", "content": "Hi"}]
+    assert build_prompt(hi) == encode_messages(hi, "thinking")
+    assert build_prompt(hi, reasoning_effort="none") == encode_messages(hi, "chat")
+
+
+# ---- tokenizer ----------------------------------------------------------------------------------
+
+
+def test_tokenizer_is_cached_and_has_the_v4_special_ids():
+    tokenizer = load_tokenizer()
+    assert load_tokenizer() is tokenizer
+    texts = ("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "｜DSML｜", "<think>", "</think>")
+    assert [tokenizer.token_to_id(text) for text in texts] == [0, 1, 128825, 128821, 128822]
+
+
+def test_worked_tokenization_example():
+    text = "<｜User｜>你好<｜Assistant｜><think>推理</think>答案<｜end▁of▁sentence｜>"
+    ids = load_tokenizer().encode(text, add_special_tokens=False).ids
+    assert ids == [128803, 30594, 128804, 128821, 36101, 128822, 7624, 1]
+
+
+@pytest.mark.parametrize("row", ENCODE_ROWS[:8], ids=lambda r: r["name"])
+def test_prompt_ids_start_with_exactly_one_bos(row):
+    tokenizer = load_tokenizer()
+    ids = encode_prompt(tokenizer, row["prompt"])
+    assert ids[0] == 0 and ids.count(0) == 1
+    assert tokenizer.decode(ids, skip_special_tokens=False) == row["prompt"]
+
+
+def test_one_bos_even_when_the_prompt_text_lacks_or_repeats_it():
+    tokenizer = load_tokenizer()
+    assert encode_prompt(tokenizer, "<｜User｜>Hi")[:2] == [0, 128803]
+    assert encode_prompt(tokenizer, "<｜begin▁of▁sentence｜><｜begin▁of▁sentence｜>Hi")[:2].count(0) == 1
+
+
+def test_tokenizer_json_in_the_model_directory_wins(tmp_path):
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+
+    tiny = Tokenizer(WordLevel({"<｜begin▁of▁sentence｜>": 0, "hi": 1, "[UNK]": 2}, unk_token="[UNK]"))
+    tiny.pre_tokenizer = Whitespace()
+    tiny.add_special_tokens(["<｜begin▁of▁sentence｜>"])
+    tiny.save(str(tmp_path / "tokenizer.json"))
+    loaded = load_tokenizer(tmp_path)
+    assert loaded.get_vocab_size() == 3
+    assert encode_prompt(loaded, "<｜begin▁of▁sentence｜>hi") == [0, 1]
+    assert load_tokenizer(tmp_path / "missing") is load_tokenizer()  # no tokenizer.json: the packaged one

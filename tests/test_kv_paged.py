@@ -1,0 +1,152 @@
+"""Paged cache state: abstract description, sharded materialisation, donation, slot arithmetic."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, PartitionSpec as P
+
+from dsv4_jax.kv_cache import (
+    NO_BLOCK,
+    Bf16Rows,
+    Fp8DsMlaPlanes,
+    IndexerBf16Rows,
+    IndexerFp8Planes,
+    PagedCacheLayout,
+    abstract_paged_cache,
+    cache_nbytes,
+    compressed_slots,
+    init_paged_cache,
+    paged_cache_shardings,
+    plan_capacity,
+    read_indexer,
+    read_kv,
+    reset_slots_donated,
+    resolve_kv_cache,
+    sliding_slots,
+    write_indexer,
+    write_kv,
+)
+from dsv4_jax.model import qat
+from dsv4_jax.presets import get_config
+
+TINY = get_config("dsv4-tiny-test")  # head 96 (64 nope + 32 rope), window 8, layers: sliding, CSA, HCA, CSA
+FP8 = resolve_kv_cache("fp8", "cpu", None, config=TINY)
+BF16 = resolve_kv_cache("auto", "cpu", None, config=TINY)
+
+
+def layout(spec, slots=2, max_model_len=512):
+    plan = plan_capacity(TINY, spec, max_model_len=max_model_len, max_num_seqs=slots, block_size=128)
+    return PagedCacheLayout.from_plan(TINY, plan), plan
+
+
+def test_abstract_description_matches_the_plan():
+    lay, plan = layout(FP8)
+    assert (lay.sliding_layers, lay.csa_layers, lay.hca_layers) == ((0, 1, 2, 3), (1, 3), (2,))
+    assert lay.sliding_ring == math.ceil(8 / 128) + 1 == 2  # never more window blocks per sequence
+    assert (lay.num_compressed_blocks, lay.max_blocks_per_seq) == (math.ceil(2 * 512 / 128) + 2, 4)
+    a = abstract_paged_cache(lay)
+    assert isinstance(a.sliding.kv, Fp8DsMlaPlanes) and isinstance(a.compressed.indexer, IndexerFp8Planes)
+    assert a.sliding.kv.nope.shape == (4, 4, 128, 64) and a.sliding.kv.nope.dtype == jnp.float8_e4m3fn
+    assert a.sliding.kv.rope.shape == (4, 4, 128, 32) and a.sliding.kv.scales.shape == (4, 4, 128, 8)
+    assert a.compressed.csa.nope.shape == (2, 10, 32, 64)  # 128 positions / r=4 = 32 entries per block
+    assert a.compressed.hca.nope.shape == (1, 10, 1, 64)  # 128 / 128 = 1 entry per block
+    assert a.compressed.indexer.keys.shape == (2, 10, 32, 64) and a.compressed.indexer.scales.dtype == jnp.float32
+    assert a.sliding.block_table.shape == (2, 2) and a.compressed.block_table.shape == (2, 4)
+    assert a.csa_state.kv.shape == (2, 2, 8, 192)  # [CSA layers, slots, 2r, 2d]
+    assert a.csa_indexer_state.kv.shape == (2, 2, 8, 128) and a.hca_state.score.shape == (1, 2, 128, 96)
+    tables = sum(math.prod(t.shape) * 4 for t in (a.sliding.block_table, a.compressed.block_table))
+    assert cache_nbytes(a) - tables == plan.kv_budget_bytes  # the planner counts exactly these planes
+
+    bf16 = abstract_paged_cache(layout(BF16)[0])
+    assert isinstance(bf16.sliding.kv, Bf16Rows) and bf16.sliding.kv.rows.shape == (4, 4, 128, 96)
+    assert isinstance(bf16.compressed.indexer, IndexerBf16Rows)
+
+
+def test_materialised_in_one_jit_with_shardings_and_donated():
+    lay, _ = layout(FP8)
+    mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
+    shardings = paged_cache_shardings(lay, mesh, "data")
+    abstract = abstract_paged_cache(lay, shardings)
+    assert abstract.compressed.csa.nope.sharding.spec == P(None, "data", None, None)
+    assert abstract.compressed.block_table.sharding.spec == P("data", None)
+    assert abstract.hca_state.kv.sharding.spec == P(None, "data", None, None)
+
+    cache = init_paged_cache(lay, mesh, "data")
+    leaves = jax.tree.leaves(cache)
+    assert [(x.shape, x.dtype) for x in leaves] == [(x.shape, x.dtype) for x in jax.tree.leaves(abstract)]
+    assert all(x.sharding.spec == s.sharding.spec for x, s in zip(leaves, jax.tree.leaves(abstract)))
+    assert (np.asarray(cache.sliding.block_table) == NO_BLOCK).all()
+    assert (np.asarray(cache.csa_state.score) == -np.inf).all() and not np.asarray(cache.csa_state.kv).any()
+
+    table = cache.compressed.block_table.at[:, :2].set(jnp.array([[3, 4], [5, 6]], jnp.int32))
+    state = cache.csa_state.kv.at[...].set(1.0)
+    cache = cache.__class__(
+        cache.sliding, cache.compressed.__class__(cache.compressed.csa, cache.compressed.indexer,
+                                                  cache.compressed.hca, table),
+        cache.csa_state.__class__(state, cache.csa_state.score), cache.csa_indexer_state, cache.hca_state,
+    )
+    old = cache.compressed.block_table
+    cache = reset_slots_donated(cache, jnp.array([1, -1], jnp.int32))
+    assert old.is_deleted()  # donated through jit: updated in place
+    np.testing.assert_array_equal(cache.compressed.block_table, [[3, 4, -1, -1], [-1, -1, -1, -1]])
+    assert (np.asarray(cache.csa_state.kv)[:, 0] == 1).all() and not np.asarray(cache.csa_state.kv)[:, 1].any()
+    assert cache.compressed.csa.nope.sharding.spec == P(None, "data", None, None)
+
+
+def test_sharding_rejects_indivisible_pools():
+    lay, _ = layout(FP8, slots=3)
+    with pytest.raises(ValueError, match="data-parallel"):
+        paged_cache_shardings(lay, _FakeMesh({"data": 2}), "data")
+    with pytest.raises(ValueError, match="axis"):
+        paged_cache_shardings(lay, _FakeMesh({"data": 1}), "dp")
+
+
+class _FakeMesh:
+    def __init__(self, shape):
+        self.shape, self.axis_names = shape, tuple(shape)
+
+
+def test_slot_arithmetic():
+    ring = jnp.array([7, 2], jnp.int32)  # a sliding ring of 2 blocks of 128 positions
+    np.testing.assert_array_equal(sliding_slots(ring, jnp.array([0, 127, 128, 255, 256, 300]), 128),
+                                  [7 * 128, 7 * 128 + 127, 2 * 128, 2 * 128 + 127, 7 * 128, 7 * 128 + 44])
+    np.testing.assert_array_equal(sliding_slots(jnp.array([-1, 2]), jnp.array([5, 130]), 128), [-1, 2 * 128 + 2])
+    table = jnp.array([4, 9, -1], jnp.int32)  # CSA entries, 32 per block
+    np.testing.assert_array_equal(compressed_slots(table, jnp.array([0, 31, 32, 70, 96]), 32),
+                                  [4 * 32, 4 * 32 + 31, 9 * 32, -1, -1])
+
+
+@pytest.mark.parametrize("spec", [FP8, BF16], ids=["fp8_ds_mla", "bf16"])
+def test_write_read_round_trip(spec):
+    lay, _ = layout(spec)
+    cache = init_paged_cache(lay)
+    rng = np.random.default_rng(0)
+    kv = jnp.asarray(rng.normal(size=(5, 96)) * 3, jnp.float32)
+    keys = jnp.asarray(rng.normal(size=(5, 64)), jnp.float32)
+    slots = jnp.array([0, 33, 319, -1, 64], jnp.int32)  # -1: padding, skipped
+
+    @jax.jit
+    def step(csa, indexer):
+        csa = write_kv(csa, 1, slots, kv)
+        indexer = write_indexer(indexer, 1, slots, keys)
+        return csa, indexer, read_kv(csa, 1, slots), read_indexer(indexer, 1, slots)
+
+    csa, indexer, back, back_keys = step(cache.compressed.csa, cache.compressed.indexer)
+    valid = np.asarray(slots) >= 0
+    if spec is FP8:
+        want, want_keys = jax.jit(lambda a, b: (qat.kv_cache_round_trip(a, 32), qat.indexer_key_round_trip(b)))(
+            kv, keys
+        )
+    else:
+        want = kv.astype(jnp.bfloat16).astype(jnp.float32)
+        want_keys = keys.astype(jnp.bfloat16).astype(jnp.float32)
+    np.testing.assert_array_equal(np.asarray(back)[valid], np.asarray(want)[valid])
+    np.testing.assert_array_equal(np.asarray(back_keys)[valid], np.asarray(want_keys)[valid])
+    assert not np.asarray(back)[~valid].any()
+    other = read_kv(csa, 0, slots)  # layer 0 of the pool was not written
+    assert not np.asarray(other).any()

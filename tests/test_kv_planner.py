@@ -1,0 +1,182 @@
+"""Capacity planner: hand-computed DeepSeek-V4-Flash figures, sizing modes, errors, and the CLI."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from dsv4_jax import plan as plan_cli
+from dsv4_jax.kv_cache import (
+    MeshShape,
+    estimate_weight_bytes_per_device,
+    max_model_len_that_fits,
+    plan_capacity,
+    pool_usage,
+    resolve_kv_cache,
+    weight_bytes_breakdown,
+)
+from dsv4_jax.presets import get_config
+
+GiB = 1024**3
+FLASH = get_config("dsv4-flash")
+FP8 = resolve_kv_cache("auto")  # H200: fp8_ds_mla, fp8 indexer
+BF16 = resolve_kv_cache("bfloat16")  # H200 with bf16 rows: indexer keys stay fp8 (132 B)
+BF16_A100 = resolve_kv_cache("auto", "NVIDIA A100-SXM4-80GB", "8.0")  # bf16 rows and bf16 indexer keys
+L = 1 << 20  # --max-model-len 1048576
+
+# DeepSeek-V4-Flash by hand (spec 1.1 / 1.3 / 8.1), 43 main layers, MTP not served, block 256:
+#   layers 0,1 sliding only; 2,4,...,42 CSA (21); 3,5,...,41 HCA (20); every one of the 43 has a
+#   128-token window. 2^20 tokens -> 2^20/4 = 262,144 CSA entries, 2^20/128 = 8,192 HCA entries,
+#   2^20/256 = 4,096 blocks (64 CSA entries, 2 HCA entries per block: the compressed pools have no
+#   rounding at this length). The sliding ring holds ceil(128/256) + 1 = 2 blocks = 512 positions.
+#   Compressor state, fp32, kv + score of [c*r, c*d]: CSA main 2*8*1024*4 = 65,536 and CSA indexer
+#   2*8*256*4 = 16,384 per CSA layer; HCA 2*128*512*4 = 524,288 per HCA layer (never rounded).
+#
+# fp8_ds_mla (584 B per token/entry, indexer 132 B):
+#   sliding   43 * 512 * 584     =    12,857,344  (block-rounded; exact 43 * 128 * 584 = 3,214,336)
+#   csa       21 * 262,144 * 584 = 3,214,934,016  (rounding adds nothing)
+#   indexer   21 * 262,144 * 132 =   726,663,168
+#   hca       20 * 8,192 * 584   =    95,682,560
+#   csa_state 21 * 81,920        =     1,720,320
+#   hca_state 20 * 524,288       =    10,485,760
+#   total, block-rounded           4,062,343,168  (exact: 4,052,700,160)
+FLASH_FP8 = {
+    "sliding": (12_857_344, 3_214_336), "csa": (3_214_934_016,) * 2, "indexer": (726_663_168,) * 2,
+    "hca": (95_682_560,) * 2, "csa_state": (1_720_320,) * 2, "hca_state": (10_485_760,) * 2,
+}
+# bf16 rows (1024 B): sliding 43*512*1024 = 22,544,384 (exact 43*128*1024 = 5,636,096);
+# csa 21*262,144*1024 = 5,637,144,576; hca 20*8,192*1024 = 167,772,160; indexer 132 B on H200
+# (726,663,168) or 256 B where the GPU has no fp8: 21*262,144*256 = 1,409,286,144.
+FLASH_BF16 = {
+    "sliding": (22_544_384, 5_636_096), "csa": (5_637_144_576,) * 2, "indexer": (726_663_168,) * 2,
+    "hca": (167_772_160,) * 2, "csa_state": (1_720_320,) * 2, "hca_state": (10_485_760,) * 2,
+}
+
+
+@pytest.mark.parametrize("spec,want,total", [(FP8, FLASH_FP8, 4_062_343_168), (BF16, FLASH_BF16, 6_566_330_368)])
+def test_flash_bytes_per_sequence_at_1m(spec, want, total):
+    pools = pool_usage(FLASH, spec, L, 256)
+    got = {p.name: (p.bytes_per_seq, p.bytes_per_seq_exact) for p in pools}
+    assert got == want
+    assert sum(p.bytes_per_seq for p in pools) == total
+    layers = {p.name: p.layers for p in pools}
+    assert layers == {"sliding": 43, "csa": 21, "indexer": 21, "hca": 20, "csa_state": 21, "hca_state": 20}
+
+
+def test_flash_bf16_indexer_without_fp8():
+    pools = {p.name: p for p in pool_usage(FLASH, BF16_A100, L)}
+    assert pools["indexer"].bytes_per_seq == 1_409_286_144
+
+
+def test_block_rounding_and_mtp():
+    # 1000 tokens: 4 blocks of 256 = 1024 positions; CSA 250 entries exact, 256 block-rounded.
+    pools = {p.name: p for p in pool_usage(FLASH, FP8, 1000, 256, num_mtp_layers=1)}
+    assert pools["csa"].bytes_per_seq_exact == 21 * 250 * 584 and pools["csa"].bytes_per_seq == 21 * 256 * 584
+    assert pools["hca"].bytes_per_seq_exact == 20 * 7 * 584 and pools["hca"].bytes_per_seq == 20 * 8 * 584
+    assert pools["sliding"].layers == 44  # the MTP layer is a sliding layer with its own window
+    assert pools["sliding"].bytes_per_seq == 44 * 2 * 256 * 584
+    short = {p.name: p for p in pool_usage(FLASH, FP8, 100, 256)}
+    assert short["sliding"].bytes_per_seq == 43 * 256 * 584  # one block is all a 100-token sequence needs
+    assert short["sliding"].bytes_per_seq_exact == 43 * 100 * 584
+
+
+def test_capacity_from_memory_tp_vs_dp():
+    # 100 GiB devices at 0.9 with 20 GiB of weights: 70 GiB = 75,161,927,680 B of KV per device;
+    # 75,161,927,680 // 4,062,343,168 = 18 sequences of 1M tokens per rank.
+    tp = plan_capacity(FLASH, FP8, max_model_len=L, device_memory_bytes=100 * GiB, gpu_memory_utilization=0.9,
+                       weight_bytes=20 * GiB, mesh=MeshShape(tensor_parallel=8))
+    assert tp.kv_budget_bytes == 70 * GiB and tp.bytes_per_seq == 4_062_343_168
+    assert (tp.max_seqs_per_rank, tp.max_concurrent_seqs) == (18, 18)  # KV replicated over the 8 TP ranks
+    dp = plan_capacity(FLASH, FP8, max_model_len=L, device_memory_bytes=100 * GiB, gpu_memory_utilization=0.9,
+                       weight_bytes=20 * GiB, mesh=MeshShape(data_parallel=8))
+    assert (dp.max_seqs_per_rank, dp.max_concurrent_seqs) == (18, 144)
+    # 18 slots hold 18 * (12,857,344 + 12,206,080) B of windows and state; the rest is compressed
+    # blocks of 21*64*584 + 21*64*132 + 20*2*584 = 985,664 B: (70 GiB - 451,141,632) // 985,664.
+    assert tp.num_seq_slots == 18 and tp.num_blocks == {"sliding": 36, "compressed": 75_797}
+    bf16 = plan_capacity(FLASH, BF16, max_model_len=L, device_memory_bytes=100 * GiB, weight_bytes=20 * GiB)
+    assert bf16.max_seqs_per_rank == 75_161_927_680 // 6_566_330_368 == 11
+
+
+def test_capacity_with_max_num_seqs():
+    plan = plan_capacity(FLASH, FP8, max_model_len=L, device_memory_bytes=100 * GiB, weight_bytes=20 * GiB,
+                         max_num_seqs=256)
+    # 256 slots * 25,063,424 B = 6,416,236,544; (75,161,927,680 - 6,416,236,544) // 985,664 = 69,745
+    # blocks; 69,745 // 4,096 = 17 sequences of 1M tokens at once (many more short ones).
+    assert plan.num_seq_slots == 256 and plan.num_blocks == {"sliding": 512, "compressed": 69_745}
+    assert plan.max_seqs_per_rank == 17
+    with pytest.raises(ValueError, match="--max-num-seqs"):
+        plan_capacity(FLASH, FP8, max_model_len=L, device_memory_bytes=100 * GiB, weight_bytes=20 * GiB,
+                      max_num_seqs=100_000)
+
+
+def test_cpu_pools_sized_from_max_num_seqs():
+    tiny = get_config("dsv4-tiny-test")
+    spec = resolve_kv_cache("fp8", "cpu", None, config=tiny)
+    plan = plan_capacity(tiny, spec, max_model_len=1000, device_memory_bytes=None, max_num_seqs=3, block_size=128)
+    # 3 * 1000 positions -> ceil(3000 / 128) = 24 blocks, plus one per sequence: 27. Window 8 -> ring of 2.
+    assert plan.sized_from == "max_num_seqs"
+    assert plan.num_blocks == {"sliding": 6, "compressed": 27} and plan.max_concurrent_seqs == 3
+    with pytest.raises(ValueError, match="--max-num-seqs"):
+        plan_capacity(tiny, spec, max_model_len=1000, device_memory_bytes=None)
+
+
+def test_max_model_len_that_cannot_fit_one_sequence():
+    with pytest.raises(ValueError) as err:
+        plan_capacity(FLASH, FP8, max_model_len=L, device_memory_bytes=10 * GiB, weight_bytes=6 * GiB)
+    message = str(err.value)
+    assert "--max-model-len 1048576" in message and "3.78 GiB" in message and "3.00 GiB" in message
+    suggested = int(message.split("Pass --max-model-len ")[1].split()[0])
+    assert suggested == max_model_len_that_fits(FLASH, FP8, 3 * GiB) and suggested % 256 == 0
+    assert plan_capacity(FLASH, FP8, max_model_len=suggested, device_memory_bytes=10 * GiB,
+                         weight_bytes=6 * GiB).max_seqs_per_rank == 1
+    with pytest.raises(ValueError):
+        plan_capacity(FLASH, FP8, max_model_len=suggested + 256, device_memory_bytes=10 * GiB, weight_bytes=6 * GiB)
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        plan_capacity(FLASH, FP8, max_model_len=2 * L, device_memory_bytes=1000 * GiB)
+
+
+@pytest.mark.parametrize("bad", [0, 100, 192, 64])
+def test_block_size_must_hold_whole_entries(bad):
+    with pytest.raises(ValueError, match="--block-size"):
+        pool_usage(FLASH, FP8, L, bad)
+
+
+def test_bad_mesh_and_flags():
+    for kwargs in ({"tensor_parallel": 0}, {"data_parallel": -1}, {"tensor_parallel": 4, "expert_parallel": 3}):
+        with pytest.raises(ValueError):
+            MeshShape(**kwargs)
+    with pytest.raises(ValueError, match="--gpu-memory-utilization"):
+        plan_capacity(FLASH, FP8, max_model_len=L, device_memory_bytes=GiB, gpu_memory_utilization=1.5)
+
+
+def test_weight_estimate():
+    total = sum(weight_bytes_breakdown(FLASH).values())
+    # 43 layers x 256 experts x 3 x 2048 x 4096 MXFP4 weights (0.5 B + 1/32 B of scale each) = 147.2 GB,
+    # plus fp8 attention and bf16 embedding/head: about 156 GB for the whole checkpoint.
+    assert 150e9 < total < 165e9
+    experts = weight_bytes_breakdown(FLASH)["experts"]
+    assert experts == 43 * 256 * 3 * (2048 * 4096 // 2 + 2048 * 4096 // 32)
+    tp8 = estimate_weight_bytes_per_device(FLASH, MeshShape(tensor_parallel=8))
+    dp8 = estimate_weight_bytes_per_device(FLASH, MeshShape(data_parallel=8))
+    assert math.ceil(experts / 8) < tp8 < dp8 < total / 4  # DP attention replicates the attention weights
+
+
+def test_plan_cli(capsys):
+    argv = ["--model", "dsv4-flash", "--device-kind", "NVIDIA H200", "--num-devices", "8",
+            "--kv-cache-dtype", "auto", "--max-model-len", "1048576"]
+    assert plan_cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "fp8_ds_mla on pallas_fp8_ds_mla" in out
+    assert "3,874.2 (3,865.0)" in out  # fp8_ds_mla MiB per 1M-token sequence (4,062,343,168 B)
+    assert "6,262.1 (6,246.0)" in out  # bf16 rows
+    rows = [line for line in out.splitlines() if line.startswith(("fp8_ds_mla*", "bfloat16"))]
+    assert len(rows) == 4
+    assert sum("tensor-parallel (KV replicated) tp=8 dp=1" in r for r in rows) == 2
+    assert sum("data-parallel tp=1 dp=8" in r for r in rows) == 2
+
+    assert plan_cli.main(argv[:-1] + ["4194304"]) == 2
+    assert "--max-model-len" in capsys.readouterr().err
+    assert plan_cli.main(["--device-kind", "NVIDIA A100-SXM4-80GB", "--num-devices", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "bfloat16*" in out and "fp8_ds_mla (xla, emulated)" in out

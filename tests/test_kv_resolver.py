@@ -1,0 +1,225 @@
+"""`resolve_kv_cache`: the policy table of docs/kv_cache.md, cell by cell, on every listed device."""
+
+from __future__ import annotations
+
+import ast
+import logging
+import re
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import jax
+import pytest
+
+from dsv4_jax.kv_cache import (
+    ACCEPTED_REQUESTS,
+    ATTENTION_BACKENDS,
+    FP8_DS_MLA_LOG,
+    KVCacheSpec,
+    lookup_compute_capability,
+    resolve_for_device,
+    resolve_kv_cache,
+)
+from dsv4_jax.presets import get_config
+
+REPO = Path(__file__).resolve().parents[1]
+LOGGER = "dsv4_jax.kv_cache.resolver"
+
+# Real `jax.Device.device_kind` strings, their compute capability, and their class in the table.
+DEVICES = {
+    "fp8_gpu": [
+        ("NVIDIA H100 80GB HBM3", "9.0"), ("NVIDIA H200", "9.0"), ("NVIDIA H20", "9.0"), ("NVIDIA H800", "9.0"),
+        ("NVIDIA B200", "10.0"), ("NVIDIA GB200", "10.0"),
+        ("NVIDIA RTX PRO 6000 Blackwell Workstation Edition", "12.0"), ("NVIDIA GeForce RTX 5090", "12.0"),
+        ("NVIDIA L40S", "8.9"),
+    ],
+    "bf16_gpu": [("NVIDIA A100-SXM4-80GB", "8.0"), ("NVIDIA A10", "8.6")],
+    "legacy_gpu": [("Tesla T4", "7.5")],
+    "cpu": [("cpu", None)],
+    "tpu": [("TPU v5 lite", None)],
+}
+REQUEST_COLUMNS = {"auto": ("auto",), "fp8": ("fp8", "fp8_e4m3", "fp8_ds_mla"), "bf16": ("bfloat16", "bf16")}
+
+
+def policy_rows() -> list[tuple[str, str | None, str, str]]:
+    """(class, backend or None, request, cell) for every cell of the table in docs/kv_cache.md."""
+    text = (REPO / "docs" / "kv_cache.md").read_text()
+    table = text.split("<!-- policy-table -->")[1].split("<!-- /policy-table -->")[0].strip().splitlines()
+    header = [c.strip() for c in table[0].strip("|").split("|")]
+    assert header[2:] == ["`auto`", "`fp8`, `fp8_e4m3`, `fp8_ds_mla`", "`bfloat16`, `bf16`"]
+    rows = []
+    for line in table[2:]:
+        cls, backend, *cells = [c.strip() for c in line.strip("|").split("|")]
+        for column, cell in zip(REQUEST_COLUMNS, cells):
+            for request in REQUEST_COLUMNS[column]:
+                rows.append((cls, None if backend == "unset" else backend, request, cell))
+    return rows
+
+
+ROWS = policy_rows()
+
+
+def test_table_covers_every_class_backend_and_request():
+    seen = {(c, b, r) for c, b, r, _ in ROWS}
+    assert len(seen) == len(ROWS) == len(DEVICES) * (len(ATTENTION_BACKENDS) + 1) * len(ACCEPTED_REQUESTS)
+
+
+@pytest.mark.parametrize("cls", list(DEVICES))
+def test_policy_table(cls, caplog):
+    calls = 0
+    for device_class, backend, request, cell in ROWS:
+        if device_class != cls:
+            continue
+        for kind, cc in DEVICES[cls]:
+            for given_cc in {cc, None}:  # explicit, and read from our table of device kinds
+                caplog.clear()
+                where = f"{kind} cc={given_cc} {request} backend={backend}"
+                with caplog.at_level(logging.INFO, logger=LOGGER):
+                    if cell == "ValueError":
+                        with pytest.raises(ValueError) as err:
+                            resolve_kv_cache(request, kind, given_cc, backend)
+                        message = str(err.value)
+                        assert "--kv-cache-dtype" in message or "--attention-backend" in message, where
+                        continue
+                    spec = resolve_kv_cache(request, kind, given_cc, backend)
+                calls += 1
+                m = re.fullmatch(r"(\w+) on (\w+)( \+warning)?", cell)
+                assert m, cell
+                assert (spec.kv_cache_dtype, spec.attention_backend) == (m.group(1), m.group(2)), where
+                assert spec.device_class == cls and spec.requested == request, where
+                messages = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == LOGGER]
+                fp8_logs = [msg for _, msg in messages if msg == FP8_DS_MLA_LOG]
+                assert len(fp8_logs) == (spec.kv_cache_dtype == "fp8_ds_mla"), where
+                assert bool(spec.warnings) == bool(m.group(3)), where
+                assert [msg for lvl, msg in messages if lvl == logging.WARNING] == list(spec.warnings), where
+                assert (logging.INFO, spec.reason) in messages and "\n" not in spec.reason, where
+    assert calls
+
+
+def test_fp8_request_on_ampere_names_device_capability_and_ways_out():
+    with pytest.raises(ValueError) as err:
+        resolve_kv_cache("fp8", "NVIDIA A100-SXM4-80GB", "8.0")
+    message = str(err.value)
+    for part in ("NVIDIA A100-SXM4-80GB", "8.0", "--kv-cache-dtype bfloat16", "--attention-backend xla"):
+        assert part in message
+
+
+def test_bfloat16_on_hopper_logs_why(caplog):
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        spec = resolve_kv_cache("bfloat16")
+    assert (spec.kv_cache_dtype, spec.attention_backend) == ("bfloat16", "pallas_bf16")
+    assert "--kv-cache-dtype bfloat16" in spec.reason and spec.reason in caplog.text
+    assert FP8_DS_MLA_LOG not in caplog.text
+
+
+def test_mismatched_backend_errors_say_what_to_pass():
+    with pytest.raises(ValueError, match="--kv-cache-dtype fp8.*--attention-backend pallas_bf16"):
+        resolve_kv_cache("bf16", attention_backend="pallas_fp8_ds_mla")
+    with pytest.raises(ValueError, match="--kv-cache-dtype bfloat16.*--attention-backend pallas_fp8_ds_mla"):
+        resolve_kv_cache("fp8_e4m3", attention_backend="pallas_bf16")
+
+
+@pytest.mark.parametrize("bad", ["fp16", "FP8_E5M2", "", 8, "auto,fp8"])
+def test_unknown_request_lists_accepted_values(bad):
+    with pytest.raises(ValueError) as err:
+        resolve_kv_cache(bad)
+    assert "--kv-cache-dtype" in str(err.value)
+    assert all(v in str(err.value) for v in ACCEPTED_REQUESTS)
+
+
+def test_requests_are_case_insensitive_and_none_is_auto():
+    assert resolve_kv_cache("BF16").kv_cache_dtype == "bfloat16"
+    assert resolve_kv_cache(None).kv_cache_dtype == "fp8_ds_mla"
+
+
+@pytest.mark.parametrize("bad", ["flashmla", "FLASHMLA_SPARSE", "pallas"])
+def test_unknown_backend_lists_the_three(bad):
+    with pytest.raises(ValueError) as err:
+        resolve_kv_cache("auto", attention_backend=bad)
+    assert "--attention-backend" in str(err.value)
+    assert all(b in str(err.value) for b in ATTENTION_BACKENDS)
+
+
+def test_unknown_device_kind():
+    with pytest.raises(ValueError, match="compute_capability"):
+        resolve_kv_cache("auto", "Mystery Accelerator 9000", None)
+    assert resolve_kv_cache("auto", "Mystery Accelerator 9000", "9.0").kv_cache_dtype == "fp8_ds_mla"
+    assert resolve_kv_cache("auto", "Mystery Accelerator 9000", "sm_86").kv_cache_dtype == "bfloat16"
+    with pytest.raises(ValueError, match="compute capability"):
+        resolve_kv_cache("auto", "Mystery Accelerator 9000", "nine")
+    with pytest.raises(ValueError, match="device_kind"):
+        resolve_kv_cache("auto", "")
+
+
+def test_device_kind_patterns():
+    table = {
+        "NVIDIA H100 80GB HBM3": "9.0", "NVIDIA H100 PCIe": "9.0", "NVIDIA GH200 480GB": "9.0", "NVIDIA H20": "9.0",
+        "NVIDIA H800": "9.0", "NVIDIA H200 NVL": "9.0", "NVIDIA B200": "10.0", "NVIDIA GB200": "10.0",
+        "NVIDIA B300 SXM6 AC": "10.3", "NVIDIA RTX PRO 6000 Blackwell Workstation Edition": "12.0",
+        "NVIDIA RTX PRO 6000 Blackwell Server Edition": "12.0", "NVIDIA GeForce RTX 5090": "12.0",
+        "NVIDIA GB10": "12.1", "NVIDIA L40S": "8.9", "NVIDIA L4": "8.9", "NVIDIA GeForce RTX 4090": "8.9",
+        "NVIDIA RTX 6000 Ada Generation": "8.9", "NVIDIA A100-SXM4-80GB": "8.0", "NVIDIA A100-PCIE-40GB": "8.0",
+        "NVIDIA A10": "8.6", "NVIDIA A10G": "8.6", "NVIDIA RTX A6000": "8.6", "NVIDIA GeForce RTX 3090": "8.6",
+        "Tesla T4": "7.5", "Quadro RTX 6000": "7.5", "Tesla V100-SXM2-16GB": "7.0",
+    }
+    assert {kind: lookup_compute_capability(kind) for kind in table} == table
+
+
+def test_default_capability_never_makes_a_known_device_fp8(caplog):
+    # The signature's default compute_capability "9.0" belongs to its default H200.
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        spec = resolve_kv_cache("auto", device_kind="NVIDIA A100-SXM4-80GB")
+    assert (spec.kv_cache_dtype, spec.compute_capability) == ("bfloat16", "8.0")
+    assert "disagrees" in caplog.text
+
+
+def test_spec_carries_bytes_of_every_pool():
+    spec = resolve_kv_cache("auto")
+    assert isinstance(spec, KVCacheSpec)
+    assert spec.bytes_per_token == 584 and spec.indexer_dtype == "fp8"
+    p = spec.pool_bytes
+    assert (p.sliding_per_token, p.csa_per_entry, p.hca_per_entry, p.indexer_per_entry) == (584, 584, 584, 132)
+    # fp32 kv_state + score_state of [c*r, c*d]: CSA main 2*8*1024*4, CSA indexer 2*8*256*4, HCA 2*128*512*4
+    assert (p.csa_state_per_seq, p.csa_indexer_state_per_seq, p.hca_state_per_seq) == (65536, 16384, 524288)
+    assert "\n" not in spec.summary() and "fp8_ds_mla" in spec.summary()
+    assert spec.to_dict()["pool_bytes"]["indexer_per_entry"] == 132
+
+    bf16 = resolve_kv_cache("auto", "NVIDIA A10", "8.6")
+    assert (bf16.bytes_per_token, bf16.indexer_dtype, bf16.pool_bytes.indexer_per_entry) == (1024, "bfloat16", 256)
+    assert resolve_kv_cache("bfloat16").pool_bytes.indexer_per_entry == 132  # fp8 indexer where cc >= 8.9
+
+    tiny = resolve_kv_cache("fp8", "cpu", None, config=get_config("dsv4-tiny-test"))
+    assert (tiny.bytes_per_token, tiny.pool_bytes.indexer_per_entry) == (64 + 2 * 32 + 8, 64 + 4)
+    assert tiny.indexer_dtype == "fp8" and tiny.emulated
+    assert resolve_kv_cache("auto", "cpu", None, config="dsv4-tiny-test").bytes_per_token == 2 * 96
+
+
+def test_resolve_for_device():
+    cpu = resolve_for_device("auto", jax.devices("cpu")[0])
+    assert (cpu.device_class, cpu.kv_cache_dtype, cpu.attention_backend) == ("cpu", "bfloat16", "xla")
+    h200 = SimpleNamespace(platform="gpu", device_kind="NVIDIA H200", compute_capability="9.0")
+    assert resolve_for_device("auto", h200).attention_backend == "pallas_fp8_ds_mla"
+    # The live device's own capability wins over our table.
+    odd = SimpleNamespace(platform="gpu", device_kind="NVIDIA H200", compute_capability="8.0")
+    assert resolve_for_device("auto", odd).kv_cache_dtype == "bfloat16"
+    tpu = SimpleNamespace(platform="tpu", device_kind="v5 lite")
+    assert resolve_for_device("auto", tpu).device_class == "tpu"
+
+
+def test_no_assert_statements_on_user_input():
+    for path in ("dsv4_jax/kv_cache/resolver.py", "dsv4_jax/kv_cache/planner.py", "dsv4_jax/kv_cache/paged.py",
+                 "dsv4_jax/plan.py", "pallas_kernels/formats.py"):
+        tree = ast.parse((REPO / path).read_text())
+        assert not [n for n in ast.walk(tree) if isinstance(n, ast.Assert)], path
+
+
+def test_import_touches_no_device():
+    code = (
+        "import dsv4_jax.kv_cache, dsv4_jax.plan, pallas_kernels.formats\n"
+        "from jax._src import xla_bridge\n"
+        "assert not xla_bridge.backends_are_initialized()\n"
+        "import sys; bad = {'torch', 'flax'} & set(sys.modules); assert not bad, bad\n"
+    )
+    subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=60)

@@ -1,0 +1,219 @@
+"""Unit tests of the model's own pieces: config parsing, KV rounding known answers, indexer
+tie-breaking, token-id checks, the MoE's FLOPs, and the abstract DeepSeek-V4-Flash build."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from dsv4_jax.checkpoint import checkpoint_layout
+from dsv4_jax.config import DeepseekV4Config
+from dsv4_jax.model import qat
+from dsv4_jax.model.compressor import select_visible_topk
+from dsv4_jax.model.moe import MoE
+from dsv4_jax.model.transformer import DeepseekV4, check_token_ids, layer_kinds, plan_segments
+from dsv4_jax.presets import dsv4_flash, dsv4_tiny_test, get_config
+
+# ---- config ---------------------------------------------------------------------------------
+
+FLASH_CONFIG_JSON = {
+    "architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4", "vocab_size": 129280,
+    "hidden_size": 4096, "num_hidden_layers": 43, "num_attention_heads": 64, "num_key_value_heads": 1,
+    "head_dim": 512, "qk_rope_head_dim": 64, "q_lora_rank": 1024, "o_groups": 8, "o_lora_rank": 1024,
+    "sliding_window": 128, "compress_ratios": [0, 0] + [4, 128] * 20 + [4, 0],
+    "compress_rope_theta": 160000, "rope_theta": 10000,
+    "rope_scaling": {"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536,
+                     "beta_fast": 32, "beta_slow": 1},
+    "max_position_embeddings": 1048576, "index_n_heads": 64, "index_head_dim": 128, "index_topk": 512,
+    "n_routed_experts": 256, "n_shared_experts": 1, "num_experts_per_tok": 6,
+    "moe_intermediate_size": 2048, "num_hash_layers": 3, "scoring_func": "sqrtsoftplus",
+    "topk_method": "noaux_tc", "norm_topk_prob": True, "routed_scaling_factor": 1.5, "swiglu_limit": 10.0,
+    "hc_mult": 4, "hc_sinkhorn_iters": 20, "hc_eps": 1e-6, "rms_norm_eps": 1e-6,
+    "num_nextn_predict_layers": 1, "hidden_act": "silu", "expert_dtype": "fp4",
+    "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                            "scale_fmt": "ue8m0", "weight_block_size": [128, 128]},
+    "tie_word_embeddings": False, "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 0,
+    "eos_token_id": 1, "initializer_range": 0.02, "torch_dtype": "bfloat16",
+    "transformers_version": "4.57.1", "use_cache": True,
+}
+
+
+def test_real_flash_config_parses_to_the_preset():
+    config = DeepseekV4Config.from_dict(FLASH_CONFIG_JSON)
+    assert config == dsv4_flash()
+    assert len(config.compress_ratios) == 44 and config.compress_ratio(43) == 0  # MTP entry: sliding
+    assert config.layer_types[:5] == ("sliding", "sliding", "csa", "hca", "csa")
+    assert config.rope_scaling.factor == 16 and config.quantization.scale_fmt == "ue8m0"
+    assert DeepseekV4Config.from_dict(config.to_dict()) == config
+    hash(config)  # frozen and hashable: usable as a static jit argument
+
+
+def test_transformers_config_parses(golden_dir):
+    raw = json.loads((golden_dir / "hc3_long_yarn" / "checkpoint" / "config.json").read_text())
+    config = DeepseekV4Config.from_dict(raw)
+    assert config.layer_types == ("hca", "csa", "sliding", "csa")
+    assert config.num_hash_layers == 1 and config.hc_mult == 3
+    assert config.rope_scaling.enabled and config.rope_scaling.factor == raw["rope_parameters"]["compress"]["factor"]
+    assert config.compress_ratio(0) == raw["compress_rates"]["heavily_compressed_attention"]
+
+
+@pytest.mark.parametrize(
+    "change,field",
+    [
+        ({"index_head_dim": 16}, "index_head_dim"),  # < qk_rope_head_dim 32
+        ({"o_groups": 3}, "o_groups"),  # 4 heads
+        ({"compress_ratios": [0, 4]}, "compress_ratios"),  # shorter than num_hidden_layers
+        ({"num_key_value_heads": 2}, "num_key_value_heads"),
+        ({"num_experts_per_tok": 9}, "num_experts_per_tok"),
+        ({"compress_ratios": [0, 1, 128, 4, 0]}, "compress_ratios"),
+        ({"scoring_func": "relu"}, "scoring_func"),
+    ],
+)
+def test_inconsistent_configs_name_the_field(change, field):
+    raw = {**dsv4_tiny_test().to_dict(), **change}
+    with pytest.raises(ValueError, match=field):
+        DeepseekV4Config.from_dict(raw)
+
+
+def test_small_unusual_configs_are_accepted():
+    raw = {**dsv4_tiny_test().to_dict(), "compress_ratios": [0, 3, 7, 3], "csa_compress_ratio": 3,
+           "hc_mult": 2, "hc_sinkhorn_iters": 3, "head_dim": 40, "qk_rope_head_dim": 8, "index_head_dim": 8}
+    config = DeepseekV4Config.from_dict(raw)
+    assert config.layer_types == ("sliding", "csa", "hca", "csa")
+
+
+def test_get_config_accepts_objects_names_and_dicts():
+    assert get_config("dsv4-tiny-test") == dsv4_tiny_test()
+    assert get_config(dsv4_tiny_test().to_dict()) == dsv4_tiny_test()
+    with pytest.raises(ValueError, match="unknown model preset"):
+        get_config("dsv4-nope")
+
+
+# ---- KV rounding known answers (spec 3.8 / 8.2) ------------------------------------------------
+
+
+def test_fp8_block_quantize_known_answers():
+    block = np.zeros(64, np.float32)
+    block[:5] = [1.0, 0.3, -0.3, 1e-3, -1.0]
+    codes, exponent = qat.fp8_block_quantize(jnp.asarray(block))
+    # amax 1.0 -> scale 2^ceil(log2(1/448)) = 2^-8, stored as the UE8M0 byte 127 - 8 = 119.
+    assert int(exponent[0]) + 127 == 119
+    # 1.0 / 2^-8 = 256 = 1.0 * 2^8 -> E4M3 0 1111 000; 0.3 * 256 = 76.8 -> 80 = 1.25 * 2^6 -> 0 1101 010;
+    # 1e-3 * 256 = 0.256 -> 0.25 = 2^-2 -> 0 0101 000; the sign is the top bit.
+    assert list(np.asarray(codes).view(np.uint8)[:5]) == [0x78, 0x6A, 0xEA, 0x28, 0xF8]
+    back = np.asarray(qat.fp8_block_round_trip(jnp.asarray(block)))
+    np.testing.assert_array_equal(back[:5], [1.0, 0.3125, -0.3125, 2.0**-10, -1.0])
+
+
+def test_fp8_block_amax_floor_and_large_values():
+    zeros = jnp.zeros(64)
+    _, exponent = qat.fp8_block_quantize(zeros)
+    assert int(exponent[0]) == int(np.ceil(np.log2(1e-4 / 448)))  # amax floored at 1e-4: -22
+    np.testing.assert_array_equal(np.asarray(qat.fp8_block_round_trip(zeros)), 0.0)
+    big = jnp.full((64,), 1280.0)  # scale 2^ceil(log2(1280/448)) = 4; 320 is on the E4M3 grid
+    _, exponent = qat.fp8_block_quantize(big)
+    assert int(exponent[0]) == 2 and float(qat.fp8_block_round_trip(big)[0]) == 1280.0
+    tie = jnp.full((64,), 1344.0)  # 336 lies halfway between 320 and 352: ties go to even (320)
+    assert float(qat.fp8_block_round_trip(tie)[0]) == 1280.0
+
+
+def test_kv_cache_round_trip_rounds_nope_to_fp8_and_rope_to_bf16():
+    kv = jnp.concatenate([jnp.full((64,), 0.3), jnp.full((32,), 1.0 + 2.0**-10)])
+    out = np.asarray(qat.kv_cache_round_trip(kv, rope_dim=32))
+    np.testing.assert_array_equal(out[:64], 0.3125)  # 0.3 * 2^8 = 76.8 -> 80 on the E4M3 grid
+    np.testing.assert_array_equal(out[64:], 1.0)  # 1 + 2^-10 is below bf16's half-ulp at 1.0
+
+
+def test_indexer_keys_use_one_scale_per_key():
+    keys = jnp.asarray(np.linspace(-3, 3, 128, dtype=np.float32))
+    codes, exponent = qat.fp8_block_quantize(keys, block=128)
+    assert exponent.shape == (1,) and int(exponent[0]) == int(np.ceil(np.log2(3 / 448)))
+    np.testing.assert_array_equal(np.asarray(qat.indexer_key_round_trip(keys)),
+                                  np.asarray(qat.fp8_block_round_trip(keys, block=128)))
+
+
+# ---- indexer selection ----------------------------------------------------------------------
+
+
+def test_topk_ties_go_to_the_lowest_index_and_never_depend_on_later_entries():
+    ratio, topk = 2, 3
+    scores = jnp.zeros((1, 12, 6))  # every score tied (ReLU zeros with few indexer heads)
+    idx = np.asarray(select_visible_topk(scores, ratio, topk))[0]
+    # query t sees entries j < (t + 1) // 2; ties pick the lowest indices; unseen picks are -1.
+    for t in range(12):
+        visible = (t + 1) // ratio
+        expected = list(range(min(visible, topk))) + [-1] * (topk - min(visible, topk))
+        assert list(idx[t]) == expected
+    # Appending more (tied) entries never changes what an earlier query picks.
+    longer = np.asarray(select_visible_topk(jnp.zeros((1, 12, 40)), ratio, topk))[0]
+    np.testing.assert_array_equal(longer[:, :topk], idx)
+
+
+def test_topk_prefers_higher_scores_among_visible_only():
+    scores = jnp.asarray([[[0.1, 0.9, 0.5, 9.0]]] * 1).repeat(8, axis=1)
+    idx = np.asarray(select_visible_topk(scores, ratio=2, topk=2))[0]
+    assert list(idx[1]) == [0, -1]  # one visible entry
+    assert list(idx[5]) == [1, 2]  # entry 3 (9.0) is not visible yet
+    assert list(idx[7]) == [3, 1]
+
+
+def test_token_ids_outside_the_vocabulary_raise():
+    with pytest.raises(ValueError, match=r"\[0, 512\)"):
+        check_token_ids(np.array([[1, 512]]), 512)
+    with pytest.raises(ValueError):
+        check_token_ids(np.array([[-1, 3]]), 512)
+    check_token_ids(np.array([[0, 511]]), 512)
+
+
+# ---- MoE cost -------------------------------------------------------------------------------
+
+
+def _moe_flops(n_experts: int, tokens: int) -> float:
+    config = dsv4_tiny_test().replace(n_routed_experts=n_experts, num_hash_layers=0)
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: MoE(config, hash_routed=False)))
+
+    def run(state, x, ids):
+        return nnx.merge(graphdef, state)(x, ids)
+
+    x = jax.ShapeDtypeStruct((1, tokens, config.hidden_size), jnp.float32)
+    ids = jax.ShapeDtypeStruct((1, tokens), jnp.int32)
+    cost = jax.jit(run).lower(state, x, ids).compile().cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    return float(cost["flops"])
+
+
+@pytest.mark.parametrize("tokens", [16, 64])
+def test_moe_flops_do_not_grow_with_the_number_of_experts(tokens):
+    small, large = _moe_flops(8, tokens), _moe_flops(16, tokens)
+    config = dsv4_tiny_test()
+    routed = 3 * 2 * tokens * config.num_experts_per_tok * config.hidden_size * config.moe_intermediate_size
+    assert small >= routed  # the routed matmuls are counted at all
+    # Only the router (tokens x experts x hidden) grows with the expert count.
+    router_growth = 2 * tokens * 8 * config.hidden_size
+    assert large - small <= 1.5 * router_growth
+
+
+# ---- the real model, abstractly ---------------------------------------------------------------
+
+
+def test_flash_builds_abstractly_with_stacked_layers():
+    config = dsv4_flash()
+    plan = plan_segments(layer_kinds(config))
+    assert [(s.first, s.period, s.count) for s in plan] == [(0, 1, 2), (2, 1, 1), (3, 2, 20)]
+    model = nnx.eval_shape(lambda: DeepseekV4(config))
+    _, state = nnx.split(model)
+    device_bytes = sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(state))
+    layout = checkpoint_layout(config)
+    itemsize = {"F8_E4M3": 1, "F8_E8M0": 1, "I8": 1, "BF16": 2, "F32": 4, "I64": 4}  # tid2eid lives as int32
+    file_bytes = sum(int(np.prod(t.shape)) * itemsize[t.dtype] for t in layout.values())
+    assert device_bytes == file_bytes  # every tensor kept as stored: nothing dequantised or widened
+    main = {k: t for k, t in layout.items() if not k.startswith("mtp.")}
+    n_params = sum(int(np.prod(t.shape)) * (2 if t.dtype == "I8" else 1)  # MXFP4: 2 values a byte
+                   for k, t in main.items() if not k.endswith(".scale"))
+    assert 280e9 < n_params < 290e9  # 284B (spec 1.4)
+    assert 140e9 < file_bytes < 170e9  # about 150 GB as stored, against about 570 GB in bf16
