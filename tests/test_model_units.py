@@ -217,3 +217,22 @@ def test_flash_builds_abstractly_with_stacked_layers():
                    for k, t in main.items() if not k.endswith(".scale"))
     assert 280e9 < n_params < 290e9  # 284B (spec 1.4)
     assert 140e9 < file_bytes < 170e9  # about 150 GB as stored, against about 570 GB in bf16
+
+
+def _lowered_size(repetitions: int) -> int:
+    raw = {**dsv4_tiny_test().to_dict(), "num_hidden_layers": 1 + 2 * repetitions,
+           "compress_ratios": [0] + [128, 4] * repetitions, "num_nextn_predict_layers": 0}
+    config = DeepseekV4Config.from_dict(raw)
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: DeepseekV4(config)))
+
+    def forward(state, ids):
+        return nnx.merge(graphdef, state)(ids)
+
+    ids = jax.ShapeDtypeStruct((1, 16), jnp.int32)
+    return len(jax.jit(forward).lower(state, ids).as_text())
+
+
+def test_program_size_does_not_grow_with_stacked_depth():
+    """Repeated (HCA, CSA) layers run under one scan: 8 repetitions lower to the same program as 2."""
+    two, eight = _lowered_size(2), _lowered_size(8)
+    assert eight < 1.02 * two
