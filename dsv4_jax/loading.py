@@ -105,14 +105,6 @@ class CausalLM:
             raise ValueError("this checkpoint has no usable DeepSeek-V4 MTP block (it loaded with MTP disabled)")
         return self._jitted["mtp"](self.state, streams, self._ids(next_ids), self.options)
 
-    def with_options(self, **changes: Any) -> "CausalLM":
-        clone = object.__new__(CausalLM)
-        clone.__dict__.update({k: v for k, v in self.__dict__.items() if k != "_jitted"})
-        fields = {"dtype": self.options.dtype, "kv_cache_rounding": self.options.kv_cache_rounding,
-                  "ablations": self.options.ablations, **changes}
-        clone.options = ForwardOptions(**fields)
-        return clone
-
 
 def load_model(
     path: str | Path,

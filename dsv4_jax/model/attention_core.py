@@ -63,7 +63,7 @@ def dense_attention(
     if compressed_idx is None:  # HCA: every visible entry
         c_logits = jnp.einsum("bshd,bjd->bhsj", qf, ckv) * scale
         c_logits = jnp.where(visible[None, None], c_logits, -jnp.inf)
-        return _softmax_with_sink(logits, kv, c_logits, ckv[:, None], sinks)
+        return _softmax_with_sink(logits, kv, c_logits, ckv, sinks)
     # CSA: each query's own rows; -1 and invisible picks are masked, never read as row 0.
     valid = compressed_idx >= 0
     safe = jnp.where(valid, compressed_idx, 0)
@@ -78,7 +78,7 @@ def _softmax_with_sink(
     window_logits: jax.Array,  # [batch, heads, seq, seq]
     window_kv: jax.Array,  # [batch, seq, dim]
     extra_logits: jax.Array | None,  # [batch, heads, seq, n]
-    extra_kv: jax.Array | None,  # [batch, 1 or seq, n, dim]: rows shared by all queries or per query
+    extra_kv: jax.Array | None,  # [batch, n, dim] shared by all queries, or [batch, seq, n, dim] per query
     sinks: jax.Array,  # [heads]
 ) -> jax.Array:
     """softmax over [window keys, extra keys, sink] (the sink has no value), then P @ V."""
@@ -91,6 +91,6 @@ def _softmax_with_sink(
     probs = probs / (jnp.sum(probs, axis=-1, keepdims=True) + jnp.exp(sink - m))
     out = jnp.einsum("bhsu,bud->bshd", probs[..., :seq], window_kv)
     if extra_kv is not None:
-        extra_kv = jnp.broadcast_to(extra_kv, (extra_kv.shape[0], seq, *extra_kv.shape[2:]))
-        out = out + jnp.einsum("bhsk,bskd->bshd", probs[..., seq:], extra_kv)
+        per_query = "bhsk,bskd->bshd" if extra_kv.ndim == 4 else "bhsk,bkd->bshd"
+        out = out + jnp.einsum(per_query, probs[..., seq:], extra_kv)
     return out
