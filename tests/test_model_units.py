@@ -236,3 +236,50 @@ def test_program_size_does_not_grow_with_stacked_depth():
     """Repeated (HCA, CSA) layers run under one scan: 8 repetitions lower to the same program as 2."""
     two, eight = _lowered_size(2), _lowered_size(8)
     assert eight < 1.02 * two
+
+
+@pytest.mark.parametrize(
+    "tokens,expert_format",
+    [(40, None), (400, None), (40, "fp4"), (40, "fp8")],  # 80 pairs: 1-row tiles; 800 pairs: 64-row tiles
+)
+def test_grouped_expert_matmul_equals_a_plain_loop(tokens, expert_format):
+    from dsv4_jax import weights as wfmt
+    from dsv4_jax.model.moe import RoutedExperts, swiglu, tile_rows
+    from dsv4_jax.presets import quantized
+
+    config = dsv4_tiny_test()
+    if expert_format:
+        config = quantized(config, expert_dtype=expert_format)
+    experts = RoutedExperts(config)
+    rng = np.random.default_rng(0)
+    e, d, f = config.n_routed_experts, config.hidden_size, config.moe_intermediate_size
+    dense = {"w1": rng.normal(size=(e, f, d)) / np.sqrt(d), "w3": rng.normal(size=(e, f, d)) / np.sqrt(d),
+             "w2": rng.normal(size=(e, d, f)) / np.sqrt(f)}
+    for name, w in dense.items():
+        w = w.astype(np.float32)
+        if expert_format == "fp4":
+            packed, scale = zip(*(wfmt.quantize_mxfp4(m) for m in w))
+            dense[name] = np.stack([wfmt.dequantize_mxfp4_np(p, s) for p, s in zip(packed, scale)])
+            getattr(experts, name).weight.set_value(jnp.asarray(np.stack(packed)))
+            getattr(experts, name).scale.set_value(jnp.asarray(np.stack(scale)))
+        elif expert_format == "fp8":
+            q, scale = zip(*(wfmt.quantize_fp8_blocks(m) for m in w))
+            dense[name] = np.stack([wfmt.dequantize_fp8_blocks_np(a, b) for a, b in zip(q, scale)])
+            getattr(experts, name).weight.set_value(jnp.asarray(np.stack(q)))
+            getattr(experts, name).scale.set_value(jnp.asarray(np.stack(scale)))
+        else:
+            getattr(experts, name).weight.set_value(jnp.asarray(w))
+    w1, w2, w3 = (np.asarray(dense[n], np.float64) for n in ("w1", "w2", "w3"))
+    x = rng.normal(size=(tokens, d)).astype(np.float32)
+    picks = np.stack([rng.choice(e, 2, replace=False) for _ in range(tokens)]).astype(np.int32)
+    picks[: tokens // 2, 0] = 3  # a crowded expert: several tiles of one expert
+    weights = rng.random((tokens, 2)).astype(np.float32)
+    got = np.asarray(experts(jnp.asarray(x), jnp.asarray(picks), jnp.asarray(weights), 1.0))
+    want = np.zeros((tokens, d))
+    for t in range(tokens):
+        for k in range(2):
+            i = picks[t, k]
+            h = np.asarray(swiglu(jnp.asarray(w1[i] @ x[t]), jnp.asarray(w3[i] @ x[t]), 1.0), np.float64)
+            want[t] += weights[t, k] * (w2[i] @ h)
+    assert tile_rows(tokens * 2) == (1 if tokens * 2 <= 512 else 64)
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-4)
