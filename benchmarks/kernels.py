@@ -1,0 +1,280 @@
+"""GPU benchmark of the Pallas kernels against the XLA path (the pure-JAX references).
+
+    python benchmarks/kernels.py [--points decode,prefill,indexer,write] [--markdown FILE] [--budget-s 420]
+
+Plain script (jax + numpy + this repository; no pytest). For each grid point it builds random
+pools at DeepSeek-V4-Flash shapes on the device, compiles the kernel and the reference once,
+checks GPU parity (max |kernel - reference| against the format-derived bound 2**-8 * max|K|
+for attention, equality of the selected sets up to near-ties for the indexer, bit equality for
+kv_write), then reports device-timed medians, the speed-up over the XLA path, achieved TFLOP/s
+and HBM GB/s. The table is printed even if some points fail, and points are skipped once the time
+budget is spent. At most 16 points: sparse_decode (CSA, fp8_ds_mla) at batch {1, 64, 128} x
+context {4K, 32K, 128K}, sparse_prefill (CSA) and indexer_topk prefill at a 32K context, plus
+indexer_topk decode and kv_write.
+
+FLOPs count useful work: attention 4 * heads * head_dim per (query, key) pair (QK and PV),
+indexer 2 * heads * d per (query, entry). Bytes count the KV rows read once (584 B per
+fp8_ds_mla row, 132 B per indexer entry) plus queries and outputs; gathered rows that hit in L2
+are counted once, so GB/s is an effective, not a measured, bandwidth.
+
+Targets (issue 5): sparse_decode at batch 64, 32K context >= 250 TFLOP/s on an H200 and >= 3x
+the XLA path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import os
+import sys
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from pallas_kernels.indexer_topk import indexer_topk, indexer_topk_reference  # noqa: E402
+from pallas_kernels.kv_write import write_kv, write_kv_reference  # noqa: E402
+from pallas_kernels.sparse_decode import sparse_decode, sparse_decode_reference  # noqa: E402
+from pallas_kernels.sparse_prefill import sparse_prefill, sparse_prefill_reference  # noqa: E402
+
+HEADS, HEAD_DIM, ROPE, NOPE = 64, 512, 64, 448
+TOPK, WINDOW, BLOCK, CSA = 512, 128, 256, 4
+INDEX_HEADS, INDEX_DIM = 64, 128
+ROW_BYTES = NOPE + 2 * ROPE + 8  # 584
+INDEX_BYTES = INDEX_DIM + 4  # 132
+RING = -(-WINDOW // BLOCK) + 1
+MAX_CONTEXT = 131072
+
+
+# ---- random device inputs ------------------------------------------------------------------------
+def _e4m3(key, shape):
+    """Random finite e4m3 bytes (0x7F / 0xFF are NaN)."""
+    b = jax.random.randint(key, shape, 0, 254, jnp.int32)
+    b = jnp.where(b >= 0x7F, b + 1, b).astype(jnp.uint8)
+    return jax.lax.bitcast_convert_type(b, jnp.float8_e4m3fn)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _fp8_pool(key, blocks, units):
+    k1, k2, k3 = jax.random.split(key, 3)
+    nope = _e4m3(k1, (blocks, units, NOPE))
+    rope = jax.random.normal(k2, (blocks, units, ROPE), jnp.bfloat16)
+    scales = jax.random.randint(k3, (blocks, units, 8), 118, 124, jnp.int32).astype(jnp.uint8)
+    return nope, rope, scales.at[..., 7].set(0)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _indexer_pool(key, blocks, units):
+    k1, k2 = jax.random.split(key)
+    keys = _e4m3(k1, (blocks, units, INDEX_DIM))
+    scale = jnp.exp2(jax.random.randint(k2, (blocks, units), -8, -4).astype(jnp.float32))
+    return keys, scale
+
+
+def _kmax(pool):
+    nope, rope, scales = pool
+    return float(448.0 * 2.0 ** (int(jnp.max(scales[..., :7])) - 127) + jnp.max(jnp.abs(rope.astype(jnp.float32))))
+
+
+def _tables(batch, context):
+    pages = -(-MAX_CONTEXT // BLOCK)
+    cbt = np.arange(batch * pages, dtype=np.int32).reshape(batch, pages)
+    cbt[:, -(-context // BLOCK):] = -1
+    wbt = np.arange(batch * RING, dtype=np.int32).reshape(batch, RING)
+    return jnp.asarray(wbt), jnp.asarray(cbt), batch * pages
+
+
+# ---- timing ----------------------------------------------------------------------------------------
+def _median_seconds(fn, args, reps=7, min_time=0.05):
+    """Median over `reps` of the mean time of a batch of calls (blocked at the end)."""
+    jax.block_until_ready(fn(*args))
+    n = 1
+    while True:
+        t0 = time.perf_counter()
+        for _ in range(n):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        if time.perf_counter() - t0 >= min_time or n >= 256:
+            break
+        n *= 2
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - t0) / n)
+    return float(np.median(times))
+
+
+def _compile(fn, args):
+    return jax.jit(fn).lower(*args).compile()
+
+
+# ---- grid points -----------------------------------------------------------------------------------
+def point_decode(batch, context, seed=0):
+    key = jax.random.PRNGKey(seed)
+    wbt, cbt, cblocks = _tables(batch, context)
+    wpool = _fp8_pool(key, batch * RING, BLOCK)
+    cpool = _fp8_pool(jax.random.fold_in(key, 1), cblocks, BLOCK // CSA)
+    q = jax.random.normal(jax.random.fold_in(key, 2), (batch, HEADS, HEAD_DIM), jnp.bfloat16)
+    sinks = jax.random.normal(jax.random.fold_in(key, 3), (HEADS,), jnp.float32)
+    lens = jnp.full((batch,), context, jnp.int32)
+    idx = jax.random.randint(jax.random.fold_in(key, 4), (batch, TOPK), 0, context // CSA, jnp.int32)
+    args = (q, wpool, wbt, lens, sinks, cpool, cbt, idx)
+    kern = functools.partial(sparse_decode, window=WINDOW, ratio=CSA)
+    ref = functools.partial(sparse_decode_reference, window=WINDOW, ratio=CSA)
+    keys = WINDOW + TOPK
+    flops = 4.0 * batch * HEADS * HEAD_DIM * keys
+    nbytes = batch * (keys * ROW_BYTES + HEADS * HEAD_DIM * (2 + 4))
+    tol = 2.0**-8 * max(_kmax(wpool), _kmax(cpool))
+    return kern, ref, args, flops, nbytes, ("attention", tol)
+
+
+def point_prefill(context, tokens=2048, seed=1):
+    key = jax.random.PRNGKey(seed)
+    wbt, cbt, cblocks = _tables(1, MAX_CONTEXT)
+    wpool = _fp8_pool(key, RING + MAX_CONTEXT // BLOCK, BLOCK)  # window rows of the chunk in the pool
+    wbt = jnp.arange(MAX_CONTEXT // BLOCK, dtype=jnp.int32)[None]  # a full table (no ring) for the chunk
+    cpool = _fp8_pool(jax.random.fold_in(key, 1), cblocks, BLOCK // CSA)
+    q = jax.random.normal(jax.random.fold_in(key, 2), (1, tokens, HEADS, HEAD_DIM), jnp.bfloat16)
+    sinks = jax.random.normal(jax.random.fold_in(key, 3), (HEADS,), jnp.float32)
+    start = jnp.array([context - tokens], jnp.int32)
+    lens = jnp.array([tokens], jnp.int32)
+    idx = jax.random.randint(jax.random.fold_in(key, 4), (1, tokens, TOPK), 0, (context - tokens) // CSA, jnp.int32)
+    args = (q, wpool, wbt, start, lens, sinks, cpool, cbt, idx)
+    kern = functools.partial(sparse_prefill, window=WINDOW, ratio=CSA)
+    ref = functools.partial(sparse_prefill_reference, window=WINDOW, ratio=CSA)
+    keys = WINDOW + TOPK
+    flops = 4.0 * tokens * HEADS * HEAD_DIM * keys
+    nbytes = tokens * (keys * ROW_BYTES + HEADS * HEAD_DIM * (2 + 4))
+    tol = 2.0**-8 * max(_kmax(wpool), _kmax(cpool))
+    return kern, ref, args, flops, nbytes, ("attention", tol)
+
+
+def point_indexer(batch, tokens, context, seed=2):
+    key = jax.random.PRNGKey(seed)
+    _, cbt, cblocks = _tables(batch, context)
+    pool = _indexer_pool(key, cblocks, BLOCK // CSA)
+    q = jax.random.normal(jax.random.fold_in(key, 1), (batch, tokens, INDEX_HEADS, INDEX_DIM), jnp.bfloat16)
+    w = jax.random.normal(jax.random.fold_in(key, 2), (batch, tokens, INDEX_HEADS), jnp.float32) * 0.01
+    start = jnp.full((batch,), context - tokens, jnp.int32)
+    lens = jnp.full((batch,), tokens, jnp.int32)
+    args = (q, w, pool, cbt, start, lens)
+    kern = functools.partial(indexer_topk, topk=TOPK, ratio=CSA)
+    ref = functools.partial(indexer_topk_reference, topk=TOPK, ratio=CSA)
+    entries = batch * tokens * (context // CSA)  # upper bound (earlier tokens see fewer)
+    flops = 2.0 * INDEX_HEADS * INDEX_DIM * entries
+    nbytes = batch * (context // CSA) * INDEX_BYTES + batch * tokens * (INDEX_HEADS * INDEX_DIM * 2 + TOPK * 4)
+    return kern, ref, args, flops, nbytes, ("indexer", None)
+
+
+def point_write(tokens, seed=3):
+    key = jax.random.PRNGKey(seed)
+    blocks = 4 * tokens // BLOCK + 8
+    pool = tuple(jnp.zeros_like(p) for p in _fp8_pool(key, blocks, BLOCK))
+    kv = jax.random.normal(jax.random.fold_in(key, 1), (tokens, HEAD_DIM), jnp.bfloat16)
+    slots = jax.random.permutation(jax.random.fold_in(key, 2), blocks * BLOCK)[:tokens].astype(jnp.int32)
+    args = (pool, kv, slots)
+    flops = 0.0
+    nbytes = tokens * (HEAD_DIM * 2 + ROW_BYTES)
+    return write_kv, write_kv_reference, args, flops, nbytes, ("exact", None)
+
+
+def grid(which):
+    points = []
+    if "decode" in which:
+        for batch in (1, 64, 128):
+            for context in (4096, 32768, 131072):
+                name = f"sparse_decode csa fp8 B={batch} ctx={context // 1024}K"
+                points.append((name, functools.partial(point_decode, batch, context)))
+    if "prefill" in which:
+        points.append(("sparse_prefill csa fp8 S=2048 ctx=32K", functools.partial(point_prefill, 32768)))
+        points.append(("indexer_topk prefill S=2048 ctx=32K", functools.partial(point_indexer, 1, 2048, 32768)))
+    if "indexer" in which:
+        points.append(("indexer_topk decode B=64 ctx=32K", functools.partial(point_indexer, 64, 1, 32768)))
+    if "write" in which:
+        points.append(("kv_write fp8 T=8192", functools.partial(point_write, 8192)))
+    return points[:16]
+
+
+# ---- parity -------------------------------------------------------------------------------------
+def _parity(kind, tol, got, want, args):
+    if kind == "attention":
+        err = float(jnp.max(jnp.abs(got - want)))
+        return err <= tol and bool(jnp.all(jnp.isfinite(got))), f"max err {err:.2e} (bound {tol:.2e})"
+    if kind == "exact":
+        def raw(x):  # fp8 compared as bytes (NaN != NaN otherwise)
+            return jax.lax.bitcast_convert_type(x, jnp.uint8) if x.dtype.itemsize == 1 else x
+
+        same = all(bool(jnp.array_equal(raw(a), raw(b))) for a, b in zip(got, want))
+        return same, "bit-exact" if same else "bytes differ"
+    # indexer: same sets except near-ties at the k-th place
+    g, w = np.asarray(got), np.asarray(want)
+    rows = g.reshape(-1, g.shape[-1])
+    diff = sum(set(a[a >= 0].tolist()) != set(b[b >= 0].tolist()) for a, b in zip(rows, w.reshape(-1, w.shape[-1])))
+    return diff <= max(1, rows.shape[0] // 100), f"{diff}/{rows.shape[0]} rows differ (near-ties allowed)"
+
+
+# ---- main ---------------------------------------------------------------------------------------
+def run(which, budget_s):
+    device = jax.devices()[0]
+    print(f"# kernels benchmark {datetime.date.today().isoformat()} on {device.device_kind} (jax {jax.__version__})")
+    rows = []
+    start = time.perf_counter()
+    for name, make in grid(which):
+        if time.perf_counter() - start > budget_s:
+            rows.append((name, "skipped", "time budget spent", "", "", "", "", ""))
+            continue
+        try:
+            kern, ref, args, flops, nbytes, (kind, tol) = make()
+            ck = _compile(kern, args)
+            cr = _compile(ref, args)
+            ok, detail = _parity(kind, tol, ck(*args), cr(*args), args)
+            tk = _median_seconds(ck, args)
+            tr = _median_seconds(cr, args)
+            rows.append((
+                name, "ok" if ok else "PARITY FAIL", detail, f"{tk * 1e3:.3f}", f"{tr * 1e3:.3f}", f"{tr / tk:.2f}x",
+                f"{flops / tk / 1e12:.1f}" if flops else "-", f"{nbytes / tk / 1e9:.0f}",
+            ))
+        except Exception as exc:  # keep going: the table is printed whatever fails
+            traceback.print_exc(limit=3)
+            rows.append((name, "ERROR", f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}", "", "", "", "", ""))
+        print(" | ".join(rows[-1]), flush=True)
+    header = ("point", "status", "parity", "pallas ms", "xla ms", "speed-up", "TFLOP/s", "GB/s")
+    lines = [
+        f"Kernel benchmark, {datetime.date.today().isoformat()}, {device.device_kind}, jax {jax.__version__} "
+        "(device-timed medians; TFLOP/s and GB/s of the Pallas kernel)",
+        "",
+        "| " + " | ".join(header) + " |",
+        "|" + "---|" * len(header),
+    ]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines), all(r[1] in ("ok", "skipped") for r in rows)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--points", default="decode,prefill,indexer,write")
+    parser.add_argument("--markdown", help="also write the table to this file")
+    parser.add_argument("--budget-s", type=float, default=420.0, help="skip points after this many seconds")
+    args = parser.parse_args(argv)
+    if jax.default_backend() != "gpu":
+        print(f"no GPU: JAX's default backend is {jax.default_backend()!r}; nothing measured")
+        return 2
+    table, ok = run(set(args.points.split(",")), args.budget_s)
+    print()
+    print(table)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(table + "\n")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

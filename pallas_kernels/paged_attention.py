@@ -1,0 +1,272 @@
+"""Building blocks shared by the paged attention kernels (`sparse_decode`, `sparse_prefill`):
+pool-plane helpers, the in-kernel row gather, fp8 dequantisation and online-softmax step, and
+`paged_attention_reference`, the pure-JAX attention over the paged cache whose numerics both
+kernels' references are defined by.
+
+Pools are tuples of planes with leading dims [layers, blocks, units] (or [blocks, units]):
+fp8_ds_mla = (e4m3 nope, bf16 rope, uint8 UE8M0 scales) or bf16 rows, see formats.py.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels import formats
+
+DIM_CHUNK = formats.FP8_DS_MLA_QUANT_BLOCK  # 64: one UE8M0 scale per chunk of NoPE dims
+_HIGHEST = lax.Precision.HIGHEST
+
+
+def chunk_width(width: int) -> int:
+    """Width of the column chunks of a plane: 64, or 32 / 16 for planes that are not a multiple
+    of 64 wide (small test models); Triton blocks must be powers of two and dots >= 16 deep."""
+    for w in (DIM_CHUNK, 32, 16):
+        if width % w == 0:
+            return w
+    raise ValueError(f"plane width {width} is not a multiple of 16")
+
+
+def dim_chunks(planes) -> tuple[tuple[int, int, int], ...]:
+    """(plane, first column, width) of every dim chunk in head_dim order: the NoPE dims in 64-wide
+    chunks (each has one UE8M0 scale byte, column // 64) then the RoPE dims, for fp8_ds_mla; the
+    bf16 rows otherwise."""
+    planes = tuple(planes)
+    if len(planes) == 3:
+        nope, rope = planes[0].shape[-1], planes[1].shape[-1]
+        if nope % DIM_CHUNK:
+            raise ValueError(f"fp8_ds_mla kernels need the NoPE dims ({nope}) in multiples of {DIM_CHUNK}")
+        wr = chunk_width(rope)
+        nope_chunks = tuple((0, c, DIM_CHUNK) for c in range(0, nope, DIM_CHUNK))
+        return nope_chunks + tuple((1, c, wr) for c in range(0, rope, wr))
+    width = planes[0].shape[-1]
+    w = chunk_width(width)
+    return tuple((0, c, w) for c in range(0, width, w))
+
+
+def chunk_offsets(chunks) -> list[int]:
+    """Column of each chunk within head_dim."""
+    out, col = [], 0
+    for _, _, w in chunks:
+        out.append(col)
+        col += w
+    return out
+
+
+# ---- pools ------------------------------------------------------------------------------------
+def pool_format(planes) -> str:
+    """"fp8_ds_mla" (three planes) or "bf16" (one plane of rows)."""
+    planes = tuple(planes)
+    if len(planes) == 3 and planes[0].dtype == jnp.float8_e4m3fn:
+        return "fp8_ds_mla"
+    if len(planes) == 1 and planes[0].dtype == jnp.bfloat16:
+        return "bf16"
+    raise ValueError(
+        "a KV pool is (e4m3 nope, bf16 rope, uint8 scales) planes or (bf16 rows,), got "
+        f"{[(p.shape, str(p.dtype)) for p in planes]}"
+    )
+
+
+def flatten_pool(planes) -> tuple[tuple[jax.Array, ...], int, int]:
+    """Planes [L, blocks, units, ...] (or [blocks, units, ...]: L = 1) -> (planes [L*blocks*units,
+    ...], blocks, units). The first plane decides: it has a trailing data dim, so 4 dims = layered."""
+    planes = tuple(planes)
+    layered = planes[0].ndim == 4
+    out = []
+    for p in planes:
+        if not layered:
+            p = p[None]
+        out.append(p.reshape(p.shape[0] * p.shape[1] * p.shape[2], *p.shape[3:]))
+    return tuple(out), planes[0].shape[-3], planes[0].shape[-2]
+
+
+def pool_dims(planes) -> tuple[int, int, int]:
+    """(blocks, units, head_dim) of a KV pool."""
+    planes = tuple(planes)
+    blocks, units = planes[0].shape[-3], planes[0].shape[-2]
+    head_dim = sum(p.shape[-1] for p in planes[:2]) if len(planes) == 3 else planes[0].shape[-1]
+    return blocks, units, head_dim
+
+
+def layer_offset(layer, planes) -> jax.Array:
+    """First flat row of pool layer `layer` (int or scalar array), as int32."""
+    blocks, units, _ = pool_dims(planes)
+    return jnp.asarray(layer, jnp.int32) * (blocks * units)
+
+
+# ---- in-kernel helpers (also used by sparse_prefill) -------------------------------------------
+def _ue8m0_scale(byte: jax.Array) -> jax.Array:
+    """uint8 UE8M0 bytes -> fp32 scales, as formats.ue8m0_decode (0 -> 2**-127, 0xFF -> NaN)."""
+    b = byte.astype(jnp.int32)
+    s = lax.bitcast_convert_type(b << 23, jnp.float32)
+    s = jnp.where(b == 0, jnp.float32(2.0**-127), s)
+    return jnp.where(b == formats.UE8M0_NAN, jnp.float32(jnp.nan), s)
+
+
+def _key_chunk(planes, rows: jax.Array, valid: jax.Array, chunk: tuple[int, int, int]) -> jax.Array:
+    """One dim chunk (plane, column, width) of the key rows `rows` [bk] as bf16 [bk, width]; zeros
+    where not valid (so NaN in unused pool rows never reaches a dot). fp8 values times their
+    power-of-two scale are exact in bf16."""
+    plane, col, width = chunk
+    if len(planes) == 3 and plane == 0:
+        nope_ref, _, scale_ref = planes
+        e = nope_ref[rows, pl.ds(col, width)].astype(jnp.float32)
+        k = e * _ue8m0_scale(scale_ref[rows, col // DIM_CHUNK])[:, None]
+        return jnp.where(valid[:, None], k, 0.0).astype(jnp.bfloat16)
+    k = planes[plane][rows, pl.ds(col, width)]
+    return jnp.where(valid[:, None], k, jnp.zeros((), jnp.bfloat16))
+
+
+def _online_softmax_step(carry, q_chunks, k_chunks, mask: jax.Array, scale: float):
+    """One block of keys: logits = q @ k^T * scale over all dim chunks (bf16 operands, fp32
+    accumulation), masked to -inf, then the flash-attention update of (m, l, acc).
+
+    carry = (m [M], l [M], acc: one [M, width] fp32 array per dim chunk); mask [M, bk]."""
+    m, l, acc = carry
+    logits = None
+    for qc, kc in zip(q_chunks, k_chunks):
+        d = lax.dot_general(qc, kc, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        logits = d if logits is None else logits + d
+    logits = jnp.where(mask, logits * scale, -jnp.inf)
+    m_new = jnp.maximum(m, jnp.max(logits, axis=1))
+    m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # rows with no key yet: exp(-inf) = 0, no NaN
+    p = jnp.exp(logits - m_use[:, None])
+    alpha = jnp.exp(m - m_use)
+    l = l * alpha + jnp.sum(p, axis=1)
+    pb = p.astype(jnp.bfloat16)
+    acc = tuple(
+        a * alpha[:, None] + jnp.dot(pb, kc, preferred_element_type=jnp.float32) for a, kc in zip(acc, k_chunks)
+    )
+    return m_new, l, acc
+
+
+def _window_rows(bt_ref, b, pos, valid, units: int, row0):
+    """Flat pool rows of token positions `pos` [bk] through the sliding ring; (rows, valid)."""
+    ring = bt_ref.shape[1]
+    safe = jnp.maximum(pos, 0)
+    blk = bt_ref[b, (safe // units) % ring]
+    valid = valid & (blk >= 0)
+    return jnp.where(valid, row0 + blk * units + safe % units, 0), valid
+
+
+def _entry_rows(bt_ref, b, j, valid, units: int, row0):
+    """Flat pool rows of compressed entries `j` [bk]; (rows, valid)."""
+    nb = bt_ref.shape[1]
+    safe = jnp.maximum(j, 0)
+    page = safe // units
+    valid = valid & (page < nb)
+    blk = bt_ref[b, jnp.minimum(page, nb - 1)]
+    valid = valid & (blk >= 0)
+    return jnp.where(valid, row0 + blk * units + safe % units, 0), valid
+
+
+# ---- kernel -----------------------------------------------------------------------------------
+def _check_shapes(q, window_pool, compressed_pool, topk_indices, ratio):
+    fmt = pool_format(window_pool)
+    head_dim = q.shape[-1]
+    _, _, pool_dim = pool_dims(window_pool)
+    if pool_dim != head_dim:
+        raise ValueError(f"q head_dim {head_dim} != window pool head_dim {pool_dim}")
+    dim_chunks(window_pool)  # raises for widths the kernels cannot split
+    if compressed_pool is not None:
+        if pool_format(compressed_pool) != fmt:
+            raise ValueError("window and compressed pools must share one format")
+        if pool_dims(compressed_pool)[2] != head_dim:
+            raise ValueError("compressed pool head_dim differs from q")
+        if ratio < 1:
+            raise ValueError(f"a compressed pool needs a compress ratio >= 1, got {ratio}")
+    elif topk_indices is not None:
+        raise ValueError("topk_indices need a compressed pool")
+    return fmt
+
+
+def _mode(compressed_pool, topk_indices) -> str:
+    if compressed_pool is None:
+        return "window"
+    return "hca" if topk_indices is None else "csa"
+
+
+def _gather_rows_reference(planes, block_table, keys, *, ring: bool, layer=0):
+    """Dequantised fp32 rows [B, ..., D] for token positions (ring=True, sliding pool) or
+    compressed entries (ring=False) `keys` [B, ...]; also whether each row exists
+    (block-table entry >= 0, inside the table)."""
+    blocks, units, _ = pool_dims(planes)
+    flat, _, _ = flatten_pool(planes)
+    batch, nb = block_table.shape
+    safe = jnp.maximum(keys, 0)
+    page = safe // units
+    if ring:
+        page = page % nb
+        inside = jnp.ones(keys.shape, bool)
+    else:
+        inside = page < nb
+        page = jnp.minimum(page, nb - 1)
+    blk = jnp.take_along_axis(block_table, page.reshape(batch, -1), axis=1).reshape(keys.shape)
+    exists = inside & (blk >= 0)
+    rows = jnp.where(exists, jnp.asarray(layer, jnp.int32) * (blocks * units) + blk * units + safe % units, 0)
+    if len(flat) == 3:
+        out = formats.fp8_ds_mla_dequantize(flat[0][rows], flat[1][rows], flat[2][rows], jnp.float32)
+    else:
+        out = formats.bf16_rows_dequantize(flat[0][rows], jnp.float32)
+    return out, exists
+
+
+def paged_attention_reference(
+    q, positions, q_valid, window_pool, window_block_table, sinks, compressed_pool, compressed_block_table,
+    topk_indices, layer, compressed_layer, *, window, ratio, chunk_kv=None, chunk_start=None,
+):
+    """Attention of queries q [B, S, H, D] at absolute `positions` [B, S] (rows with q_valid False
+    give 0) over the paged cache: fp32, HIGHEST precision, q rounded to bf16. With `chunk_kv`
+    [B, S, D], window keys at positions >= `chunk_start` [B] come from it (rounded to bf16)."""
+    batch, seq, heads, head_dim = q.shape
+    scale = head_dim**-0.5
+    qf = q.astype(jnp.bfloat16).astype(jnp.float32)
+    kpos = positions[..., None] - window + 1 + jnp.arange(window)  # [B, S, W]
+    kw, exists = _gather_rows_reference(window_pool, window_block_table, kpos, ring=True, layer=layer)
+    if chunk_kv is not None:
+        rel = kpos - chunk_start.astype(jnp.int32)[:, None, None]  # [B, S, W]
+        own = rel >= 0
+        chunk = chunk_kv.astype(jnp.bfloat16).astype(jnp.float32)
+        rows = chunk[jnp.arange(batch)[:, None, None], jnp.clip(rel, 0, chunk_kv.shape[1] - 1)]  # [B, S, W, D]
+        kw = jnp.where(own[..., None], rows, kw)
+        exists = exists | own
+    wvalid = exists & (kpos >= 0) & q_valid[..., None]
+    kw = jnp.where(wvalid[..., None], kw, 0.0)
+    w_logits = jnp.einsum("bshd,bswd->bshw", qf, kw, precision=_HIGHEST) * scale
+    logits = [jnp.where(wvalid[:, :, None], w_logits, -jnp.inf)]
+    values = [kw]
+    if compressed_pool is not None:
+        _, c_units, _ = pool_dims(compressed_pool)
+        n_visible = (positions + 1) // ratio  # [B, S]
+        if topk_indices is None:  # HCA: every visible entry, one set of rows per sequence
+            entries = compressed_block_table.shape[1] * c_units
+            j = jnp.broadcast_to(jnp.arange(entries), (batch, seq, entries))
+            ok = j < n_visible[..., None]
+        else:
+            j = topk_indices
+            ok = (j >= 0) & (j < n_visible[..., None])
+        kc, exists = _gather_rows_reference(
+            compressed_pool, compressed_block_table, j, ring=False, layer=compressed_layer
+        )
+        cvalid = ok & exists & q_valid[..., None]
+        kc = jnp.where(cvalid[..., None], kc, 0.0)
+        logits.append(
+            jnp.where(cvalid[:, :, None], jnp.einsum("bshd,bskd->bshk", qf, kc, precision=_HIGHEST) * scale, -jnp.inf)
+        )
+        values.append(kc)
+    sink = sinks.astype(jnp.float32)[None, None, :, None]
+    all_logits = jnp.concatenate(logits, axis=-1)
+    m = jnp.maximum(jnp.max(all_logits, axis=-1, keepdims=True), sink)
+    m = jnp.where(jnp.isneginf(m), 0.0, m)
+    p = jnp.exp(all_logits - m)
+    den = jnp.sum(p, axis=-1, keepdims=True) + jnp.exp(sink - m)
+    p = p / jnp.where(den > 0, den, 1.0)
+    out = jnp.zeros((batch, seq, heads, head_dim), jnp.float32)
+    start = 0
+    for v in values:
+        n = v.shape[2]
+        out = out + jnp.einsum("bshk,bskd->bshd", p[..., start : start + n], v, precision=_HIGHEST)
+        start += n
+    return jnp.where(q_valid[:, :, None, None], out, 0.0)

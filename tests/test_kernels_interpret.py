@@ -1,0 +1,447 @@
+"""Interpret-mode parity of every Pallas kernel with its pure-JAX reference, and of the attention
+references with the model's dense attention (dsv4_jax/model/attention_core.py) on the same K/V.
+
+Fixed small shapes (so each kernel compiles once): 16 heads, head_dim 192 = two 64-wide NoPE
+chunks + 64 RoPE dims, window 40 (not a multiple of the 16-row key chunks), 16 token positions
+per block (a sliding ring of 4 blocks), CSA ratio 4 and an HCA ratio of 8 (so HCA entries exist
+at <= 200 tokens), top-k 24 (padded to 32 in the indexer), 2 pool layers (layer 1 used). Values,
+sequence lengths, block tables (with unassigned -1 entries) and -1 / invisible top-k picks are
+random inside those shapes; unused pool rows hold NaN so that any row read without its mask
+poisons the result.
+
+Tolerances (derived from the formats, stated once here):
+
+* kv_write: bit-exact (the kernel reproduces formats.py; NaN blocks compared as NaN).
+* attention kernel vs reference: the kernel rounds the softmax probabilities to bf16 before the
+  P @ V dot (relative error <= 2**-9 each) and sums in another order, everything else is exact
+  (fp8 dequantises exactly into bf16; bf16 x bf16 products are exact in fp32). With p summing
+  to <= 1, |out - ref| <= 2**-9 * max|K|; we allow 2**-8 * max|K| + 1e-6.
+* attention reference vs dense_attention: same fp32 math on the same values, only summation
+  order differs: 1e-5 * max|K|.
+* indexer top-k: scores differ only by fp32 summation order, at most
+  (d + heads) * 2**-24 * sum_h |w_h| sum_d |q_hd k_d| (doubled); selections must agree except
+  for swaps between entries whose reference scores lie within that bound of the k-th score.
+  Exact ties (all-zero scores) must be broken by the lowest index in both.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dsv4_jax.model.attention_core import dense_attention
+from pallas_kernels import backend, formats, tuning
+from pallas_kernels.indexer_topk import indexer_scores_reference, indexer_topk, indexer_topk_reference
+from pallas_kernels.kv_write import (
+    _ue8m0_byte_and_inverse,
+    write_indexer_keys,
+    write_indexer_keys_reference,
+    write_kv,
+    write_kv_reference,
+)
+from pallas_kernels.sparse_decode import sparse_decode, sparse_decode_reference
+from pallas_kernels.sparse_prefill import sparse_prefill, sparse_prefill_reference
+
+HEADS, HEAD_DIM, ROPE = 16, 192, 64
+WINDOW, UNITS = 40, 16
+RING = -(-WINDOW // UNITS) + 1
+CSA, HCA = 4, 8
+TOPK = 24
+MAX_LEN = 200
+PAGES = -(-MAX_LEN // UNITS)
+LAYERS, LAYER = 2, 1
+INDEX_HEADS, INDEX_DIM = 16, 64
+BATCH = 4  # the last row is a padding row (length 0) in decode
+
+DECODE_CFG = tuning.KernelConfig(block_h=16, block_k=16, max_splits=4)
+PREFILL_CFG = tuning.KernelConfig(block_q=2, block_h=8, block_k=16)
+PREFILL_CSA_CFG = tuning.KernelConfig(block_h=16, block_k=16)
+INDEXER_CFG = tuning.KernelConfig(block_k=16, max_splits=2)
+WRITE_CFG = tuning.KernelConfig(block_k=16)
+
+
+def attention_tol(kmax: float) -> float:
+    return 2.0**-8 * kmax + 1e-6
+
+
+def dense_tol(kmax: float) -> float:
+    return 1e-5 * kmax
+
+
+# ---- a random paged cache and the same K/V laid out contiguously --------------------------------
+def _nan_planes(fmt: str, blocks: int, units: int) -> list[np.ndarray]:
+    lead = (LAYERS, blocks, units)
+    if fmt == "fp8_ds_mla":
+        nope = np.full((*lead, HEAD_DIM - ROPE), 0x7F, np.uint8).view(jnp.float8_e4m3fn)  # e4m3 NaN
+        return [nope, np.full((*lead, ROPE), np.nan, jnp.bfloat16), np.full((*lead, 8), 0xFF, np.uint8)]
+    return [np.full((*lead, HEAD_DIM), np.nan, jnp.bfloat16)]
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _quantize(fmt: str, x):
+    if fmt == "fp8_ds_mla":
+        planes = formats.fp8_ds_mla_quantize(x, ROPE)
+        return planes, formats.fp8_ds_mla_dequantize(*planes)
+    rows = x.astype(jnp.bfloat16)
+    return (rows,), rows.astype(jnp.float32)
+
+
+_indexer_quantize = jax.jit(formats.indexer_fp8_quantize)
+
+
+def _encode(fmt: str, x: np.ndarray) -> tuple[list[np.ndarray], np.ndarray]:
+    """(stored planes, dequantised values) of x [..., D], in one jitted call per shape."""
+    planes, values = _quantize(fmt, jnp.asarray(x))
+    return [np.asarray(p) for p in planes], np.asarray(values)
+
+
+def _store(planes: list[np.ndarray], flat_rows: np.ndarray, stored: list[np.ndarray]) -> None:
+    """Put already quantised rows at flat rows of layer LAYER (numpy, independent of kv_write)."""
+    units = planes[0].shape[2]
+    blk, off = flat_rows // units, flat_rows % units
+    for p, v in zip(planes, stored):
+        p[LAYER, blk, off] = v
+
+
+@functools.lru_cache(maxsize=None)
+def make_cache(fmt: str, seed: int, lens: tuple[int, ...], pool_len: tuple[int, ...] | None = None):
+    """Pools holding sequences of the given lengths (the sliding ring holds the tail of each; with
+    `pool_len` the ring holds positions < pool_len only, as before a prefill chunk is written)."""
+    rng = np.random.default_rng(seed)
+    batch = len(lens)
+    kv = rng.standard_normal((batch, MAX_LEN, HEAD_DIM)).astype(np.float32) * 2.0
+    kv[:, :, :16] *= 8.0  # uneven block maxima: scales differ per 64-dim chunk
+    csa = rng.standard_normal((batch, MAX_LEN // CSA, HEAD_DIM)).astype(np.float32)
+    hca = rng.standard_normal((batch, MAX_LEN // HCA, HEAD_DIM)).astype(np.float32)
+    ikeys = rng.standard_normal((batch, MAX_LEN // CSA, INDEX_DIM)).astype(np.float32)
+
+    kv_planes, kv_values = _encode(fmt, kv)
+    csa_planes, csa_values = _encode(fmt, csa)
+    hca_planes, hca_values = _encode(fmt, hca)
+    ik_q, ik_s = (np.asarray(a) for a in _indexer_quantize(jnp.asarray(ikeys)))
+
+    w_blocks = batch * RING + 3
+    wbt = rng.permutation(w_blocks)[: batch * RING].reshape(batch, RING).astype(np.int32)
+    c_blocks = batch * PAGES + 5
+    cbt = rng.permutation(c_blocks)[: batch * PAGES].reshape(batch, PAGES).astype(np.int32)
+    wpool = _nan_planes(fmt, w_blocks, UNITS)
+    cpool = _nan_planes(fmt, c_blocks, UNITS // CSA)
+    hpool = _nan_planes(fmt, c_blocks, UNITS // HCA)
+    ipool = [
+        np.full((LAYERS, c_blocks, UNITS // CSA, INDEX_DIM), 0x7F, np.uint8).view(jnp.float8_e4m3fn),
+        np.full((LAYERS, c_blocks, UNITS // CSA), np.nan, np.float32),
+    ]
+    for b, n in enumerate(lens):
+        end = n if pool_len is None else pool_len[b]
+        if end > 0:  # the ring holds the last RING pages of positions < end
+            pos = np.arange(max(0, ((end - 1) // UNITS - RING + 1) * UNITS), end)
+            _store(wpool, wbt[b, (pos // UNITS) % RING] * UNITS + pos % UNITS, [p[b, pos] for p in kv_planes])
+        pages = -(-n // UNITS)
+        cbt[b, pages:] = -1  # blocks past the sequence are unassigned
+        for planes, stored, ratio in ((cpool, csa_planes, CSA), (hpool, hca_planes, HCA)):
+            j = np.arange(n // ratio)
+            u = UNITS // ratio
+            _store(planes, cbt[b, j // u] * u + j % u, [p[b, j] for p in stored])
+        j = np.arange(n // CSA)
+        u = UNITS // CSA
+        _store(ipool, cbt[b, j // u] * u + j % u, [ik_q[b, j], ik_s[b, j]])
+    return dict(
+        wpool=tuple(jnp.asarray(p) for p in wpool), wbt=jnp.asarray(wbt),
+        cpool=tuple(jnp.asarray(p) for p in cpool), hpool=tuple(jnp.asarray(p) for p in hpool),
+        cbt=jnp.asarray(cbt), ipool=tuple(jnp.asarray(p) for p in ipool),
+        # the same values, contiguous, as the cache stores them (for dense_attention)
+        kv=kv_values, csa=csa_values, hca=hca_values, kmax=float(np.abs(kv_values).max()),
+    )
+
+
+def _random_picks(rng, lens_or_pos: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """Top-k picks: random entries, some -1, some not visible yet (both must be skipped)."""
+    picks = rng.integers(0, MAX_LEN // CSA, shape).astype(np.int32)
+    picks[rng.random(shape) < 0.2] = -1
+    return picks
+
+
+def _dense(c, q_full, sinks, mode, idx_full):
+    seq = q_full.shape[1]
+    ratio = {"window": 1, "csa": CSA, "hca": HCA}[mode]
+    comp = None if mode == "window" else jnp.asarray(c["csa" if mode == "csa" else "hca"])
+    idx = jnp.asarray(idx_full) if mode == "csa" else None
+    kv = jnp.asarray(c["kv"][:, :seq])
+    return np.asarray(_dense_attention(q_full, kv, comp, idx, sinks, window=WINDOW, ratio=ratio))
+
+
+_dense_attention = jax.jit(dense_attention, static_argnames=("window", "ratio"))
+
+
+def _compressed_args(c, mode, picks):
+    if mode == "window":
+        return (None, None, None, LAYER, LAYER)
+    pool = c["cpool"] if mode == "csa" else c["hpool"]
+    return (pool, c["cbt"], None if mode == "hca" else jnp.asarray(picks), LAYER, LAYER)
+
+
+# ---- kv_write -----------------------------------------------------------------------------------
+def _bits_equal(a, b) -> bool:
+    a, b = np.asarray(a), np.asarray(b)
+    fa = a.astype(np.float32) if a.dtype != np.uint8 else a
+    fb = b.astype(np.float32) if b.dtype != np.uint8 else b
+    if a.dtype == np.uint8:
+        return np.array_equal(a, b)
+    nan_a, nan_b = np.isnan(fa), np.isnan(fb)
+    view = np.uint8 if a.itemsize == 1 else (np.uint16 if a.itemsize == 2 else np.uint32)
+    return np.array_equal(nan_a, nan_b) and np.array_equal(
+        np.where(nan_a, 0, a.view(view)), np.where(nan_b, 0, b.view(view))
+    )
+
+
+def test_ue8m0_exponent_matches_formats():
+    """The kernel's bit formula for the scale byte equals formats.ue8m0_encode, including at
+    every power of two times 448 and its float32 neighbours (where rounding could differ)."""
+    edges = np.float32(448.0) * np.float32(2.0) ** np.arange(-40, 100, dtype=np.float32)
+    rng = np.random.default_rng(0)
+    samples = np.abs(rng.standard_normal(20000)).astype(np.float32) * np.float32(10.0) ** rng.integers(-8, 30, 20000)
+    a = np.concatenate([edges, np.nextafter(edges, np.float32(0)), np.nextafter(edges, np.float32(np.inf)), samples,
+                        np.array([0.0, 1e-4, 1e-6, 3.4e38], np.float32)]).astype(np.float32)
+    a = a[np.isfinite(a)]
+    byte, inv = jax.jit(_ue8m0_byte_and_inverse)(jnp.asarray(a), jnp.zeros(a.shape, bool))
+    want = np.asarray(formats.ue8m0_encode(jnp.asarray(a)))
+    np.testing.assert_array_equal(np.asarray(byte), want.astype(np.int32))
+    np.testing.assert_array_equal(np.asarray(inv), 1.0 / np.asarray(formats.ue8m0_decode(jnp.asarray(want))))
+
+
+@pytest.mark.parametrize("fmt", ["fp8_ds_mla", "bf16", "indexer_fp8"])
+def test_kv_write_matches_reference(fmt):
+    rng = np.random.default_rng({"fp8_ds_mla": 1, "bf16": 2, "indexer_fp8": 3}[fmt])
+    blocks, units, t = 7, 16, 45  # t not a multiple of the 16-row program block
+    dim = INDEX_DIM if fmt == "indexer_fp8" else HEAD_DIM
+    if fmt == "fp8_ds_mla":
+        pool = tuple(jnp.asarray(p) for p in _nan_planes(fmt, blocks, units))
+    elif fmt == "bf16":
+        pool = (jnp.zeros((LAYERS, blocks, units, HEAD_DIM), jnp.bfloat16),)
+    else:
+        pool = (
+            jnp.zeros((LAYERS, blocks, units, dim), jnp.float8_e4m3fn),
+            jnp.zeros((LAYERS, blocks, units), jnp.float32),
+        )
+    x = rng.standard_normal((t, dim)).astype(np.float32) * np.exp(rng.uniform(-12, 12, (t, 1))).astype(np.float32)
+    x[3, 5] = np.inf  # a non-finite 64-dim block -> scale byte 0xFF, NaN values
+    x[4, dim - 1] = np.nan  # (second 64-dim block of a KV row)
+    x[6, :64] = 0.0  # all-zero block -> floor scale
+    x[7, :64] = -0.0
+    slots = rng.permutation(blocks * units)[:t].astype(np.int32)
+    slots[[0, 9, 30]] = -1  # skipped
+    slots[12] = blocks * units + 5  # past the pool: skipped
+    if fmt == "indexer_fp8":
+        write, ref = write_indexer_keys, write_indexer_keys_reference
+    else:
+        write, ref = write_kv, write_kv_reference
+    got = write(pool, jnp.asarray(x), jnp.asarray(slots), LAYER, config=WRITE_CFG, interpret=True)
+    want = ref(pool, jnp.asarray(x), jnp.asarray(slots), LAYER)
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and g.dtype == w.dtype
+        assert _bits_equal(g, w), fmt
+    # nothing to write: the pool is unchanged
+    none = write(pool, jnp.asarray(x), jnp.full((t,), -1, jnp.int32), LAYER, config=WRITE_CFG, interpret=True)
+    for g, p in zip(none, pool):
+        assert _bits_equal(g, p)
+
+
+# ---- sparse decode ------------------------------------------------------------------------------
+DECODE_CASES = [  # (format, mode, splits, seed)
+    ("fp8_ds_mla", "csa", 3, 11),
+    ("fp8_ds_mla", "hca", 2, 12),
+    ("fp8_ds_mla", "window", 1, 13),
+    ("bf16", "csa", 2, 14),
+]
+
+
+def _decode_inputs(fmt, mode, seed):
+    rng = np.random.default_rng(seed)
+    lens = tuple(int(n) for n in rng.integers(1, MAX_LEN + 1, BATCH - 1)) + (0,)
+    c = make_cache(fmt, seed, lens)
+    q = jnp.asarray((rng.standard_normal((BATCH, HEADS, HEAD_DIM)) * 1.5).astype(jnp.bfloat16))
+    sinks = jnp.asarray(rng.standard_normal(HEADS).astype(np.float32))
+    picks = _random_picks(rng, np.array(lens), (BATCH, TOPK))
+    return c, np.array(lens), q, sinks, picks
+
+
+@pytest.mark.parametrize("fmt,mode,splits,seed", DECODE_CASES)
+def test_sparse_decode_matches_reference_and_dense(fmt, mode, splits, seed):
+    c, lens, q, sinks, picks = _decode_inputs(fmt, mode, seed)
+    ratio = {"window": 0, "csa": CSA, "hca": HCA}[mode]
+    args = (q, c["wpool"], c["wbt"], jnp.asarray(lens), sinks, *_compressed_args(c, mode, picks))
+    got = np.asarray(sparse_decode(
+        *args, window=WINDOW, ratio=ratio, config=DECODE_CFG, num_splits=splits, interpret=True
+    ))
+    ref = np.asarray(sparse_decode_reference(*args, window=WINDOW, ratio=ratio))
+    assert np.isfinite(got).all() and np.isfinite(ref).all()
+    np.testing.assert_allclose(got, ref, rtol=0, atol=attention_tol(c["kmax"]))
+    assert not got[-1].any() and not ref[-1].any()  # padding row (length 0)
+
+    # reference == the model's dense attention on the same K/V laid out contiguously
+    live = lens > 0
+    q_full = np.zeros((BATCH, MAX_LEN, HEADS, HEAD_DIM), jnp.bfloat16)
+    idx_full = np.full((BATCH, MAX_LEN, TOPK), -1, np.int32)
+    for b in np.flatnonzero(live):
+        q_full[b, lens[b] - 1] = np.asarray(q[b])
+        idx_full[b, lens[b] - 1] = picks[b]
+    dense = _dense(c, jnp.asarray(q_full), sinks, mode, idx_full)
+    want = np.stack([dense[b, lens[b] - 1] for b in np.flatnonzero(live)])
+    np.testing.assert_allclose(ref[live], want, rtol=1e-5, atol=dense_tol(c["kmax"]))
+
+
+# ---- sparse prefill -----------------------------------------------------------------------------
+PREFILL_CASES = [  # (format, mode, seq, use chunk rows, seed)
+    ("fp8_ds_mla", "hca", 12, False, 21),
+    ("fp8_ds_mla", "csa", 12, False, 22),
+    ("bf16", "window", 48, True, 23),
+]
+
+
+@pytest.mark.parametrize("fmt,mode,seq,chunk,seed", PREFILL_CASES)
+def test_sparse_prefill_matches_reference_and_dense(fmt, mode, seq, chunk, seed):
+    rng = np.random.default_rng(seed)
+    batch = 3
+    q_lens = rng.integers(1, seq + 1, batch).astype(np.int32)
+    q_lens[0] = seq
+    q_start = rng.integers(0, MAX_LEN - seq + 1, batch).astype(np.int32)
+    lens = tuple(int(n) for n in q_start + q_lens)
+    # with chunk rows the ring holds only positions before the chunk (a chunk longer than it can)
+    c = make_cache(fmt, seed, lens, tuple(int(s) for s in q_start) if chunk else None)
+    q = jnp.asarray((rng.standard_normal((batch, seq, HEADS, HEAD_DIM)) * 1.5).astype(jnp.bfloat16))
+    sinks = jnp.asarray(rng.standard_normal(HEADS).astype(np.float32))
+    picks = _random_picks(rng, q_start, (batch, seq, TOPK))
+    ratio = {"window": 0, "csa": CSA, "hca": HCA}[mode]
+    window_kv = None
+    if chunk:
+        window_kv = jnp.asarray(np.stack([c["kv"][b, q_start[b] : q_start[b] + seq] for b in range(batch)]))
+    args = (q, c["wpool"], c["wbt"], jnp.asarray(q_start), jnp.asarray(q_lens), sinks,
+            *_compressed_args(c, mode, picks), window_kv)
+    cfg = PREFILL_CSA_CFG if mode == "csa" else PREFILL_CFG
+    got = np.asarray(sparse_prefill(*args, window=WINDOW, ratio=ratio, config=cfg, interpret=True))
+    ref = np.asarray(sparse_prefill_reference(*args, window=WINDOW, ratio=ratio))
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, ref, rtol=0, atol=attention_tol(c["kmax"]))
+    for b in range(batch):
+        assert not got[b, q_lens[b]:].any()  # padding rows
+
+    q_full = np.zeros((batch, MAX_LEN, HEADS, HEAD_DIM), jnp.bfloat16)
+    idx_full = np.full((batch, MAX_LEN, TOPK), -1, np.int32)
+    q_np = np.asarray(q)
+    for b in range(batch):
+        q_full[b, q_start[b] : q_start[b] + q_lens[b]] = q_np[b, : q_lens[b]]
+        idx_full[b, q_start[b] : q_start[b] + q_lens[b]] = picks[b, : q_lens[b]]
+    dense = _dense(c, jnp.asarray(q_full), sinks, mode, idx_full)
+    for b in range(batch):
+        np.testing.assert_allclose(
+            ref[b, : q_lens[b]], dense[b, q_start[b] : q_start[b] + q_lens[b]], rtol=1e-5, atol=dense_tol(c["kmax"])
+        )
+
+
+# ---- indexer top-k ------------------------------------------------------------------------------
+def _assert_same_selection(got, want, scores, bound):
+    """Same picks, except swaps across the k-th place between scores within `bound` of it."""
+    for pos in np.ndindex(got.shape[:-1]):
+        g, w, s = got[pos], want[pos], scores[pos]
+        assert (g < 0).sum() == (w < 0).sum(), pos
+        gs, ws = set(g[g >= 0].tolist()), set(w[w >= 0].tolist())
+        assert len(gs) == (g >= 0).sum(), f"duplicate picks at {pos}"
+        if gs != ws:
+            kth = min(s[j] for j in ws)
+            for j in gs ^ ws:
+                assert abs(s[j] - kth) <= bound[pos], (pos, j, s[j], kth)
+
+
+INDEXER_CASES = [("prefill", 8, 1, 31), ("decode", 1, 2, 32)]
+
+
+@pytest.mark.parametrize("kind,seq,splits,seed", INDEXER_CASES)
+def test_indexer_topk_matches_reference(kind, seq, splits, seed):
+    rng = np.random.default_rng(seed)
+    batch = 3
+    q_lens = np.full(batch, seq, np.int32)
+    q_lens[-1] = max(seq // 2, 1) if kind == "prefill" else 0  # padding rows -> all -1
+    q_start = rng.integers(0, MAX_LEN - seq + 1, batch).astype(np.int32)
+    c = make_cache("fp8_ds_mla", seed, tuple(int(n) for n in q_start + seq))
+    q = jnp.asarray(rng.standard_normal((batch, seq, INDEX_HEADS, INDEX_DIM)).astype(jnp.bfloat16))
+    w = jnp.asarray(rng.standard_normal((batch, seq, INDEX_HEADS)).astype(np.float32))
+    args = (q, w, c["ipool"], c["cbt"], jnp.asarray(q_start), jnp.asarray(q_lens), LAYER)
+    got = np.asarray(indexer_topk(*args, topk=TOPK, ratio=CSA, config=INDEXER_CFG, num_splits=splits, interpret=True))
+    want = np.asarray(indexer_topk_reference(*args, topk=TOPK, ratio=CSA))
+    scores = np.asarray(indexer_scores_reference(*args, ratio=CSA))
+    # |q|, |w|, |k| give sum_h |w_h| sum_d |q_hd k_d|, the scale of the summation-order error
+    abs_keys = np.abs(np.asarray(c["ipool"][0]).astype(np.float32)).astype(jnp.float8_e4m3fn)
+    abs_pool = (jnp.asarray(abs_keys), c["ipool"][1])
+    mag = np.asarray(indexer_scores_reference(
+        jnp.asarray(np.abs(np.asarray(q))), jnp.asarray(np.abs(np.asarray(w))), abs_pool, *args[3:], ratio=CSA
+    ))
+    bound = 2 * (INDEX_DIM + INDEX_HEADS) * 2.0**-24 * np.max(np.where(np.isfinite(mag), mag, 0), axis=-1)
+    assert got.shape == (batch, seq, TOPK)
+    _assert_same_selection(got, want, scores, bound)
+    visible = np.isfinite(scores).sum(-1)
+    np.testing.assert_array_equal((got >= 0).sum(-1), np.minimum(visible, TOPK))
+    if kind == "decode":
+        assert (got[-1] == -1).all()
+
+    # exact ties: q = 0 gives every visible entry score 0 -> the lowest indices, in order
+    zeros = jnp.asarray(np.zeros(q.shape, jnp.bfloat16))
+    tied = np.asarray(
+        indexer_topk(zeros, *args[1:], topk=TOPK, ratio=CSA, config=INDEXER_CFG, num_splits=splits, interpret=True)
+    )
+    tied_ref = np.asarray(indexer_topk_reference(zeros, *args[1:], topk=TOPK, ratio=CSA))
+    np.testing.assert_array_equal(tied, tied_ref)
+    first = np.where(np.isfinite(scores[0, 0]))[0][:TOPK]
+    np.testing.assert_array_equal(tied[0, 0, : len(first)], first)
+
+
+# ---- backend registry and tuning table ----------------------------------------------------------
+def test_backend_registry():
+    assert backend.BACKEND_NAMES == ("xla", "pallas_fp8_ds_mla", "pallas_bf16")
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        backend.get_backend("flashmla")
+    xla = backend.get_backend("xla")
+    assert xla.decode is not None and xla.kv_format is None
+    c, lens, q, sinks, picks = _decode_inputs("bf16", "csa", 14)
+    args = (q, c["wpool"], c["wbt"], jnp.asarray(lens), sinks, c["cpool"], c["cbt"], jnp.asarray(picks), LAYER, LAYER)
+    np.testing.assert_array_equal(
+        np.asarray(xla.decode(*args, window=WINDOW, ratio=CSA)),
+        np.asarray(sparse_decode_reference(*args, window=WINDOW, ratio=CSA)),
+    )
+    with pytest.raises(ValueError, match="reads fp8_ds_mla"):
+        backend.get_backend("pallas_fp8_ds_mla", interpret=True).decode(*args, window=WINDOW, ratio=CSA)
+
+    # planes dataclasses (like dsv4_jax.kv_cache.paged.Bf16Rows) are accepted and returned as such
+    @dataclasses.dataclass(frozen=True)
+    class Bf16Rows:
+        rows: jax.Array
+
+    pool = Bf16Rows(rows=jnp.zeros((1, 2, UNITS, HEAD_DIM), jnp.bfloat16))
+    for be in (xla, backend.get_backend("pallas_bf16", interpret=True)):
+        out = be.write_kv(pool, jnp.ones((2, HEAD_DIM)), jnp.array([3, -1], jnp.int32))
+        assert isinstance(out, Bf16Rows) and float(out.rows[0, 0, 3, 0]) == 1.0
+        assert float(jnp.abs(out.rows.astype(jnp.float32)).sum()) == HEAD_DIM
+
+
+def test_tuning_table():
+    assert tuning.canonical_device_kind("NVIDIA H100 80GB HBM3") == "NVIDIA H100"
+    assert tuning.canonical_device_kind("NVIDIA RTX PRO 6000 Blackwell Workstation Edition") == "NVIDIA RTX PRO 6000"
+    assert tuning.canonical_device_kind("cpu") == "cpu"
+    assert tuning.canonical_device_kind("NVIDIA Mystery GPU") == tuning.FALLBACK_KIND
+    for kind, table in tuning.TUNING.items():
+        assert set(table) == set(tuning.KERNELS), kind
+        if kind != "cpu":  # Triton dots need M, N >= 16
+            for name in ("sparse_decode", "sparse_prefill", "sparse_prefill_csa"):
+                cfg = table[name]
+                assert cfg.block_q * cfg.block_h >= 16 and cfg.block_k >= 16, (kind, name)
+    # SM120 keeps the fp32 accumulator (M x 512 x 4 bytes) within its ~99 KB of shared memory
+    sm120 = tuning.TUNING["NVIDIA RTX PRO 6000"]
+    for name in ("sparse_decode", "sparse_prefill", "sparse_prefill_csa"):
+        assert sm120[name].block_q * sm120[name].block_h * 512 * 4 <= 64 * 1024
+    with pytest.raises(ValueError):
+        tuning.KernelConfig(block_k=24)

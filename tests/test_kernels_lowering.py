@@ -1,0 +1,74 @@
+"""AOT lowering of the Pallas kernels to Triton IR for the four GPU kinds, in-process, at
+DeepSeek-V4-Flash shapes (64 heads, head_dim 512, top-k 512, window 128, block 256), with the
+launch parameters of pallas_kernels/tuning.py: what `python -m pallas_kernels.check` runs.
+
+This proves the kernels lower to Triton IR for each compute capability; it does not compile
+them (register and shared-memory limits are only checked by the GPU compiler) or run them.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from pallas_kernels import check
+
+
+def test_every_kernel_lowers_for_every_device_kind():
+    results = check.run_check(check.DEFAULT_DEVICE_KINDS, check.CHECK_KERNELS)
+    assert len(results) == len(check.DEFAULT_DEVICE_KINDS) * len(check.CHECK_KERNELS)
+    failed = [r.line() for r in results if not r.ok]
+    assert not failed, "\n".join(failed)
+
+
+def test_lowering_refuses_what_the_device_cannot_do():
+    """The check really lowers per device: fp8 casts need compute capability >= 8.9 (A100 is 8.0)."""
+    result = check.check_one("kv_write", "NVIDIA A100")
+    assert not result.ok and "float8_e4m3fn" in result.error
+
+
+def test_main_prints_one_line_per_pair(capsys):
+    assert check.main(["--device-kind", "NVIDIA H200", "--kernel", "kv_write"]) == 0
+    out = capsys.readouterr().out
+    assert "NOT compiled" in out
+    assert sum(line.startswith(("OK", "FAIL")) for line in out.splitlines()) == 1
+    assert check.main(["--device-kind", "NVIDIA A100", "--kernel", "kv_write"]) == 1
+
+
+def _kernel_dots(jaxpr, found):
+    """dot_general operand dtypes inside every pallas_call kernel of `jaxpr` (recursively)."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+            _collect_dots(eqn.params["jaxpr"], found)
+        else:
+            for sub in _subjaxprs(eqn.params):
+                _kernel_dots(sub, found)
+    return found
+
+
+def _subjaxprs(params):
+    for value in params.values():
+        for v in value if isinstance(value, (tuple, list)) else (value,):
+            if hasattr(v, "jaxpr") and hasattr(v.jaxpr, "eqns"):
+                yield v.jaxpr
+            elif hasattr(v, "eqns"):
+                yield v
+
+
+def _collect_dots(jaxpr, found):
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            found.append(tuple(str(v.aval.dtype) for v in eqn.invars))
+        for sub in _subjaxprs(eqn.params):
+            _collect_dots(sub, found)
+
+
+def test_kernel_dots_take_bf16_operands():
+    """No fp32 dot inside a kernel: on the GPU an fp32 jnp.dot lowers to TF32 (half the bf16
+    rate, ~1e-3 relative error), which interpret mode on CPU never shows."""
+    import jax
+
+    for kernel in ("sparse_decode", "sparse_prefill", "indexer_topk"):
+        for variant, fn, args in check.cases(kernel, "NVIDIA H200"):
+            dots = _kernel_dots(jax.make_jaxpr(fn)(*args).jaxpr, [])
+            assert dots, (kernel, variant)
+            assert all(d == ("bfloat16", "bfloat16") for d in dots), (kernel, variant, set(dots))
