@@ -18,6 +18,7 @@ import numpy as np
 from flax import nnx
 
 from dsv4_jax.config import DeepseekV4Config
+from dsv4_jax.model.attention_core import AttentionCore, dense_attention
 from dsv4_jax.model.options import Ablations, ForwardOptions
 from dsv4_jax.model.transformer import DeepseekV4, Segment, check_token_ids
 
@@ -58,24 +59,28 @@ def parameter_names(path: Path_, plan: list[Segment], n_experts: int) -> Iterato
 class CausalLM:
     """A loaded DeepSeek-V4: `model(input_ids)` -> float32 logits [batch, seq, vocab]."""
 
-    def __init__(self, module: DeepseekV4, options: ForwardOptions, mtp_enabled: bool):
+    def __init__(
+        self, module: DeepseekV4, options: ForwardOptions, mtp_enabled: bool, core: AttentionCore = dense_attention
+    ):
         self.config: DeepseekV4Config = module.config
         self.options = options
         self.mtp_enabled = mtp_enabled
+        self.core = core
         self.graphdef, self.state = nnx.split(module)
 
     @functools.cached_property
     def _jitted(self) -> dict[str, Callable]:
-        graphdef = self.graphdef
-
-        def logits(state, ids, options):
-            return nnx.merge(graphdef, state)(ids, options)
+        graphdef, core = self.graphdef, self.core
 
         def streams(state, ids, options):
-            return nnx.merge(graphdef, state).hidden_streams(ids, options)
+            return nnx.merge(graphdef, state).hidden_streams(ids, options, core)
+
+        def logits(state, ids, options):
+            model = nnx.merge(graphdef, state)
+            return model.logits_from_streams(model.hidden_streams(ids, options, core), model)
 
         def mtp(state, streams, next_ids, options):
-            return nnx.merge(graphdef, state).mtp_logits(streams, next_ids, options)
+            return nnx.merge(graphdef, state).mtp_logits(streams, next_ids, options, core=core)
 
         return {
             "logits": jax.jit(logits, static_argnums=2),
@@ -112,16 +117,26 @@ def load_model(
     *,
     kv_cache_rounding: bool = False,
     stack_layers: bool = True,
+    attention_backend: str | None = None,
 ) -> CausalLM:
     """Load a DeepSeek-V4 checkpoint directory (DeepSeek's names, or transformers' saved ones).
 
     `dtype` is the compute dtype of activations and dequantised weights; `kv_cache_rounding`
-    rounds KV as the fp8 caches store it; `stack_layers=False` runs every layer unrolled."""
+    rounds KV as the fp8 caches store it; `stack_layers=False` runs every layer unrolled;
+    `attention_backend` ("xla", "pallas_fp8_ds_mla", "pallas_bf16") runs attention through that
+    KV-cache backend's kernels instead of the dense reference."""
     from dsv4_jax.checkpoint import load_checkpoint
 
     options = ForwardOptions(dtype=dtype, kv_cache_rounding=kv_cache_rounding)
     path = Path(path)
     config = DeepseekV4Config.from_json(path)
+    fp8_kv = kv_cache_rounding or attention_backend == "pallas_fp8_ds_mla"
+    if fp8_kv and config.nope_head_dim % 64:
+        raise ValueError(
+            f"the fp8_ds_mla KV format stores NoPE dims in blocks of 64, but this model has "
+            f"{config.nope_head_dim} (head_dim {config.head_dim} - qk_rope_head_dim {config.qk_rope_head_dim}); "
+            "use kv_cache_rounding=False and a bf16 attention backend"
+        )
     full = nnx.eval_shape(lambda: DeepseekV4(config, mtp=True, stack_layers=stack_layers))
     segments = full.segments_plan
     _, abstract = nnx.split(full)
@@ -162,4 +177,10 @@ def load_model(
     for leaf_path, variable in flat:
         variable.set_value(placed[leaf_path])
     module = nnx.merge(graphdef, nnx.from_flat_state(flat))
-    return CausalLM(module, options, report.mtp_enabled)
+    core: AttentionCore = dense_attention
+    if attention_backend is not None:
+        from dsv4_jax.model.paged_core import PagedAttentionCore
+
+        core = PagedAttentionCore(attention_backend, config.qk_rope_head_dim)
+        core.backend  # noqa: B018  (an unknown name fails here, not at the first call)
+    return CausalLM(module, options, report.mtp_enabled, core)

@@ -1,0 +1,78 @@
+"""The attention core on a KV-cache backend: the full-sequence model's attention through the
+same kernels the engine uses (`pallas_kernels.backend`: `xla`, `pallas_fp8_ds_mla`, `pallas_bf16`).
+
+The sequence's own K=V rows go to the prefill kernel directly (`window_kv`, as the cache stores
+them), and its compressed entries are written into a paged pool with the backend's `write_kv`
+(quantising to fp8_ds_mla or bf16 rows) and read back by the kernel through a block table. With
+`kv_cache_rounding` on, the model's KV is already on the fp8 grid, so the fp8_ds_mla backend must
+reproduce the dense reference up to the kernel's bf16 dot operands.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import formats
+from pallas_kernels.backend import AttentionBackend, get_backend
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedAttentionCore:
+    """An `AttentionCore` that runs the backend's prefill kernel over paged pools."""
+
+    backend_name: str
+    rope_dim: int
+    block_size: int = 16  # compressed entries per pool block
+
+    @property
+    def backend(self) -> AttentionBackend:
+        return get_backend(self.backend_name)
+
+    def _empty_pool(self, blocks: int, head_dim: int) -> tuple[jax.Array, ...]:
+        shape = (blocks, self.block_size)
+        if self.backend.kv_format == "bf16":
+            return (jnp.zeros((*shape, head_dim), jnp.bfloat16),)
+        nope = head_dim - self.rope_dim
+        return (
+            jnp.zeros((*shape, nope), jnp.float8_e4m3fn),
+            jnp.zeros((*shape, self.rope_dim), jnp.bfloat16),
+            jnp.zeros((*shape, formats.fp8_ds_mla_scale_bytes(nope)), jnp.uint8),
+        )
+
+    def __call__(
+        self,
+        q: jax.Array,  # [batch, seq, heads, head_dim]
+        window_kv: jax.Array,  # [batch, seq, head_dim]
+        compressed_kv: jax.Array | None,  # [batch, entries, head_dim]
+        compressed_idx: jax.Array | None,  # [batch, seq, topk] (CSA) or None (HCA)
+        sinks: jax.Array,  # [heads]
+        *,
+        window: int,
+        ratio: int,
+    ) -> jax.Array:  # [batch, seq, heads, head_dim] float32
+        batch, seq, _, head_dim = q.shape
+        backend = self.backend
+        # Every window row comes from `window_kv`; the sliding pool is an unused single block.
+        window_pool = self._empty_pool(1, head_dim)
+        window_table = jnp.full((batch, 1), -1, jnp.int32)
+        starts = jnp.zeros((batch,), jnp.int32)
+        lens = jnp.full((batch,), seq, jnp.int32)
+        pool = table = None
+        if compressed_kv is not None and compressed_kv.shape[1] > 0:
+            entries = compressed_kv.shape[1]
+            per_seq = math.ceil(entries / self.block_size)
+            pool = self._empty_pool(batch * per_seq, head_dim)
+            table = jnp.arange(batch * per_seq, dtype=jnp.int32).reshape(batch, per_seq)
+            slots = (jnp.arange(batch)[:, None] * per_seq * self.block_size + jnp.arange(entries)).reshape(-1)
+            pool = backend.write_kv(pool, compressed_kv.reshape(batch * entries, head_dim), slots.astype(jnp.int32))
+        else:
+            compressed_idx = None
+        return backend.prefill(
+            q, window_pool, window_table, starts, lens, sinks, pool, table,
+            None if compressed_idx is None else compressed_idx.astype(jnp.int32),
+            window_kv=window_kv, window=window, ratio=ratio if pool is not None else 0,
+        )
