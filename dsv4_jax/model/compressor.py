@@ -87,7 +87,6 @@ class Indexer(nnx.Module):
     ) -> jax.Array:  # [batch, seq, min(topk, entries)] int32, -1 = nothing to read
         batch, seq, _ = x.shape
         keys = self.compressor(x, cos, sin, overlap=overlap, neox=neox)  # [batch, n, index_head_dim]
-        n = keys.shape[1]
         if round_keys:
             keys = qat.indexer_key_round_trip(keys)
         q = self.wq_b(q_latent).reshape(batch, seq, self.n_heads, self.head_dim)
