@@ -11,6 +11,7 @@ from dsv4_jax.kv_cache import (
     MeshShape,
     estimate_weight_bytes_per_device,
     max_model_len_that_fits,
+    nominal_device_memory,
     plan_capacity,
     pool_usage,
     resolve_kv_cache,
@@ -180,3 +181,27 @@ def test_plan_cli(capsys):
     assert plan_cli.main(["--device-kind", "NVIDIA A100-SXM4-80GB", "--num-devices", "8"]) == 0
     out = capsys.readouterr().out
     assert "bfloat16*" in out and "fp8_ds_mla (xla, emulated)" in out
+
+
+MiB = 1024**2
+
+
+@pytest.mark.parametrize("kind,mib", [
+    ("NVIDIA GH200 480GB", 97871),  # 96 GB HBM3 (the 480GB is Grace's LPDDR5X)
+    ("NVIDIA GH200 144G HBM3e", 146831),
+    ("NVIDIA GH200 144GB HBM3e", 146831),
+    ("NVIDIA GH200", 97871),  # unsure which: the conservative 96 GB
+    ("NVIDIA GB200", 189471),
+    ("NVIDIA H200", 143771), ("NVIDIA H200 NVL", 143771), ("NVIDIA B200", 183359), ("NVIDIA H20", 97871),
+    ("NVIDIA H100 80GB HBM3", 81559), ("NVIDIA H100 NVL", 95830), ("NVIDIA A100-PCIE-40GB", 40960),
+])
+def test_nominal_device_memory(kind, mib):
+    assert nominal_device_memory(kind) == mib * MiB
+
+
+def test_plan_cli_on_grace_superchips(capsys):
+    for kind, gib in (("NVIDIA GH200 480GB", "95.6"), ("NVIDIA GB200", "185.0")):
+        argv = ["--device-kind", kind, "--num-devices", "4", "--max-model-len", "1048576"]
+        assert plan_cli.main(argv) == 0, capsys.readouterr().err
+        out = capsys.readouterr().out
+        assert f"4 x {kind}, {gib} GiB each" in out and "fp8_ds_mla on pallas_fp8_ds_mla" in out

@@ -17,11 +17,14 @@ from dsv4_jax.kv_cache import (
     ACCEPTED_REQUESTS,
     ATTENTION_BACKENDS,
     FP8_DS_MLA_LOG,
+    DEFAULT_COMPUTE_CAPABILITY,
     KVCacheSpec,
     lookup_compute_capability,
+    parse_compute_capability,
     resolve_for_device,
     resolve_kv_cache,
 )
+from dsv4_jax.kv_cache import resolver as resolver_module
 from dsv4_jax.presets import get_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -94,7 +97,12 @@ def test_policy_table(cls, caplog):
                 assert len(fp8_logs) == (spec.kv_cache_dtype == "fp8_ds_mla"), where
                 assert bool(spec.warnings) == bool(m.group(3)), where
                 assert [msg for lvl, msg in messages if lvl == logging.WARNING] == list(spec.warnings), where
-                assert (logging.INFO, spec.reason) in messages and "\n" not in spec.reason, where
+                # One INFO summary per resolution (ending with the one-line reason), and the exact
+                # fp8_ds_mla line as a record of its own.
+                assert [msg for lvl, msg in messages if lvl == logging.INFO and msg != FP8_DS_MLA_LOG] == [
+                    spec.summary()
+                ], where
+                assert spec.summary().endswith(spec.reason) and "\n" not in spec.reason, where
     assert calls
 
 
@@ -153,26 +161,138 @@ def test_unknown_device_kind():
         resolve_kv_cache("auto", "")
 
 
+# Real `device_kind` strings (as nvidia-smi / JAX report them) and their compute capability.
+DEVICE_KINDS = {
+    "NVIDIA H100 80GB HBM3": "9.0", "NVIDIA H100 PCIe": "9.0", "NVIDIA H100 NVL": "9.0",
+    "NVIDIA GH200 480GB": "9.0", "NVIDIA GH200 144G HBM3e": "9.0", "NVIDIA H20": "9.0", "NVIDIA H800": "9.0",
+    "NVIDIA H800 PCIe": "9.0", "NVIDIA H200": "9.0", "NVIDIA H200 NVL": "9.0",
+    "NVIDIA B200": "10.0", "NVIDIA GB200": "10.0", "NVIDIA B300 SXM6 AC": "10.3", "NVIDIA GB300": "10.3",
+    "NVIDIA RTX PRO 6000 Blackwell Workstation Edition": "12.0",
+    "NVIDIA RTX PRO 6000 Blackwell Server Edition": "12.0",
+    "NVIDIA RTX PRO 6000 Blackwell Max-Q Workstation Edition": "12.0",
+    "NVIDIA RTX PRO 5000 Blackwell": "12.0", "NVIDIA GeForce RTX 5090": "12.0", "NVIDIA GeForce RTX 5080": "12.0",
+    "NVIDIA GeForce RTX 5070 Ti": "12.0", "NVIDIA GeForce RTX 5060": "12.0", "NVIDIA GB10": "12.1",
+    "NVIDIA L40S": "8.9", "NVIDIA L40": "8.9", "NVIDIA L4": "8.9", "NVIDIA L20": "8.9",
+    "NVIDIA GeForce RTX 4090": "8.9", "NVIDIA GeForce RTX 4060 Laptop GPU": "8.9",
+    "NVIDIA RTX 6000 Ada Generation": "8.9", "NVIDIA RTX 5000 Ada Generation": "8.9",
+    "NVIDIA RTX 5880 Ada Generation": "8.9", "NVIDIA RTX 4000 Ada Generation": "8.9",
+    "NVIDIA RTX 4000 SFF Ada Generation": "8.9", "NVIDIA RTX 2000 Ada Generation": "8.9",
+    "NVIDIA A100-SXM4-80GB": "8.0", "NVIDIA A100-PCIE-40GB": "8.0", "NVIDIA A100 80GB PCIe": "8.0",
+    "NVIDIA A800-SXM4-80GB": "8.0", "NVIDIA A30": "8.0",
+    "NVIDIA A10": "8.6", "NVIDIA A10G": "8.6", "NVIDIA A40": "8.6", "NVIDIA A16": "8.6", "NVIDIA A2": "8.6",
+    "NVIDIA RTX A6000": "8.6", "NVIDIA RTX A5000": "8.6", "NVIDIA RTX A4000": "8.6", "NVIDIA RTX A2000": "8.6",
+    "NVIDIA GeForce RTX 3090": "8.6", "NVIDIA GeForce RTX 3060 Ti": "8.6", "NVIDIA GeForce RTX 2050": "8.6",
+    "Tesla T4": "7.5", "NVIDIA T4G": "7.5", "Quadro RTX 8000": "7.5", "Quadro RTX 6000": "7.5",
+    "Quadro RTX 5000": "7.5", "Quadro RTX 4000": "7.5", "Quadro RTX 3000": "7.5", "NVIDIA TITAN RTX": "7.5",
+    "NVIDIA GeForce RTX 2080 Ti": "7.5", "NVIDIA GeForce RTX 2060": "7.5",
+    "Tesla V100-SXM2-16GB": "7.0", "NVIDIA TITAN V": "7.0", "Tesla P100-PCIE-16GB": "6.0", "Tesla P40": "6.1",
+    "Tesla P4": "6.1",
+}
+# Kinds our table does not know (no default may turn them into Hopper).
+UNKNOWN_KINDS = (
+    "AMD Instinct MI300X", "NVIDIA GeForce GTX 1080 Ti", "gpu", "NVIDIA RTX 5000", "Mystery Accelerator 9000",
+)
+
+
 def test_device_kind_patterns():
-    table = {
-        "NVIDIA H100 80GB HBM3": "9.0", "NVIDIA H100 PCIe": "9.0", "NVIDIA GH200 480GB": "9.0", "NVIDIA H20": "9.0",
-        "NVIDIA H800": "9.0", "NVIDIA H200 NVL": "9.0", "NVIDIA B200": "10.0", "NVIDIA GB200": "10.0",
-        "NVIDIA B300 SXM6 AC": "10.3", "NVIDIA RTX PRO 6000 Blackwell Workstation Edition": "12.0",
-        "NVIDIA RTX PRO 6000 Blackwell Server Edition": "12.0", "NVIDIA GeForce RTX 5090": "12.0",
-        "NVIDIA GB10": "12.1", "NVIDIA L40S": "8.9", "NVIDIA L4": "8.9", "NVIDIA GeForce RTX 4090": "8.9",
-        "NVIDIA RTX 6000 Ada Generation": "8.9", "NVIDIA A100-SXM4-80GB": "8.0", "NVIDIA A100-PCIE-40GB": "8.0",
-        "NVIDIA A10": "8.6", "NVIDIA A10G": "8.6", "NVIDIA RTX A6000": "8.6", "NVIDIA GeForce RTX 3090": "8.6",
-        "Tesla T4": "7.5", "Quadro RTX 6000": "7.5", "Tesla V100-SXM2-16GB": "7.0",
-    }
-    assert {kind: lookup_compute_capability(kind) for kind in table} == table
+    assert {kind: lookup_compute_capability(kind) for kind in DEVICE_KINDS} == DEVICE_KINDS
+    assert {kind: lookup_compute_capability(kind) for kind in UNKNOWN_KINDS} == dict.fromkeys(UNKNOWN_KINDS)
+
+
+@pytest.mark.parametrize("kind", list(DEVICE_KINDS))
+def test_no_device_kind_matches_two_rows(kind):
+    # Shadowing ("Quadro RTX 5000" caught by an RTX 50x0 row) cannot hide behind the row order.
+    rows = [(p, cc) for p, cc in resolver_module.DEVICE_KIND_CAPABILITIES if re.search(p, kind, re.IGNORECASE)]
+    assert len(rows) == 1, (kind, rows)
+
+
+@pytest.mark.parametrize("kind,cc", [("Quadro RTX 5000", "7.5"), ("NVIDIA RTX 5000 Ada Generation", "8.9"),
+                                     ("NVIDIA RTX A6000", "8.6")])
+def test_users_correct_capability_is_not_overridden(kind, cc, caplog):
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        spec = resolve_kv_cache("auto", kind, cc)
+        assert resolve_kv_cache("auto", kind).compute_capability == cc  # from the table
+    assert spec.compute_capability == cc and "disagrees" not in caplog.text
+    assert spec.kv_cache_dtype == ("fp8_ds_mla" if cc == "8.9" else "bfloat16")
 
 
 def test_default_capability_never_makes_a_known_device_fp8(caplog):
-    # The signature's default compute_capability "9.0" belongs to its default H200.
+    # The signature's default compute_capability "9.0" belongs to its default H200: for a kind our
+    # table knows, the table's value is used, without a warning (the user gave none).
+    assert DEFAULT_COMPUTE_CAPABILITY == "9.0"
     with caplog.at_level(logging.WARNING, logger=LOGGER):
         spec = resolve_kv_cache("auto", device_kind="NVIDIA A100-SXM4-80GB")
     assert (spec.kv_cache_dtype, spec.compute_capability) == ("bfloat16", "8.0")
+    assert not caplog.records
+    # An explicit disagreeing value for a known kind: the table wins, with a warning.
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        spec = resolve_kv_cache("auto", "NVIDIA A100-SXM4-80GB", "9.0")
+    assert (spec.kv_cache_dtype, spec.compute_capability) == ("bfloat16", "8.0")
     assert "disagrees" in caplog.text
+
+
+def test_signature_default_is_9_0():
+    import inspect
+
+    params = inspect.signature(resolve_kv_cache).parameters
+    assert list(params) == ["requested", "device_kind", "compute_capability", "attention_backend", "config"]
+    assert params["device_kind"].default == "NVIDIA H200" and params["compute_capability"].default == "9.0"
+    assert params["attention_backend"].default is None and params["config"].default is None
+    spec = resolve_kv_cache("auto")
+    assert (spec.device_kind, spec.compute_capability, spec.kv_cache_dtype) == ("NVIDIA H200", "9.0", "fp8_ds_mla")
+
+
+@pytest.mark.parametrize("kind", UNKNOWN_KINDS)
+def test_unknown_kind_with_default_capability_is_an_error(kind):
+    # No live device of this kind here, and the default "9.0" does not count as given.
+    with pytest.raises(ValueError) as err:
+        resolve_kv_cache("auto", kind)
+    message = str(err.value)
+    assert repr(kind) in message and "compute_capability" in message
+    with pytest.raises(ValueError, match="compute_capability"):
+        resolve_kv_cache("bfloat16", device_kind=kind, attention_backend="xla")
+    # An explicit value for an unknown kind is used as given.
+    assert resolve_kv_cache("auto", kind, "9.0").kv_cache_dtype == "fp8_ds_mla"
+    assert resolve_kv_cache("auto", kind, "8.0").kv_cache_dtype == "bfloat16"
+
+
+@pytest.mark.parametrize("value,want", [
+    ("9.0", (9, 0)), ("8.9", (8, 9)), ("12.0", (12, 0)), ("10.3", (10, 3)), (" 8.6 ", (8, 6)), ("9", (9, 0)),
+    (9, (9, 0)), (9.0, (9, 0)), (8.9, (8, 9)), (12.1, (12, 1)), ((8, 6), (8, 6)),
+    ("sm_90", (9, 0)), ("sm90", (9, 0)), ("sm_120a", (12, 0)), ("sm_100f", (10, 0)), ("SM_89", (8, 9)),
+])
+def test_parse_compute_capability(value, want):
+    assert parse_compute_capability(value) == want
+
+
+@pytest.mark.parametrize("bad", [
+    "8.90000001", "8.10", "8.09", "9.", ".9", "9.0.1", "-9.0", "nine", "", 8.899999, 8.90000001, float("nan"),
+    float("inf"), True, None, (8, 10), (8, -1), (8.0, 9), ("8", "9"), (9,), [9, 0],
+])
+def test_parse_compute_capability_rejects(bad):
+    with pytest.raises(ValueError, match="compute_capability"):
+        parse_compute_capability(bad)
+
+
+def test_malformed_capability_is_an_error_even_for_known_kinds():
+    # "8.10" once read as (8, 10) >= (8, 9) and made an fp8 device of an unknown kind.
+    with pytest.raises(ValueError, match="compute_capability '8.10'"):
+        resolve_kv_cache("auto", "Mystery Accelerator 9000", "8.10")
+    with pytest.raises(ValueError, match="compute_capability '8.90000001'"):
+        resolve_kv_cache("auto", "NVIDIA A100-SXM4-80GB", "8.90000001")
+
+
+@pytest.mark.parametrize("kind,request_,fp8", [("NVIDIA H200", "auto", True), ("NVIDIA A10", "auto", False),
+                                              ("cpu", "fp8", True), ("cpu", "auto", False)])
+def test_summary_logged_once_and_fp8_line_on_its_own(kind, request_, fp8, caplog):
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        spec = resolve_kv_cache(request_, kind, None)
+    records = [r for r in caplog.records if r.name == LOGGER]
+    infos = [r.getMessage() for r in records if r.levelno == logging.INFO]
+    assert infos.count(spec.summary()) == 1
+    assert infos.count(FP8_DS_MLA_LOG) == int(fp8)
+    assert sorted(infos) == sorted([spec.summary()] + [FP8_DS_MLA_LOG] * fp8)
+    assert spec.summary().startswith("KV cache: ") and spec.reason in spec.summary()
 
 
 def test_spec_carries_bytes_of_every_pool():

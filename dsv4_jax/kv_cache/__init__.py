@@ -20,12 +20,14 @@ from pallas_kernels.formats import (
 from dsv4_jax.kv_cache.resolver import (
     ACCEPTED_REQUESTS,
     ATTENTION_BACKENDS,
+    DEFAULT_COMPUTE_CAPABILITY,
     FP8_DS_MLA_LOG,
     KV_CACHE_DTYPES,
     KVCacheSpec,
     PoolBytes,
     classify_device,
     lookup_compute_capability,
+    parse_compute_capability,
     resolve_for_device,
     resolve_kv_cache,
 )

@@ -36,7 +36,14 @@ POOLS = ("sliding", "csa", "indexer", "hca", "csa_state", "hca_state")
 # Nominal total memory (MiB, as nvidia-smi reports it) of common devices, used only when no live
 # device can be asked (the planning CLI); at run time the engine passes JAX's
 # `memory_stats()["bytes_limit"]`. Override with `--device-memory-gib`.
+# First match wins; `\bH200\b` / `\bB200\b` do not match the Grace superchips ("NVIDIA GH200 480GB",
+# "NVIDIA GB200"), which have their own rows.
 DEVICE_MEMORY_MIB: tuple[tuple[str, int], ...] = (
+    # GH200 comes with 96 GB HBM3 ("NVIDIA GH200 480GB": the 480GB is the Grace LPDDR5X) or 144 GB
+    # HBM3e ("NVIDIA GH200 144G HBM3e", 146831 MiB): the smaller unless the kind says 144.
+    (r"\bGH200\b.*\b144\s*GB?\b", 146831),
+    (r"\bGH200\b", 97871),
+    (r"\bGB200\b", 189471),  # 186 GB HBM3e per GPU: nvidia-smi reports 189471 MiB
     (r"\bH200\b", 143771),
     (r"\bH100\b.*\bNVL\b", 95830),
     (r"\bH100\b|\bH800\b", 81559),

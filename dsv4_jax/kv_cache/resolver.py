@@ -4,7 +4,9 @@
 in `KVCacheSpec.reason`, and logs the choice. Explicit requests the device or the chosen backend
 cannot serve are `ValueError`s that name the flag to change (`--kv-cache-dtype`,
 `--attention-backend`) and the way out. Nothing here touches a device unless
-`compute_capability` is None and the device kind is missing from our own table.
+`compute_capability` is None (or left at its default) and the device kind is missing from our own
+table. Each resolution logs `KVCacheSpec.summary()` (ending with the reason) once at INFO, and on
+fp8_ds_mla also the exact line `FP8_DS_MLA_LOG` as a record of its own.
 """
 
 from __future__ import annotations
@@ -53,22 +55,49 @@ TPU = "tpu"
 DEVICE_CLASSES = (FP8_GPU, BF16_GPU, LEGACY_GPU, CPU, TPU)
 
 # Our own table of NVIDIA device kinds (jax's lacks H20, H800, L40S, RTX 5090 and more). Matched
-# in order, case-insensitively, with `re.search` against what `jax.Device.device_kind` reports
-# (e.g. "NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB", "NVIDIA GeForce RTX 5090").
+# case-insensitively, with `re.search`, against what `jax.Device.device_kind` reports (e.g.
+# "NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB", "NVIDIA GeForce RTX 5090"). Rows are tried in
+# order, but no real kind may match two rows (tests/test_kv_resolver.py checks this), so the order
+# never decides: workstation names reuse consumer numbers ("Quadro RTX 5000" is Turing 7.5, "NVIDIA
+# RTX 5000 Ada Generation" is 8.9, "NVIDIA RTX A5000" is 8.6), so consumer cards match only as
+# "GeForce RTX <series><5-9>0" (no consumer RTX card ends in 000), and workstation rows by their
+# generation word (Ada, Quadro, A, PRO ... Blackwell).
 DEVICE_KIND_CAPABILITIES: tuple[tuple[str, str], ...] = (
+    # Workstation cards first: their numbers overlap the GeForce series.
+    (r"\bRTX PRO \d{3,4}\w*(?: SFF)? Blackwell\b", "12.0"),  # RTX PRO 6000/5000/4500/... Blackwell
+    (r"\bRTX \d{3,4}\w*(?: SFF)? Ada\b", "8.9"),  # RTX 6000/5000/4000 (SFF)/2000E Ada Generation
+    (r"\bRTX A\d{3,4}\b", "8.6"),  # RTX A6000/A5000/A4000/A2000/A500
+    (r"\bQuadro RTX\b|\bTITAN RTX\b", "7.5"),  # Quadro RTX 8000/6000/5000/4000/3000
+    # Data centre.
     (r"\bGB10\b", "12.1"),  # DGX Spark
     (r"\bG?B300\b", "10.3"),
     (r"\bG?B200\b|\bB100\b", "10.0"),
-    (r"\bRTX PRO \d+ Blackwell\b|\bRTX 50\d0\b", "12.0"),
-    (r"\bG?H(?:100|200|800|20)\b", "9.0"),
-    (r"\bL40S?\b|\bL4\b|\bL20\b|\bRTX 40\d0\b|\bRTX \d+ Ada\b", "8.9"),
+    (r"\bG?H(?:100|200|800|20)\b", "9.0"),  # H100, H200, GH200, H800, H20
+    (r"\bL40S?\b|\bL4\b|\bL20\b|\bL2\b", "8.9"),
     (r"\bA100\b|\bA800\b|\bA30\b", "8.0"),
-    (r"\bA10G?\b|\bA40\b|\bA16\b|\bA2\b|\bRTX 30\d0\b|\bRTX A\d+\b", "8.6"),
-    (r"\bT4\b|\bRTX 20\d0\b|\bQuadro RTX\b|\bTITAN RTX\b", "7.5"),
+    (r"\bA10G?\b|\bA40\b|\bA16\b|\bA2\b", "8.6"),
+    (r"\bT4G?\b", "7.5"),  # Tesla T4, NVIDIA T4G
     (r"\bV100\b|\bTITAN V\b", "7.0"),
     (r"\bP100\b", "6.0"),
     (r"\bP40\b|\bP4\b", "6.1"),
+    # GeForce: 50x0 Blackwell, 40x0 Ada, 30x0 and the (GA107) 2050 Ampere, 2060-2080 Turing.
+    (r"\bGeForce RTX 50[5-9]0\b", "12.0"),
+    (r"\bGeForce RTX 40[5-9]0\b", "8.9"),
+    (r"\bGeForce RTX 30[5-9]0\b|\bGeForce RTX 2050\b", "8.6"),
+    (r"\bGeForce RTX 20[6-8]0\b", "7.5"),
 )
+
+
+class _DefaultCapability(str):
+    """The type of `resolve_kv_cache`'s default compute capability: equal to "9.0" (what its default
+    device, the H200, has) but told apart from an explicit "9.0". It is honoured only for device
+    kinds our table knows, where the table's value is used; for any other kind it counts as not
+    given, so an unknown device is an error rather than silently Hopper."""
+
+    __slots__ = ()
+
+
+DEFAULT_COMPUTE_CAPABILITY = _DefaultCapability("9.0")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,17 +160,38 @@ class KVCacheSpec:
 
 # ---- device classification -------------------------------------------------------------------
 def parse_compute_capability(value: Any) -> tuple[int, int]:
-    """'9.0', '9', 9.0, (9, 0), 'sm_90', 'sm90', 'sm_120a' -> (major, minor)."""
-    if isinstance(value, tuple) and len(value) == 2 and all(isinstance(v, int) for v in value):
-        return value
-    text = str(value).strip().lower()
-    m = re.fullmatch(r"(\d+)(?:\.(\d+))?", text)
+    """'9.0', '9', 9.0, 9, (9, 0), 'sm_90', 'sm90', 'sm_120a' -> (major, minor).
+
+    A minor version is one digit (NVIDIA has no cc x.10): '8.10', '8.90000001' or 8.899999 are
+    errors, not (8, 10) / (8, 90000001), which would compare as newer than 8.9."""
+    def bad() -> ValueError:
+        return ValueError(
+            f"compute_capability {value!r} is not a compute capability: expected major.minor with a "
+            f"one-digit minor, e.g. '9.0', '8.6', '12.0' (or 'sm_90')"
+        )
+
+    if isinstance(value, bool):
+        raise bad()
+    if isinstance(value, tuple):
+        if (len(value) == 2 and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+                and value[0] >= 0 and 0 <= value[1] <= 9):
+            return value
+        raise bad()
+    if isinstance(value, float):
+        text = f"{value:.1f}"
+        if value != value or value in (float("inf"), float("-inf")) or float(text) != value:
+            raise bad()
+    elif isinstance(value, (str, int)):
+        text = str(value).strip().lower()
+    else:
+        raise bad()
+    m = re.fullmatch(r"(\d+)(?:\.(\d))?", text)
     if m:
         return int(m.group(1)), int(m.group(2) or 0)
     m = re.fullmatch(r"sm_?(\d+?)(\d)[af]?", text)
     if m:
         return int(m.group(1)), int(m.group(2))
-    raise ValueError(f"cannot read compute capability {value!r}: expected e.g. '9.0', '8.6' or 'sm_90'")
+    raise bad()
 
 
 def lookup_compute_capability(device_kind: str) -> str | None:
@@ -170,9 +220,12 @@ def classify_device(
 ) -> tuple[str, str | None]:
     """(device class, normalised compute capability or None) for the policy table.
 
-    With `trust_capability=False` a device kind found in our table keeps the table's compute
-    capability when the given one disagrees (`resolve_kv_cache`'s default "9.0" belongs to its
-    default "NVIDIA H200" and must not turn an A100 into an fp8 device)."""
+    `compute_capability` None, or `DEFAULT_COMPUTE_CAPABILITY` (`resolve_kv_cache`'s default), is
+    read from our table of device kinds, else from a live JAX device of that kind; an unknown kind
+    with neither is a ValueError. An explicit value for a kind our table does not know is used as
+    given. With `trust_capability=False` a kind found in our table keeps the table's value when an
+    explicit one disagrees (with a warning); `resolve_for_device` passes the live device's own
+    value with `trust_capability=True`, and it wins."""
     if not isinstance(device_kind, str) or not device_kind.strip():
         raise ValueError(f"device_kind must be a non-empty string such as 'NVIDIA H200' or 'cpu', got {device_kind!r}")
     kind = device_kind.strip()
@@ -181,7 +234,9 @@ def classify_device(
     if kind.lower().startswith("tpu"):
         return TPU, None
     known = lookup_compute_capability(kind)
-    cc = compute_capability
+    cc = None if isinstance(compute_capability, _DefaultCapability) else compute_capability
+    if cc is not None:
+        parse_compute_capability(cc)  # a malformed value is an error even where the table wins
     if cc is not None and known is not None and not trust_capability:
         if parse_compute_capability(cc) != parse_compute_capability(known):
             logger.warning(
@@ -193,7 +248,8 @@ def classify_device(
     if cc is None:
         raise ValueError(
             f"unknown device kind {kind!r} and no compute capability: pass compute_capability "
-            f"(e.g. '9.0'), or run on the device so it can be read from JAX"
+            f"(--compute-capability, e.g. '9.0' for Hopper, '8.0' for A100) for this device, or run on it "
+            f"so it can be read from JAX"
         )
     major, minor = parse_compute_capability(cc)
     text = f"{major}.{minor}"
@@ -362,7 +418,7 @@ def _policy(
 def resolve_kv_cache(
     requested: str | None,
     device_kind: str = "NVIDIA H200",
-    compute_capability: str | None = "9.0",
+    compute_capability: str | None = DEFAULT_COMPUTE_CAPABILITY,
     attention_backend: str | None = None,
     config: DeepseekV4Config | str | None = None,
 ) -> KVCacheSpec:
@@ -372,9 +428,12 @@ def resolve_kv_cache(
       requested: auto, fp8, fp8_e4m3, fp8_ds_mla, bfloat16 or bf16 (None means auto).
       device_kind: `jax.Device.device_kind`, e.g. "NVIDIA H200", "NVIDIA GeForce RTX 5090", "cpu".
       compute_capability: e.g. "9.0". None reads it from our device-kind table or a live JAX device.
-        For a device kind our table knows, the table wins when the two disagree (with a warning),
-        so that the default "9.0" never makes e.g. an A100 an fp8 device; `resolve_for_device`
-        passes the live device's own value, which always wins.
+        The default equals "9.0" (the default H200's) but is a sentinel: for a kind our table
+        knows, the table's value is used (so the default never makes e.g. an A100 an fp8 device);
+        for an unknown kind it counts as not given, and with no live device of that kind this is
+        a ValueError asking for a compute capability (never a silent Hopper). An explicit value is
+        used as given for an unknown kind; for a known kind the table wins when the two disagree
+        (with a warning). `resolve_for_device` passes the live device's own value, which wins.
       attention_backend: pallas_fp8_ds_mla, pallas_bf16, xla, or None to choose by device.
       config: model config or preset name; None means DeepSeek-V4-Flash dimensions.
     """
@@ -431,7 +490,7 @@ def _resolve(
     )
     if dtype == FP8_DS_MLA:
         logger.info(FP8_DS_MLA_LOG)
-    logger.info("%s", reason)
+    logger.info("%s", spec.summary())  # once per resolved spec: the start-up line (ends with the reason)
     for message in warnings:
         logger.warning("%s", message)
     return spec
