@@ -27,6 +27,7 @@ from dsv4_jax.chat_parser import (
     USER,
     ChatStreamParser,
     MessageBuilder,
+    _reject_constant,
 )
 
 # The fixed texts of the format (checked byte for byte by the golden rows).
@@ -68,12 +69,29 @@ THINKING_MODES = ("chat", "thinking")
 REASONING_EFFORTS = (None, "high", "max")  # the April encoder; only "max" adds text
 
 
+class InvalidRequestField(ValueError):
+    """A request field with an unsupported value (the server answers 400 naming `field`).
+
+    `field` is the path of the field in the request, e.g. `messages[2].tool_calls[0].function.name`.
+    """
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+MESSAGE_ROLES = ("system", "developer", "user", "assistant", "tool", "latest_reminder")
+# DSML writes names raw inside `name="..."`; these could not be parsed back (`<` also rules out
+# the special tokens, `｜DSML｜` alone is listed because the parser rejects it in a name too).
+_FORBIDDEN_IN_NAMES = ('"', "<", ">", "\r", "\n", DSML)
+
+
 def _to_json(value: Any) -> str:
     # The format's JSON: default separators, non-ASCII kept as is.
     return json.dumps(value, ensure_ascii=False)
 
 
-def _text_of(content: Any) -> str:
+def _text_of(content: Any, path: str = "content") -> str:
     """Message content as text: a string, None, or a list of OpenAI content parts."""
     if content is None:
         return ""
@@ -81,15 +99,134 @@ def _text_of(content: Any) -> str:
         return content
     if isinstance(content, list):
         parts = []
-        for part in content:
+        for j, part in enumerate(content):
             if isinstance(part, str):
                 parts.append(part)
+            elif not isinstance(part, dict):
+                raise InvalidRequestField(f"{path}[{j}]", f"a content part must be an object, got {part!r}")
             elif part.get("type") == "text":
-                parts.append(part.get("text", ""))
+                text = part.get("text")
+                if text is not None and not isinstance(text, str):
+                    raise InvalidRequestField(f"{path}[{j}].text", f"expected a string, got {text!r}")
+                parts.append(text or "")
             else:
                 parts.append(f"[Unsupported {part.get('type')}]")
         return "\n\n".join(parts)
-    raise ValueError(f"unsupported message content: {content!r}")
+    raise InvalidRequestField(path, f"unsupported message content: {content!r}")
+
+
+def _check_name(name: Any, path: str, *, what: str = "name", allow_empty: bool = False) -> None:
+    if not isinstance(name, str) or (not name and not allow_empty):
+        kind = "a string" if allow_empty else "a non-empty string"
+        raise InvalidRequestField(path, f"{what} must be {kind}, got {name!r}")
+    bad = next((text for text in _FORBIDDEN_IN_NAMES if text in name), None)
+    if bad is not None:
+        raise InvalidRequestField(path, f"{what} {name!r} contains {bad!r}, which a DSML tool call cannot carry")
+
+
+def _check_json(value: Any, path: str, *, allow_nan: bool = True, what: str = "value") -> None:
+    try:
+        json.dumps(value, allow_nan=allow_nan)
+    except (TypeError, ValueError) as error:
+        raise InvalidRequestField(path, f"{what} is not representable as JSON: {error}") from None
+
+
+def check_tools(tools: Any, path: str = "tools") -> None:
+    """Raise InvalidRequestField unless `tools` is a list of OpenAI tools the tools section can write."""
+    if not isinstance(tools, list):
+        raise InvalidRequestField(path, f"expected a list of tools, got {type(tools).__name__}")
+    for j, tool in enumerate(tools):
+        tool_path = f"{path}[{j}]"
+        if not isinstance(tool, dict):
+            raise InvalidRequestField(tool_path, f"a tool must be an object, got {tool!r}")
+        function, function_path = tool, tool_path
+        if "function" in tool:
+            function, function_path = tool["function"], f"{tool_path}.function"
+            if not isinstance(function, dict):
+                raise InvalidRequestField(function_path, f"expected an object, got {function!r}")
+        if function.get("name") is not None:
+            _check_name(function["name"], f"{function_path}.name", what="tool name")
+        _check_json(function, function_path)
+
+
+def _tool_call_parts(call: Any, path: str) -> tuple[str, dict]:
+    """A tool call's name and arguments object, validated for DSML; InvalidRequestField otherwise."""
+    if not isinstance(call, dict):
+        raise InvalidRequestField(path, f"a tool call must be an object, got {call!r}")
+    function, function_path = call, path
+    if "function" in call:
+        function, function_path = call["function"], f"{path}.function"
+        if not isinstance(function, dict):
+            raise InvalidRequestField(function_path, f"expected an object, got {function!r}")
+    name = function.get("name")
+    _check_name(name, f"{function_path}.name", what="tool name")
+    arguments_path = f"{function_path}.arguments"
+    arguments = function.get("arguments")
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments, parse_constant=_reject_constant) if arguments.strip() else {}
+        except ValueError as error:
+            raise InvalidRequestField(arguments_path, f"not valid JSON: {error}") from None
+    if arguments is None:
+        arguments = {}
+    if not isinstance(arguments, dict):
+        raise InvalidRequestField(arguments_path, f"tool call arguments must be a JSON object, got {arguments!r}")
+    for key, value in arguments.items():
+        _check_name(key, arguments_path, what="parameter name", allow_empty=True)
+        _check_json(value, arguments_path, allow_nan=False, what=f"parameter {key!r}")
+    return name, arguments
+
+
+def check_messages(messages: Any) -> None:
+    """Raise InvalidRequestField (a ValueError naming the field) unless the messages can be encoded.
+
+    Checks the types of every field the encoder reads, the names a DSML tool call writes, and that
+    each tool result answers a call of the latest assistant turn with tool calls (by `tool_call_id`).
+    """
+    if not isinstance(messages, (list, tuple)):
+        raise InvalidRequestField("messages", f"expected a list of messages, got {type(messages).__name__}")
+    call_ids: set[str] = set()  # the ids of the latest assistant tool calls
+    for i, message in enumerate(messages):
+        path = f"messages[{i}]"
+        if not isinstance(message, dict):
+            raise InvalidRequestField(path, f"a message must be an object, got {message!r}")
+        role = message.get("role")
+        if not isinstance(role, str) or role not in MESSAGE_ROLES:
+            choices = list(MESSAGE_ROLES)
+            raise InvalidRequestField(f"{path}.role", f"unknown message role {role!r}; use one of {choices}")
+        content = _text_of(message.get("content"), f"{path}.content")
+        if role == "developer" and not content:
+            raise InvalidRequestField(f"{path}.content", "a developer message needs non-empty content")
+        if message.get("tools") is not None:
+            check_tools(message["tools"], f"{path}.tools")
+        response_format = message.get("response_format")
+        if response_format is not None:
+            if not isinstance(response_format, dict):
+                raise InvalidRequestField(f"{path}.response_format", f"expected an object, got {response_format!r}")
+            _check_json(response_format, f"{path}.response_format")
+        if role == "assistant":
+            for key in ("reasoning_content", "reasoning"):
+                if message.get(key) is not None and not isinstance(message[key], str):
+                    raise InvalidRequestField(f"{path}.{key}", f"expected a string, got {message[key]!r}")
+            calls = message.get("tool_calls")
+            if calls is not None and not isinstance(calls, list):
+                raise InvalidRequestField(f"{path}.tool_calls", f"expected a list, got {calls!r}")
+            for j, call in enumerate(calls or []):
+                _tool_call_parts(call, f"{path}.tool_calls[{j}]")
+                if call.get("id") is not None and not isinstance(call["id"], str):
+                    raise InvalidRequestField(f"{path}.tool_calls[{j}].id", f"expected a string, got {call['id']!r}")
+            if calls:
+                call_ids = {call["id"] for call in calls if call.get("id")}
+        elif role == "tool":
+            call_id = message.get("tool_call_id")
+            if call_id is not None and not isinstance(call_id, str):
+                raise InvalidRequestField(f"{path}.tool_call_id", f"expected a string, got {call_id!r}")
+            if (call_id or call_ids) and call_id not in call_ids:
+                raise InvalidRequestField(
+                    f"{path}.tool_call_id",
+                    f"the tool result messages[{i}] has tool_call_id {call_id!r}, which is not the id of a "
+                    f"tool call of the latest assistant message with tool calls (ids: {sorted(call_ids)})",
+                )
 
 
 # ---- system-prompt sections -----------------------------------------------------------------------
@@ -97,6 +234,7 @@ def _text_of(content: Any) -> str:
 
 def render_tools_section(tools: list[dict]) -> str:
     """The tools section: one JSON schema per line (the `function` part of each OpenAI tool)."""
+    check_tools(tools)
     schemas = "\n".join(_to_json(tool.get("function", tool)) for tool in tools)
     return TOOLS_SECTION_HEAD + schemas + TOOLS_SECTION_TAIL
 
@@ -119,22 +257,19 @@ def _render_parameter(key: str, value: Any) -> str:
     return f'<{DSML}parameter name="{key}" string="false">{_to_json(value)}{PARAMETER_END}'
 
 
-def _render_tool_call(call: dict) -> str:
-    function = call.get("function", call)
-    arguments = function.get("arguments")
-    if isinstance(arguments, str):
-        arguments = json.loads(arguments) if arguments.strip() else {}
-    if arguments is None:
-        arguments = {}
-    if not isinstance(arguments, dict):
-        raise ValueError(f"tool call arguments must be a JSON object, got {arguments!r}")
+def _render_tool_call(call: dict, path: str) -> str:
+    name, arguments = _tool_call_parts(call, path)
     parameters = "\n".join(_render_parameter(key, value) for key, value in arguments.items())
-    return f'<{DSML}invoke name="{function["name"]}">\n{parameters}\n{INVOKE_END}'
+    return f'<{DSML}invoke name="{name}">\n{parameters}\n{INVOKE_END}'
 
 
-def render_tool_calls(tool_calls: list[dict]) -> str:
-    """The DSML block of an assistant turn (without the blank line that precedes it)."""
-    calls = "\n".join(_render_tool_call(call) for call in tool_calls)
+def render_tool_calls(tool_calls: list[dict], path: str = "tool_calls") -> str:
+    """The DSML block of an assistant turn (without the blank line that precedes it).
+
+    Raises InvalidRequestField (naming `path[j]...`) for a call DSML cannot carry: a missing name,
+    a name with `"`, `<`, `>`, CR or LF, non-object or non-JSON arguments (NaN, Infinity).
+    """
+    calls = "\n".join(_render_tool_call(call, f"{path}[{j}]") for j, call in enumerate(tool_calls))
     return f"{TOOL_CALLS_START}\n{calls}\n{TOOL_CALLS_END}"
 
 
@@ -218,14 +353,12 @@ def _drop_earlier_developer_turns(turns: list[dict]) -> list[dict]:
 
 
 def _render_turn(turn: dict, thinking: bool, keep_reasoning: bool) -> str:
+    # The messages were checked by `check_messages` before they became turns.
     role = turn.get("role")
     if role == "system":
         return _text_of(turn.get("content")) + _extra_sections(turn)
     if role == "developer":
-        content = _text_of(turn.get("content"))
-        if not content:
-            raise ValueError("a developer message needs non-empty content")
-        return USER + content + _extra_sections(turn)
+        return USER + _text_of(turn.get("content")) + _extra_sections(turn)
     if role == "user":
         return _render_user(turn)
     if role == "latest_reminder":
@@ -245,11 +378,13 @@ def encode_messages(
 
     `drop_thinking` drops reasoning (and developer turns) before the last user turn in thinking mode;
     it is ignored when any message carries `tools`, so multi-step tool use keeps its reasoning.
+    Malformed messages raise InvalidRequestField, a ValueError naming the field (see `check_messages`).
     """
     if thinking_mode not in THINKING_MODES:
         raise ValueError(f"thinking_mode must be one of {THINKING_MODES}, got {thinking_mode!r}")
     if reasoning_effort not in REASONING_EFFORTS:
         raise ValueError(f"reasoning_effort must be one of {REASONING_EFFORTS}, got {reasoning_effort!r}")
+    check_messages(messages)
     thinking = thinking_mode == "thinking"
     turns = _merge_into_user_turns(messages)
     _order_tool_results(turns)

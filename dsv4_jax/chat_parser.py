@@ -11,10 +11,14 @@ started / argument fragment / finished). A completion looks like
 
 Lenient mode (the server) never raises: malformed DSML degrades to plain content with a logged
 warning. Strict mode (`parse_completion`) raises ValueError on any deviation from the format: all
-that the official parser rejects, and also truncated blocks and non-JSON `string="false"` values,
-which the official parser lets through.
+that the official parser rejects, and also truncated blocks, empty blocks, duplicate parameters and
+non-JSON `string="false"` values, which the official parser lets through.
 The argument fragments of a call concatenate to its final `arguments` JSON string, which has the
-official parser's layout: `{"k": v, "k2": v2}` with `ensure_ascii=False`.
+official parser's layout: `{"k": v, "k2": v2}` with `ensure_ascii=False`, and is always strict JSON
+(no NaN / Infinity, no duplicate keys).
+A call is reported (ToolCallStarted) only once its invoke tag and its first parameter tag (or the
+`</｜DSML｜invoke>` of a call without parameters) are well formed, so a block that is malformed before
+that point yields no tool call at all, only content.
 """
 
 from __future__ import annotations
@@ -97,7 +101,7 @@ _TEXT_STATES = (_State.REASONING, _State.CONTENT, _State.DEGRADED)
 # Tokens that end or interrupt free text; `｜DSML｜` alone so a stray one is noticed too.
 _TEXT_MARKERS = (EOS, BOS, THINK_START, THINK_END, DSML)
 # Text that may be the start of one of these is held back until decided.
-_TEXT_HOLD = (EOS, BOS, THINK_START, THINK_END, BLOCK_SEPARATOR + TOOL_CALLS_START, TOOL_CALLS_START)
+_TEXT_HOLD = (EOS, BOS, THINK_START, THINK_END, DSML, BLOCK_SEPARATOR + TOOL_CALLS_START, TOOL_CALLS_START)
 # As in the official parser, a value ends at the first `/｜DSML｜parameter` (it can never contain one).
 _VALUE_END = f"/{DSML}parameter"
 _VALUE_MARKERS = (_VALUE_END, EOS)
@@ -127,6 +131,11 @@ def _first_marker(text: str, markers: tuple[str, ...]) -> tuple[int, str] | None
     return best
 
 
+def _reject_constant(name: str) -> None:
+    # json.loads accepts NaN, Infinity and -Infinity, which are not JSON.
+    raise ValueError(f"{name} is not valid JSON")
+
+
 def _json_string_body(text: str) -> str:
     # json.dumps escapes character by character, so escaping chunks and concatenating them equals
     # escaping the whole value: that keeps streamed fragments byte-identical to the final string.
@@ -145,10 +154,14 @@ class ChatStreamParser:
         self._events: list[ParseEvent] = []
         self._finished = False
         self._num_calls = 0
+        self._block_first_call = 0  # _num_calls when the tool-call block opened
+        # The name of a call whose invoke tag was read but which is not reported yet (see module doc).
+        self._pending_name: str | None = None
         self._call_open = False
         self._param_keys: set[str] = set()
         self._param_key = ""
         self._param_is_string = True
+        self._skip_value = False  # a duplicate parameter's value is dropped (lenient mode)
         self._raw_value = ""  # a non-string value is buffered whole, then checked as JSON
         # Raw DSML consumed since the last event: on a lenient failure it becomes content again.
         self._uncommitted = ""
@@ -211,11 +224,21 @@ class ChatStreamParser:
         logger.warning("malformed DSML tool call (%s): passing it through as plain content", reason)
         unparsed = self._uncommitted + self._buf
         if self._call_open:
-            if self._state is _State.PARAM_VALUE and self._param_is_string:
+            if self._state is _State.PARAM_VALUE and self._param_is_string and not self._skip_value:
                 self._emit_args('"')
             self._close_call()
+        self._pending_name, self._skip_value = None, False
         self._buf, self._uncommitted = unparsed, ""
         self._state = _State.DEGRADED
+
+    def _open_call(self) -> None:
+        """Report the pending call: its invoke tag and what follows it were well formed."""
+        self._events.append(ToolCallStarted(self._num_calls, self._pending_name))
+        self._num_calls += 1
+        self._pending_name = None
+        self._call_open = True
+        self._param_keys = set()
+        self._emit_args("{")
 
     def _close_call(self) -> None:
         self._emit_args("}")
@@ -296,8 +319,10 @@ class ChatStreamParser:
             self._emit_text(self._consume(start - 2 if before.endswith(BLOCK_SEPARATOR) else start))
             return False
         if not is_block:
-            self._problem(f"stray {DSML!r} in text")
-            self._emit_text(self._consume(pos + len(DSML)))
+            # Not a tool-call block: malformed DSML, so it and the rest become content (lenient).
+            self._emit_text(self._consume(start))
+            self._uncommitted = ""
+            self._malformed(f"stray {DSML!r} in text")
             return True
         before = self._consume(start)
         separator = ""
@@ -313,6 +338,7 @@ class ChatStreamParser:
             logger.info("tool-call block started before </think>; treating it as tool calls")
         self._emit_text(before)
         self._uncommitted = separator + self._consume(len(TOOL_CALLS_START))
+        self._block_first_call = self._num_calls
         self._state = _State.BLOCK_OPEN
         return True
 
@@ -327,6 +353,8 @@ class ChatStreamParser:
             found = self._expect((INVOKE_START, TOOL_CALLS_END), final)
             if found is None:
                 return self._state is not state
+            if found == TOOL_CALLS_END and self._num_calls == self._block_first_call:
+                self._problem("empty tool-call block")
             self._state = _State.INVOKE_NAME if found == INVOKE_START else _State.AFTER_BLOCK
             return True
         first = state is _State.FIRST_PARAM_OR_INVOKE_END
@@ -336,6 +364,8 @@ class ChatStreamParser:
         if found == PARAMETER_START:
             self._state = _State.PARAM_NAME
         else:
+            if self._pending_name is not None:
+                self._open_call()  # a call without parameters
             self._close_call()
             self._state = _State.AFTER_INVOKE
         return True
@@ -364,12 +394,9 @@ class ChatStreamParser:
                 return False
             self._malformed(f"bad invoke tag ending {rest[:20]!r}")
             return True
-        self._consume(len(name) + len(closing))
-        self._events.append(ToolCallStarted(self._num_calls, name))
-        self._num_calls += 1
-        self._call_open = True
-        self._param_keys = set()
-        self._emit_args("{")
+        # Not reported yet: the raw tag stays uncommitted until the first parameter tag is read.
+        self._uncommitted += self._consume(len(name) + len(closing))
+        self._pending_name = name
         self._state = _State.FIRST_PARAM_OR_INVOKE_END
         return True
 
@@ -385,13 +412,19 @@ class ChatStreamParser:
             self._malformed(f"bad parameter tag ending {rest[:20]!r}")
             return True
         self._consume(len(key) + len(flag))
-        if key in self._param_keys:
-            self._problem(f"duplicate parameter {key!r}")
+        if self._pending_name is not None:
+            self._open_call()
+            self._uncommitted = PARAMETER_START  # raw text of this parameter, as for later ones
+        # Earlier parameters have already been streamed, so a duplicate cannot replace its first
+        # value: lenient mode keeps the first one and drops this one (the JSON keeps unique keys).
+        self._skip_value = key in self._param_keys
+        if self._skip_value:
+            self._problem(f"duplicate parameter {key!r}: keeping its first value")
         self._param_key = key
         self._param_is_string = flag == _STRING_FLAGS[0]
         self._raw_value = ""
         self._state = _State.PARAM_VALUE
-        if self._param_is_string:
+        if self._param_is_string and not self._skip_value:
             # A string value streams, so its key and opening quote go out now.
             self._emit_args(self._next_key_prefix() + '"')
         else:
@@ -428,19 +461,22 @@ class ChatStreamParser:
     def _take_value(self, text: str) -> None:
         if not text:
             return
-        if self._param_is_string:
+        if self._param_is_string and not self._skip_value:
             self._emit_args(_json_string_body(text))
         else:
             self._raw_value += text
             self._uncommitted += text
 
     def _end_value(self) -> None:
+        if self._skip_value:
+            self._skip_value = False
+            return
         if self._param_is_string:
             self._emit_args('"')
             return
         raw = self._raw_value
         try:
-            json.loads(raw)
+            json.loads(raw, parse_constant=_reject_constant)
         except ValueError:
             # Keep the arguments valid JSON: an unparsable non-string value is passed as a string.
             self._problem(f"parameter {self._param_key!r} is not valid JSON: {raw[:40]!r}")

@@ -13,19 +13,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dsv4_jax.chat import encode_messages
+# InvalidRequestField lives with the encoder, which raises it too; it is re-exported here.
+from dsv4_jax.chat import InvalidRequestField, check_messages, check_tools, encode_messages
 from dsv4_jax.chat_parser import BOS
 
 # OpenAI effort levels -> the April encoder's levels; it has no "low", so those get no effort line.
 _EFFORT_LEVELS: dict[str, str | None] = {"max": "max", "high": "high", "medium": None, "low": None, "minimal": None}
-
-
-class InvalidRequestField(ValueError):
-    """A request field with an unsupported value (the server answers 400 naming `field`)."""
-
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"{field}: {message}")
-        self.field = field
 
 
 @dataclass(frozen=True)
@@ -45,7 +38,14 @@ def _bool_kwarg(kwargs: dict[str, Any], name: str) -> bool | None:
 def resolve_chat_options(
     chat_template_kwargs: dict[str, Any] | None = None, reasoning_effort: str | None = None
 ) -> ChatOptions:
-    """Thinking mode, effort level and drop_thinking from the request's fields."""
+    """Thinking mode, effort level and drop_thinking from the request's fields.
+
+    Unsupported values raise InvalidRequestField (a ValueError naming the field).
+    """
+    if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
+        raise InvalidRequestField("chat_template_kwargs", f"expected an object, got {chat_template_kwargs!r}")
+    if reasoning_effort is not None and not isinstance(reasoning_effort, str):
+        raise InvalidRequestField("reasoning_effort", f"expected a string, got {reasoning_effort!r}")
     kwargs = chat_template_kwargs or {}
     thinking = _bool_kwarg(kwargs, "thinking")
     if thinking is None:
@@ -78,8 +78,14 @@ def attach_request_fields(
     """Messages with request-level tools / response_format on the leading system or developer message.
 
     The input list and its messages are not modified. A `{"type": "text"}` response format asks for
-    nothing, so it adds no schema paragraph.
+    nothing, so it adds no schema paragraph. Malformed messages, tools or response_format raise
+    InvalidRequestField naming the field as the request spells it (before any message is inserted).
     """
+    check_messages(messages)
+    if tools is not None:
+        check_tools(tools, "tools")
+    if response_format is not None and not isinstance(response_format, dict):
+        raise InvalidRequestField("response_format", f"expected an object, got {response_format!r}")
     if response_format is not None and response_format.get("type") == "text":
         response_format = None
     messages = list(messages)
@@ -106,7 +112,7 @@ def build_prompt(
     chat_template_kwargs: dict[str, Any] | None = None,
     reasoning_effort: str | None = None,
 ) -> str:
-    """The V4 prompt string for an OpenAI chat request's fields."""
+    """The V4 prompt string for an OpenAI chat request's fields; InvalidRequestField if malformed."""
     options = resolve_chat_options(chat_template_kwargs, reasoning_effort)
     return encode_messages(
         attach_request_fields(messages, tools, response_format),

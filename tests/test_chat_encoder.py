@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dsv4_jax.chat import encode_messages, parse_completion
+from dsv4_jax.chat import InvalidRequestField, encode_messages, parse_completion
 from dsv4_jax.chat_parser import ChatStreamParser, MessageBuilder
 
 GOLDEN = Path(__file__).resolve().parents[2] / "shared/golden/dsv4_chat_vectors.jsonl"
@@ -232,3 +232,156 @@ def test_rendered_assistant_turn_parses_back(conversation, turn, mode, cuts):
         builder.add(parser.feed(completion[start:end]))
     builder.add(parser.finish())
     assert builder.message() == expected
+
+
+# ---- malformed messages: a ValueError naming the field ------------------------------------------
+
+HI = {"role": "user", "content": "Hi"}
+
+
+def call(name="f", arguments="{}", call_id="c1", **extra):
+    function = {"arguments": arguments, **extra}
+    if name is not None:
+        function["name"] = name
+    return {"id": call_id, "type": "function", "function": function}
+
+
+def assistant(*calls):
+    return {"role": "assistant", "content": "", "tool_calls": list(calls)}
+
+
+BAD_MESSAGES = {
+    "messages_not_a_list": ({"role": "user", "content": "Hi"}, "messages"),
+    "message_not_an_object": ([HI, "Hi"], "messages[1]"),
+    "message_without_role": ([HI, {"content": "x"}], "messages[1].role"),
+    "unknown_role": ([HI, {"role": "critic", "content": "x"}], "messages[1].role"),
+    "unhashable_role": ([{"role": ["user"], "content": "x"}], "messages[0].role"),
+    "content_not_text": ([{"role": "user", "content": 3}], "messages[0].content"),
+    "content_part_not_an_object": ([{"role": "user", "content": ["a", 3]}], "messages[0].content[1]"),
+    "content_part_text_not_a_string": (
+        [{"role": "user", "content": [{"type": "text", "text": ["a"]}]}],
+        "messages[0].content[0].text",
+    ),
+    "tools_not_a_list": ([{"role": "system", "content": "", "tools": {"name": "f"}}, HI], "messages[0].tools"),
+    "tool_not_an_object": (
+        [{"role": "system", "content": "", "tools": [{"name": "f"}, "g"]}, HI],
+        "messages[0].tools[1]",
+    ),
+    "tool_function_not_an_object": (
+        [{"role": "system", "content": "", "tools": [{"type": "function", "function": "f"}]}, HI],
+        "messages[0].tools[0].function",
+    ),
+    "response_format_not_an_object": (
+        [{"role": "system", "content": "", "response_format": "json_object"}, HI],
+        "messages[0].response_format",
+    ),
+    "tool_calls_not_a_list": (
+        [HI, {"role": "assistant", "content": "", "tool_calls": call()}],
+        "messages[1].tool_calls",
+    ),
+    "tool_call_not_an_object": ([HI, assistant(call(), "f")], "messages[1].tool_calls[1]"),
+    "tool_call_function_not_an_object": (
+        [HI, assistant({"id": "c1", "type": "function", "function": None})],
+        "messages[1].tool_calls[0].function",
+    ),
+    "tool_call_without_name": ([HI, HI, assistant(call(name=None))], "messages[2].tool_calls[0].function.name"),
+    "tool_call_name_not_a_string": ([HI, assistant(call(name=7))], "messages[1].tool_calls[0].function.name"),
+    "tool_call_id_not_a_string": ([HI, assistant(call(call_id=["c1"]))], "messages[1].tool_calls[0].id"),
+    "arguments_not_json": ([HI, assistant(call(arguments="{oops"))], "messages[1].tool_calls[0].function.arguments"),
+    "arguments_not_an_object": (
+        [HI, assistant(call(arguments="[1]"))],
+        "messages[1].tool_calls[0].function.arguments",
+    ),
+    "arguments_with_nan": (
+        [HI, assistant(call(arguments='{"a": NaN}'))],
+        "messages[1].tool_calls[0].function.arguments",
+    ),
+    "arguments_with_infinity_value": (
+        [HI, assistant(call(arguments={"a": [float("inf")]}))],
+        "messages[1].tool_calls[0].function.arguments",
+    ),
+    "reasoning_not_a_string": (
+        [HI, {"role": "assistant", "content": "x", "reasoning_content": {"a": 1}}],
+        "messages[1].reasoning_content",
+    ),
+    "tool_call_id_of_a_result_not_a_string": (
+        [HI, assistant(call()), {"role": "tool", "tool_call_id": 1, "content": "x"}],
+        "messages[2].tool_call_id",
+    ),
+    "empty_developer_message": ([{"role": "developer", "content": ""}, HI], "messages[0].content"),
+}
+
+
+@pytest.mark.parametrize("name", BAD_MESSAGES)
+@pytest.mark.parametrize("mode", ["chat", "thinking"])
+def test_malformed_messages_raise_a_value_error_naming_the_field(name, mode):
+    messages, field = BAD_MESSAGES[name]
+    with pytest.raises(ValueError) as error:
+        encode_messages(messages, mode)
+    assert isinstance(error.value, InvalidRequestField) and error.value.field == field
+    assert str(error.value).startswith(field + ":")
+
+
+@pytest.mark.parametrize("bad", ['"', "<", ">", "\r", "\n", "｜DSML｜"])
+def test_names_dsml_cannot_carry_are_rejected(bad):
+    calls = [call(name="get" + bad + "x")]
+    with pytest.raises(ValueError, match=r"messages\[1\]\.tool_calls\[0\]\.function\.name"):
+        encode_messages([HI, assistant(*calls)])
+    arguments = json.dumps({"ok": 1, "k" + bad: 2})
+    with pytest.raises(ValueError, match=r"messages\[1\]\.tool_calls\[0\]\.function\.arguments"):
+        encode_messages([HI, assistant(call(arguments=arguments))])
+    tools = [{"type": "function", "function": {"name": "a" + bad}}]
+    with pytest.raises(ValueError, match=r"messages\[0\]\.tools\[0\]\.function\.name"):
+        encode_messages([{"role": "system", "content": "", "tools": tools}, HI])
+
+
+def test_accepted_names_parse_back():
+    arguments = {"": 1, "a b/c'd&{}|": "v", "日本": [1]}
+    name = "ns.tool-name_日本 'quoted'"
+    prompt = encode_messages([HI, assistant(call(name=name, arguments=arguments))])
+    completion = prompt[len(encode_messages([HI])) :]
+    expected = {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}
+    assert parse_completion(completion)["tool_calls"] == [{"type": "function", "function": expected}]
+
+
+@pytest.mark.parametrize(
+    "messages, index",
+    [
+        (
+            [
+                HI,
+                assistant(call(call_id="a"), call(call_id="b")),
+                {"role": "tool", "tool_call_id": "zz", "content": "Z"},
+            ],
+            2,
+        ),
+        (
+            [
+                HI,
+                assistant(call(call_id="a"), call(call_id="b")),
+                {"role": "tool", "tool_call_id": "b", "content": "B"},
+                {"role": "tool", "content": "no id"},
+            ],
+            3,
+        ),
+        ([{"role": "tool", "tool_call_id": "a", "content": "A"}, HI], 0),
+        (
+            [
+                HI,
+                assistant(call(call_id="a")),
+                {"role": "tool", "tool_call_id": "a", "content": "A"},
+                assistant(call(call_id="b")),
+                {"role": "tool", "tool_call_id": "a", "content": "A again"},
+            ],
+            4,
+        ),
+    ],
+)
+def test_tool_results_with_unknown_ids_are_rejected(messages, index):
+    with pytest.raises(ValueError, match=rf"messages\[{index}\]"):
+        encode_messages(messages)
+
+
+def test_tool_results_without_ids_are_fine_when_the_calls_have_none():
+    messages = [HI, assistant(call(call_id=None)), {"role": "tool", "content": "R"}]
+    assert encode_messages(messages).endswith("<｜User｜><tool_result>R</tool_result><｜Assistant｜></think>")

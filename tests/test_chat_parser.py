@@ -181,10 +181,10 @@ MALFORMED = {
         f"Hi</{D}parameter>oops{END}",
         ['{"a": "x"}'],
     ),
-    "bad_string_flag": (
+    "bad_string_flag": (  # the first parameter tag is malformed, so no call is reported
         f'Hi{BLOCK}{INVOKE_F}<{D}parameter name="a" string="maybe">x</{D}parameter>\n{END}{EOS}',
-        f'Hi<{D}parameter name="a" string="maybe">x</{D}parameter>\n{END}',
-        ["{}"],
+        f'Hi{BLOCK}{INVOKE_F}<{D}parameter name="a" string="maybe">x</{D}parameter>\n{END}',
+        [],
     ),
     "eos_inside_value": (f'Hi{BLOCK}{INVOKE_F}<{D}parameter name="a" string="true">x{EOS}', "Hi", ['{"a": "x"}']),
     "truncated_in_json_value": (
@@ -252,3 +252,166 @@ def test_nested_and_non_ascii_arguments_stay_byte_exact():
     assert parse_completion(text)["tool_calls"][0]["function"]["arguments"] == expected
     message, _ = run_stream(list(text), "chat")
     assert message["tool_calls"][0]["function"]["arguments"] == expected
+
+
+# ---- review fixes: strict JSON arguments, no half-parsed calls, stray DSML, empty blocks, duplicates --
+
+
+def _reject_constant(name):
+    raise ValueError(f"{name} is not JSON")
+
+
+def strict_json(arguments):
+    """Parse as strict JSON: no NaN / Infinity, no duplicate keys."""
+
+    def unique(pairs):
+        keys = [key for key, _ in pairs]
+        assert len(keys) == len(set(keys)), f"duplicate keys in {arguments!r}"
+        return dict(pairs)
+
+    return json.loads(arguments, parse_constant=_reject_constant, object_pairs_hook=unique)
+
+
+def every_split(text):
+    """The text whole, one character at a time, and cut in two at every index."""
+    yield [text]
+    yield list(text)
+    for cut in range(len(text) + 1):
+        yield [text[:cut], text[cut:]]
+
+
+def one_call(params):
+    return f"{BLOCK}{INVOKE_F}{params}\n{END}{EOS}"
+
+
+def param(key, value, string):
+    return f'<{D}parameter name="{key}" string="{"true" if string else "false"}">{value}</{D}parameter>'
+
+
+@pytest.mark.parametrize("raw", ["NaN", "Infinity", "-Infinity", "[1, NaN]", '{"x": -Infinity}'])
+def test_nan_and_infinity_values_become_strings(raw, caplog):
+    text = one_call(param("a", raw, string=False))
+    with caplog.at_level(logging.WARNING, logger="dsv4_jax.chat_parser"):
+        for deltas in every_split(text):
+            message, events = run_stream(deltas, "chat")
+            arguments = message["tool_calls"][0]["function"]["arguments"]
+            assert strict_json(arguments) == {"a": raw}
+            assert "".join(e.fragment for e in events if isinstance(e, ToolCallArguments)) == arguments
+    assert "not valid JSON" in caplog.text
+    with pytest.raises(ValueError):
+        parse_completion(text, "chat")
+
+
+# name: (completion, expected content, expected names and arguments of the reported calls)
+HALF_PARSED = {
+    "bad_first_parameter_tag": (
+        one_call(f'<{D}parameter name="a" string="yes">1</{D}parameter>'),
+        f'{BLOCK}{INVOKE_F}<{D}parameter name="a" string="yes">1</{D}parameter>\n{END}',
+        [],
+    ),
+    "junk_after_invoke_tag": (one_call("oops"), f"{BLOCK}{INVOKE_F}oops\n{END}", []),
+    "newline_in_first_parameter_name": (
+        one_call(f'<{D}parameter name="a\nb" string="true">1</{D}parameter>'),
+        f'{BLOCK}{INVOKE_F}<{D}parameter name="a\nb" string="true">1</{D}parameter>\n{END}',
+        [],
+    ),
+    "parameterless_call_with_junk_before_its_end": (
+        f"{BLOCK}{INVOKE_F}\nx</{D}invoke>\n</{D}tool_calls>{EOS}",
+        f"{BLOCK}{INVOKE_F}\nx</{D}invoke>\n</{D}tool_calls>",
+        [],
+    ),
+    "cut_off_after_invoke_tag": (f"Hi{BLOCK}{INVOKE_F}", f"Hi{BLOCK}{INVOKE_F}", []),
+    "second_call_malformed": (
+        f'{BLOCK}{INVOKE_F}{param("a", "x", True)}\n</{D}invoke>\n<{D}invoke name="g">\n<{D}parameter nam="b">',
+        f'\n<{D}invoke name="g">\n<{D}parameter nam="b">',
+        [("f", '{"a": "x"}')],
+    ),
+}
+
+
+@pytest.mark.parametrize("name", HALF_PARSED)
+def test_malformed_call_is_never_reported(name, caplog):
+    text, content, calls = HALF_PARSED[name]
+    for deltas in every_split(text):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="dsv4_jax.chat_parser"):
+            message, events = run_stream(deltas, "chat")
+        assert caplog.records, "a warning is logged"
+        assert message["content"] == content
+        started = [e.name for e in events if isinstance(e, ToolCallStarted)]
+        assert started == [n for n, _ in calls]
+        assert [(c["function"]["name"], c["function"]["arguments"]) for c in message["tool_calls"]] == calls
+    with pytest.raises(ValueError):
+        parse_completion(text, "chat")
+
+
+def test_a_call_is_reported_once_its_first_parameter_tag_is_read():
+    parser = ChatStreamParser("chat")
+    assert parser.feed(f'{BLOCK}{INVOKE_F}<{D}parameter name="a" string="true') == []
+    assert parser.feed('">') == [ToolCallStarted(0, "f"), ToolCallArguments(0, '{"a": "')]
+    parser = ChatStreamParser("chat")
+    assert parser.feed(f"{BLOCK}{INVOKE_F}</{D}invoke") == []
+    assert parser.feed(">") == [ToolCallStarted(0, "f"), ToolCallArguments(0, "{}"), ToolCallFinished(0)]
+
+
+@pytest.mark.parametrize(
+    "text, mode, expected",
+    [
+        (f"a{D}b{EOS}", "chat", ("a" + D + "b", "")),
+        (f"a <{D}b{EOS}", "chat", (f"a <{D}b", "")),
+        (f"a\n\n<{D}tool{EOS}", "chat", (f"a\n\n<{D}tool", "")),
+        (f"r{D}x</think>c{EOS}", "thinking", (f"{D}x</think>c", "r")),
+    ],
+)
+def test_stray_dsml_is_content_however_the_text_is_split(text, mode, expected, caplog):
+    content, reasoning = expected
+    for deltas in every_split(text):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="dsv4_jax.chat_parser"):
+            message, events = run_stream(deltas, mode)
+        assert (message["content"], message["reasoning_content"]) == (content, reasoning), deltas
+        assert message["tool_calls"] == [] and caplog.records
+    with pytest.raises(ValueError):
+        parse_completion(text, mode)
+
+
+def test_a_dsml_prefix_is_held_back():
+    parser = ChatStreamParser("chat")
+    assert parser.feed("a｜DS") == [ContentDelta("a")]
+    assert parser.feed("x") == [ContentDelta("｜DSx")]
+
+
+def test_empty_tool_call_block_is_rejected_in_strict_mode(caplog):
+    text = f"Hi\n\n<{D}tool_calls>\n</{D}tool_calls>{EOS}"
+    with pytest.raises(ValueError, match="empty"):
+        parse_completion(text, "chat")
+    message, _ = run_stream([text], "chat")
+    assert message["content"] == "Hi" and message["tool_calls"] == []
+    assert "empty tool-call block" in caplog.text
+
+
+@pytest.mark.parametrize(
+    "params, arguments",
+    [
+        ([("a", "x", True), ("a", "y", True)], {"a": "x"}),
+        ([("a", "1", False), ("b", "z", True), ("a", "2", False)], {"a": 1, "b": "z"}),
+        ([("a", "x", True), ("a", "[1]", False), ("c", "3", False)], {"a": "x", "c": 3}),
+    ],
+)
+def test_duplicate_parameters(params, arguments, caplog):
+    text = one_call("\n".join(param(k, v, s) for k, v, s in params))
+    with pytest.raises(ValueError, match="duplicate"):
+        parse_completion(text, "chat")
+    with caplog.at_level(logging.WARNING, logger="dsv4_jax.chat_parser"):
+        for deltas in every_split(text):
+            message, events = run_stream(deltas, "chat")
+            final = message["tool_calls"][0]["function"]["arguments"]
+            assert strict_json(final) == arguments
+            assert "".join(e.fragment for e in events if isinstance(e, ToolCallArguments)) == final
+    assert "duplicate parameter" in caplog.text
+
+
+@pytest.mark.parametrize("row", PARSE_ROWS, ids=ROW_IDS)
+def test_golden_arguments_are_strict_json(row):
+    for call in parse_completion(row["text"], row["thinking_mode"])["tool_calls"]:
+        strict_json(call["function"]["arguments"])

@@ -146,3 +146,62 @@ def test_tokenizer_json_in_the_model_directory_wins(tmp_path):
     assert loaded.get_vocab_size() == 3
     assert encode_prompt(loaded, "<｜begin▁of▁sentence｜>hi") == [0, 1]
     assert load_tokenizer(tmp_path / "missing") is load_tokenizer()  # no tokenizer.json: the packaged one
+
+
+# ---- malformed request fields: ValueError (InvalidRequestField) naming the field, never a 500 ------
+
+HI = {"role": "user", "content": "Hi"}
+NAMELESS_CALL = {"role": "assistant", "content": "", "tool_calls": [{"id": "c", "type": "function", "function": {}}]}
+
+
+@pytest.mark.parametrize(
+    "fields, field",
+    [
+        ({"reasoning_effort": ["max"]}, "reasoning_effort"),
+        ({"reasoning_effort": {}}, "reasoning_effort"),
+        ({"reasoning_effort": True}, "reasoning_effort"),
+        ({"chat_template_kwargs": "thinking"}, "chat_template_kwargs"),
+        ({"chat_template_kwargs": ["thinking"]}, "chat_template_kwargs"),
+        ({"chat_template_kwargs": []}, "chat_template_kwargs"),
+        ({"chat_template_kwargs": {"enable_thinking": 1}}, "chat_template_kwargs.enable_thinking"),
+        ({"response_format": "json_object"}, "response_format"),
+        ({"response_format": ["text"]}, "response_format"),
+        ({"tools": {"type": "function"}}, "tools"),
+        ({"tools": [WEATHER, "calc"]}, "tools[1]"),
+        ({"tools": [WEATHER, {"type": "function", "function": ["calc"]}]}, "tools[1].function"),
+        ({"tools": [{"type": "function", "function": {"name": 'get"weather'}}]}, "tools[0].function.name"),
+        ({"messages": "Hi"}, "messages"),
+        ({"messages": [HI, None]}, "messages[1]"),
+        ({"messages": [HI, {"role": "robot", "content": "x"}]}, "messages[1].role"),
+        ({"messages": [HI, {"content": "x"}]}, "messages[1].role"),
+        ({"messages": [HI, HI, NAMELESS_CALL]}, "messages[2].tool_calls[0].function.name"),
+        ({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, ["b"]]}]}, "messages[0].content[1]"),
+        # request tools make a new leading system message: indices still follow the request
+        ({"messages": [HI, HI, NAMELESS_CALL], "tools": [WEATHER]}, "messages[2].tool_calls[0].function.name"),
+        (
+            {"messages": [HI, {"role": "tool", "tool_call_id": "x", "content": ""}], "tools": [WEATHER]},
+            "messages[1].tool_call_id",
+        ),
+    ],
+)
+def test_malformed_request_fields_raise_a_value_error_naming_the_field(fields, field):
+    fields = {"messages": [HI], **fields}
+    with pytest.raises(ValueError) as error:
+        build_prompt(**fields)
+    assert isinstance(error.value, InvalidRequestField) and error.value.field == field
+    assert str(error.value).startswith(field + ":")
+
+
+def test_invalid_request_field_is_one_class_for_encoder_and_request_helpers():
+    from dsv4_jax import chat
+
+    assert InvalidRequestField is chat.InvalidRequestField and issubclass(InvalidRequestField, ValueError)
+
+
+def test_attach_request_fields_checks_its_inputs():
+    with pytest.raises(InvalidRequestField, match="response_format"):
+        attach_request_fields([HI], response_format="json_object")
+    with pytest.raises(InvalidRequestField, match=r"tools\[0\]"):
+        attach_request_fields([HI], tools=[None])
+    with pytest.raises(InvalidRequestField, match=r"messages\[0\]"):
+        attach_request_fields([7], tools=[WEATHER])
