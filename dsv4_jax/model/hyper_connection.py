@@ -57,10 +57,10 @@ def hc_post(
     transpose_comb: bool = True,
 ) -> jax.Array:
     """X'_k = post_k * F + sum_j comb[j, k] * X_j (note the transpose). -> [b, s, n, hidden]"""
-    dtype = streams.dtype
     mix = "bsjk,bsjd->bskd" if transpose_comb else "bskj,bsjd->bskd"
-    mixed = jnp.einsum(mix, comb.astype(dtype), streams)
-    return post.astype(dtype)[..., None] * output.astype(dtype)[..., None, :] + mixed
+    mixed = jnp.einsum(mix, comb.astype(jnp.float32), streams.astype(jnp.float32))  # mHC math in fp32
+    out = post.astype(jnp.float32)[..., None] * output.astype(jnp.float32)[..., None, :] + mixed
+    return out.astype(streams.dtype)
 
 
 def hc_head(

@@ -4,8 +4,10 @@ shared expert.
 
 Routed experts run as a grouped matmul over (token, expert) pairs sorted by expert: each
 expert's rows are padded to a tile of `G` rows and each tile multiplies one expert's weights,
-dequantised from the checkpoint format only for the tiles that use it. FLOPs scale with
-tokens x top-k (plus at most one partial tile per used expert), not with the expert count.
+dequantised from the checkpoint format per tile. `G` is at most pairs / experts, so the padding
+(under one tile per expert) stays below the useful rows: FLOPs are at most about twice
+tokens x top-k x the expert matmuls whatever the expert count (exactly that when `G` = 1).
+Weight fetches (one per tile) number at most about 2 x the experts in use.
 """
 
 from __future__ import annotations
@@ -72,7 +74,8 @@ class SharedExpert(nnx.Module):
         self.limit = config.swiglu_limit
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return self.w2(swiglu(self.w1(x), self.w3(x), self.limit))
+        h = swiglu(self.w1(x).astype(jnp.float32), self.w3(x).astype(jnp.float32), self.limit)
+        return self.w2(h.astype(x.dtype))
 
 
 class Gate(nnx.Module):
@@ -114,19 +117,21 @@ class Gate(nnx.Module):
 class MoE(nnx.Module):
     def __init__(self, config: DeepseekV4Config, hash_routed: bool):
         c = config
-        self.n_experts, self.top_k, self.limit = c.n_routed_experts, c.num_experts_per_tok, c.swiglu_limit
+        self.limit = c.swiglu_limit
         self.gate = Gate(c, hash_routed)
         self.experts = RoutedExperts(c)
-        self.shared_experts = SharedExpert(c)
+        if c.n_shared_experts:
+            self.shared_experts = SharedExpert(c)
 
     def __call__(self, x: jax.Array, token_ids: jax.Array, *, bias_in_weights: bool = False) -> jax.Array:
         """x [batch, seq, hidden] ffn_norm output, token_ids [batch, seq] -> [batch, seq, hidden]"""
         batch, seq, hidden = x.shape
         flat = x.reshape(-1, hidden)
         experts, weights = self.gate(flat, token_ids.reshape(-1), bias_in_weights=bias_in_weights)
-        routed = self.experts(flat, experts, weights, self.limit)
-        shared = self.shared_experts(flat).astype(jnp.float32)
-        return (routed + shared).astype(x.dtype).reshape(batch, seq, hidden)
+        out = self.experts(flat, experts, weights, self.limit)
+        if hasattr(self, "shared_experts"):
+            out = out + self.shared_experts(flat).astype(jnp.float32)
+        return out.astype(x.dtype).reshape(batch, seq, hidden)
 
 
 class RoutedExperts(nnx.Module):
@@ -146,8 +151,7 @@ class RoutedExperts(nnx.Module):
     ) -> jax.Array:  # [tokens, hidden] float32
         tokens, k = experts.shape
         pairs = tokens * k
-        tile = tile_rows(pairs)
-        n_tiles = pairs if tile == 1 else math.ceil(pairs / tile) + min(self.n_experts, pairs)
+        tile, n_tiles = tile_plan(pairs, self.n_experts)
         rows = n_tiles * tile
 
         pair_expert = experts.reshape(-1)
@@ -169,7 +173,8 @@ class RoutedExperts(nnx.Module):
             tile_expert = jnp.minimum(tile_expert, self.n_experts - 1).astype(jnp.int32)
         row_token = jnp.zeros((rows,), jnp.int32).at[dest].set(sorted_token.astype(jnp.int32))
         row_weight = jnp.zeros((rows,), jnp.float32).at[dest].set(sorted_weight)  # padding rows weigh 0
-        x_rows = x[row_token].reshape(n_tiles, tile, -1)
+        is_pair = jnp.zeros((rows,), bool).at[dest].set(True)
+        x_rows = jnp.where(is_pair[:, None], x[row_token], 0).reshape(n_tiles, tile, -1)  # padding rows: zeros
         w_rows = row_weight.reshape(n_tiles, tile)
         dtype = x.dtype
 
@@ -177,7 +182,7 @@ class RoutedExperts(nnx.Module):
             xt, wt, et = args  # [n, tile, hidden], [n, tile], [n]
             g = jnp.einsum("ntd,nfd->ntf", xt, self.w1.gather(et, dtype))
             u = jnp.einsum("ntd,nfd->ntf", xt, self.w3.gather(et, dtype))
-            h = (swiglu(g, u, limit).astype(jnp.float32) * wt[..., None]).astype(dtype)
+            h = (swiglu(g.astype(jnp.float32), u.astype(jnp.float32), limit) * wt[..., None]).astype(dtype)
             return jnp.einsum("ntf,ndf->ntd", h, self.w2.gather(et, dtype)).astype(jnp.float32)
 
         if n_tiles <= _TILES_PER_STEP:
@@ -191,7 +196,15 @@ class RoutedExperts(nnx.Module):
         return jnp.zeros((tokens, x.shape[-1]), jnp.float32).at[row_token].add(y.reshape(rows, -1))
 
 
-def tile_rows(pairs: int) -> int:
-    """Rows per expert tile: one row per (token, expert) pair for decode-sized batches (no
-    padding at all), 64 for prefill where one weight fetch serves many rows."""
-    return 1 if pairs <= 512 else 64
+def tile_plan(pairs: int, n_experts: int) -> tuple[int, int]:
+    """(rows per tile G, number of tiles) for `pairs` (token, expert) pairs.
+
+    G is the largest power of two <= pairs / experts. Decode-sized batches (pairs < 2 x experts)
+    get G = 1: one tile per pair, no padding. Otherwise each expert's rows are padded to whole
+    tiles, which adds less than one tile per expert, E x G <= pairs rows: the matmul rows stay
+    within 2 x pairs, and doubling the experts halves G instead of adding rows."""
+    per_expert = max(pairs // n_experts, 1)
+    tile = 1 << (per_expert.bit_length() - 1)
+    if tile == 1:
+        return 1, pairs
+    return tile, math.ceil(pairs / tile) + min(n_experts, pairs)
