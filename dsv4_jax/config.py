@@ -227,7 +227,7 @@ def _normalise(raw: dict[str, Any]) -> dict[str, Any]:
     if "qk_rope_head_dim" in raw:
         out["qk_rope_head_dim"] = int(raw["qk_rope_head_dim"])
     elif raw.get("partial_rotary_factor") is not None and "head_dim" in raw:
-        out["qk_rope_head_dim"] = int(raw["head_dim"] * raw["partial_rotary_factor"])
+        out["qk_rope_head_dim"] = round(raw["head_dim"] * raw["partial_rotary_factor"])
 
     qc = raw.get("quantization_config")
     if qc:
@@ -267,11 +267,15 @@ def _validate(c: DeepseekV4Config) -> None:
     positive = [
         "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim",
         "q_lora_rank", "o_groups", "o_lora_rank", "sliding_window", "moe_intermediate_size",
-        "n_routed_experts", "num_experts_per_tok", "hc_mult", "hc_sinkhorn_iters",
+        "n_routed_experts", "num_experts_per_tok", "hc_mult",
     ]
     for name in positive:
         if getattr(c, name) <= 0:
             _fail(name, f"must be positive, got {getattr(c, name)}")
+    if c.hc_sinkhorn_iters < 0:
+        _fail("hc_sinkhorn_iters", f"must be >= 0, got {c.hc_sinkhorn_iters}")
+    if c.n_shared_experts < 0:
+        _fail("n_shared_experts", f"must be >= 0, got {c.n_shared_experts}")
     if c.num_key_value_heads != 1:
         _fail("num_key_value_heads", f"must be 1 (DeepSeek-V4 attention is MQA), got {c.num_key_value_heads}")
     if not 0 < c.qk_rope_head_dim <= c.head_dim or c.qk_rope_head_dim % 2:

@@ -90,8 +90,8 @@ class CausalLM:
 
     def _ids(self, input_ids: Any) -> jax.Array:
         ids = np.asarray(input_ids)
-        if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer):
-            raise ValueError(f"input_ids must be an integer array [batch, seq], got {ids.dtype} {ids.shape}")
+        if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer) or 0 in ids.shape:
+            raise ValueError(f"input_ids must be a non-empty integer array [batch, seq], got {ids.dtype} {ids.shape}")
         check_token_ids(ids, self.config.vocab_size)
         return jnp.asarray(ids.astype(np.int32))
 
@@ -109,6 +109,17 @@ class CausalLM:
         if not self.mtp_enabled:
             raise ValueError("this checkpoint has no usable DeepSeek-V4 MTP block (it loaded with MTP disabled)")
         return self._jitted["mtp"](self.state, streams, self._ids(next_ids), self.options)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _device_zeros(shape: tuple[int, ...], dtype) -> jax.Array:
+    return jnp.zeros(shape, dtype)
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _write_slice(buffer: jax.Array, index: jax.Array, value: jax.Array) -> jax.Array:
+    """buffer[index] = value, in place (the buffer is donated)."""
+    return jax.lax.dynamic_update_index_in_dim(buffer, value, index, 0)
 
 
 def load_model(
@@ -141,31 +152,50 @@ def load_model(
     segments = full.segments_plan
     _, abstract = nnx.split(full)
 
-    # name -> (leaf path, index in leaf); stacked leaves are assembled on the host, the rest
-    # go to the device as they arrive.
-    targets: dict[str, tuple[Path_, tuple[int, ...]]] = {}
+    # name -> (leaf path, index in leaf, stacked?). A tensor of a stacked leaf goes to its slice of
+    # a device buffer as soon as that slice (one layer: all of its experts) is complete, so the
+    # host holds at most one layer's experts of one leaf; other tensors go to the device as they
+    # arrive. Every tensor of one leaf must have one dtype (no silent numeric casts).
+    targets: dict[str, tuple[Path_, tuple[int, ...], bool]] = {}
     leaves: dict[Path_, Any] = {}
     for leaf_path, variable in nnx.to_flat_state(abstract):
+        stacked = leaf_path[0] == "segments" and segments[leaf_path[1]].count > 1
         for index, name in parameter_names(leaf_path, segments, config.n_routed_experts):
-            targets[name] = (leaf_path, index)
+            targets[name] = (leaf_path, index, stacked)
         leaves[leaf_path] = variable
-    pending: dict[Path_, np.ndarray] = {}
     placed: dict[Path_, jax.Array] = {}
-    filled: dict[Path_, int] = {}
+    pending: dict[tuple[Path_, tuple[int, ...]], np.ndarray] = {}
+    filled: dict[tuple[Path_, tuple[int, ...]], int] = {}
+    leaf_dtype: dict[Path_, tuple[np.dtype, str]] = {}
 
     def put(name: str, array: np.ndarray) -> None:
-        leaf_path, index = targets[name]
+        leaf_path, index, stacked = targets[name]
+        first = leaf_dtype.setdefault(leaf_path, (array.dtype, name))
+        if first[0] != array.dtype:
+            raise ValueError(
+                f"checkpoint tensors that the model stacks must share one dtype: {name} is "
+                f"{array.dtype} but {first[1]} is {first[0]}"
+            )
         shape = leaves[leaf_path].get_value().shape
         if not index:
             placed[leaf_path] = jax.device_put(array)
             return
-        buffer = pending.get(leaf_path)
+        group = (leaf_path, index[:1] if stacked else ())  # one layer's slice, or the whole leaf
+        group_shape = shape[len(group[1]) :]
+        buffer = pending.get(group)
         if buffer is None:
-            buffer = pending[leaf_path] = np.empty(shape, array.dtype)
-        buffer[index] = array
-        filled[leaf_path] = filled.get(leaf_path, 0) + 1
-        if filled[leaf_path] == int(np.prod(shape[: len(index)])):
-            placed[leaf_path] = jax.device_put(pending.pop(leaf_path))
+            buffer = pending[group] = np.empty(group_shape, array.dtype)
+        buffer[index[len(group[1]) :]] = array
+        filled[group] = filled.get(group, 0) + 1
+        if filled[group] < int(np.prod(group_shape[: len(index) - len(group[1])])):
+            return
+        value = pending.pop(group)
+        if not stacked:
+            placed[leaf_path] = jax.device_put(value)
+            return
+        if leaf_path not in placed:
+            placed[leaf_path] = _device_zeros(shape, value.dtype)
+        placed[leaf_path] = _write_slice(placed[leaf_path], np.int32(group[1][0]), value)
 
     report = load_checkpoint(path, config, put)
     module_abstract = nnx.eval_shape(lambda: DeepseekV4(config, mtp=report.mtp_enabled, stack_layers=stack_layers))

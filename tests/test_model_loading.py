@@ -129,3 +129,28 @@ def test_out_of_vocabulary_ids_raise(checkpoints):
     model = dsv4_jax.load_model(checkpoints["twin"])
     with pytest.raises(ValueError, match="token ids"):
         model(np.array([[1, 2, 512]]))
+
+
+def test_mixed_dtypes_within_a_stacked_parameter_raise(tmp_path, checkpoints):
+    """A numeric cast would silently change values (e.g. UE8M0 bytes read as f32 numbers)."""
+    import shutil
+
+    import ml_dtypes  # noqa: F401  (registers bfloat16 for the numpy reader)
+    from safetensors.numpy import load_file, save_file
+
+    bad = tmp_path / "mixed"
+    shutil.copytree(checkpoints["twin"], bad)
+    for f in bad.glob("*.safetensors"):
+        tensors = load_file(f)
+        name = "layers.1.ffn.experts.3.w1.weight"
+        if name in tensors:
+            tensors[name] = tensors[name].astype(np.float32)
+            save_file(tensors, f)
+    with pytest.raises(ValueError, match="share one dtype"):
+        dsv4_jax.load_model(bad)
+
+
+def test_empty_input_raises(checkpoints):
+    model = dsv4_jax.load_model(checkpoints["twin"])
+    with pytest.raises(ValueError, match="non-empty"):
+        model(np.zeros((1, 0), np.int32))
