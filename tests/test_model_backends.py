@@ -44,7 +44,9 @@ def test_paged_core_matches_the_dense_reference(backend, layer):
     got = jax.jit(lambda *a: core(*a, window=WINDOW, ratio=ratio))(q, kv, compressed, idx, sinks)
     # Probabilities rounded to bf16 (relative 2^-9) in a convex combination of rows: |error| <=
     # 2^-9 * max|kv|; twice that for fp32 summation order.
-    bound = 2.0**-8 * max(float(jnp.max(jnp.abs(kv))), float(jnp.max(jnp.abs(compressed))))
+    # The xla backend is the kernels' pure-JAX reference: the same fp32 math up to summation order.
+    scale = max(float(jnp.max(jnp.abs(kv))), float(jnp.max(jnp.abs(compressed))))
+    bound = (1e-5 if backend == "xla" else 2.0**-8) * scale
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=bound, rtol=0)
 
 
@@ -55,11 +57,13 @@ def test_unknown_backend_is_rejected_at_load(tmp_path):
 
 
 def test_model_on_the_fp8_pallas_kernels_tracks_the_dense_model(tmp_path):
-    path = write_random_checkpoint(tmp_path / "m", "dsv4-tiny-test", seed=1, tokenizer=False, include_mtp=False)
+    # Hash routing on every layer: expert choice cannot flip on a rounding difference, so the
+    # logits move smoothly with the attention error.
+    config = {**dsv4_jax.presets.dsv4_tiny_test().to_dict(), "num_hash_layers": 4}
+    path = write_random_checkpoint(tmp_path / "m", config, seed=1, tokenizer=False, include_mtp=False)
     ids = np.random.default_rng(0).integers(0, 512, (2, 40)).astype(np.int32)
     dense = np.asarray(dsv4_jax.load_model(path, kv_cache_rounding=True)(ids))
     paged = np.asarray(dsv4_jax.load_model(path, kv_cache_rounding=True, attention_backend="pallas_fp8_ds_mla")(ids))
-    # Per layer the kernels differ by bf16 rounding only (see the test above); through 4 layers of
-    # a random model a rare router flip can move one position, so compare typical and argmax.
-    assert np.mean(np.abs(paged - dense)) < 0.02
-    assert np.mean(paged.argmax(-1) == dense.argmax(-1)) > 0.9
+    # Each layer's attention differs by bf16 rounding of q and of the probabilities (relative
+    # ~2^-8, see above); through 4 layers that is a few percent of the largest logit at most.
+    assert np.max(np.abs(paged - dense)) <= 4 * 2.0**-8 * np.max(np.abs(dense))

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from dsv4_jax.config import DeepseekV4Config
 from dsv4_jax.presets import get_config
+from pallas_kernels.backend import PALLAS_BF16, PALLAS_FP8_DS_MLA, XLA  # the kernel registry's names
 from pallas_kernels.formats import (
     bf16_bytes_per_token,
     fp8_ds_mla_bytes_per_token,
@@ -36,9 +37,6 @@ FP8_DS_MLA = "fp8_ds_mla"
 BFLOAT16 = "bfloat16"
 KV_CACHE_DTYPES = (FP8_DS_MLA, BFLOAT16)
 
-PALLAS_FP8_DS_MLA = "pallas_fp8_ds_mla"
-PALLAS_BF16 = "pallas_bf16"
-XLA = "xla"
 ATTENTION_BACKENDS = (PALLAS_FP8_DS_MLA, PALLAS_BF16, XLA)
 
 AUTO = "auto"
