@@ -270,3 +270,15 @@ def paged_attention_reference(
         out = out + jnp.einsum("bshk,bskd->bshd", p[..., start : start + n], v, precision=_HIGHEST)
         start += n
     return jnp.where(q_valid[:, :, None, None], out, 0.0)
+
+
+MIN_DOT_ROWS = 16  # Triton's tensor-core dots need at least 16 rows
+
+
+def padded_heads(heads: int, block_h: int) -> int:
+    """Head count the kernels run with: models with fewer heads than a head block (small test
+    models) are padded with silent heads to a power of two of at least MIN_DOT_ROWS rows."""
+    if heads >= block_h:
+        return heads
+    return max(MIN_DOT_ROWS, 1 << (heads - 1).bit_length())
+

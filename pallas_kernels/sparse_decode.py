@@ -43,6 +43,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import tuning
 from pallas_kernels.paged_attention import (
+    padded_heads,
     _check_shapes,
     _entry_rows,
     _key_chunk,
@@ -183,11 +184,17 @@ def sparse_decode(
       config / num_splits: launch parameters (default: tuning table for `device_kind`).
       interpret: run the kernel in the Pallas interpreter (CPU).
     """
+    call_args = dict(locals())
     fmt = _check_shapes(q, window_pool, compressed_pool, topk_indices, ratio)
     mode = _mode(compressed_pool, topk_indices)
     cfg = config or tuning.kernel_config("sparse_decode", device_kind, interpret=interpret)
     info = tuning.device_info(device_kind, interpret=interpret)
     batch, heads, head_dim = q.shape
+    if padded_heads(heads, cfg.block_h) != heads:  # silent heads: zero queries, outputs dropped
+        extra = padded_heads(heads, cfg.block_h) - heads
+        padded = dict(call_args, q=jnp.pad(q, ((0, 0), (0, extra), (0, 0))), sinks=jnp.pad(sinks, (0, extra)))
+        out = sparse_decode(**padded)
+        return out[:, :heads]
     block_h = min(cfg.block_h, heads)
     block_k = cfg.block_k
     if heads % block_h:

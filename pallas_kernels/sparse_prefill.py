@@ -36,6 +36,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import tuning
 from pallas_kernels.paged_attention import (
+    padded_heads,
     _check_shapes,
     _entry_rows,
     _key_chunk,
@@ -198,12 +199,18 @@ def sparse_prefill(
     a chunk longer than the sliding ring can hold still sees its own rows; pass the rows as the
     cache stores them (fp8_ds_mla round trip or bf16) to match a read from the pool exactly.
     """
+    call_args = dict(locals())
     fmt = _check_shapes(q, window_pool, compressed_pool, topk_indices, ratio)
     mode = _mode(compressed_pool, topk_indices)
     name = "sparse_prefill_csa" if mode == "csa" else "sparse_prefill"
     cfg = config or tuning.kernel_config(name, device_kind, interpret=interpret)
     batch, seq, heads, head_dim = q.shape
     block_q = 1 if mode == "csa" else cfg.block_q
+    if padded_heads(heads, cfg.block_h) != heads:  # silent heads: zero queries, outputs dropped
+        extra = padded_heads(heads, cfg.block_h) - heads
+        padded = dict(call_args, q=jnp.pad(q, ((0, 0), (0, 0), (0, extra), (0, 0))), sinks=jnp.pad(sinks, (0, extra)))
+        out = sparse_prefill(**padded)
+        return out[:, :, :heads]
     block_h = min(cfg.block_h, heads)
     block_k = cfg.block_k
     if heads % block_h:
