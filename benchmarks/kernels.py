@@ -1,16 +1,26 @@
 """GPU benchmark of the Pallas kernels against the XLA path (the pure-JAX references).
 
-    python benchmarks/kernels.py [--points decode,prefill,indexer,write] [--markdown FILE] [--budget-s 420]
+    python benchmarks/kernels.py [--points decode,prefill,indexer,write] [--markdown FILE] [--budget-s 300]
 
 Plain script (jax + numpy + this repository; no pytest). For each grid point it builds random
 pools at DeepSeek-V4-Flash shapes on the device, compiles the kernel and the reference once,
 checks GPU parity (max |kernel - reference| against the format-derived bound 2**-8 * max|K|
 for attention, equality of the selected sets up to near-ties for the indexer, bit equality for
-kv_write), then reports device-timed medians, the speed-up over the XLA path, achieved TFLOP/s
-and HBM GB/s. The table is printed even if some points fail, and points are skipped once the time
-budget is spent. At most 16 points: sparse_decode (CSA, fp8_ds_mla) at batch {1, 64, 128} x
-context {4K, 32K, 128K}, sparse_prefill (CSA) and indexer_topk prefill at a 32K context, plus
+kv_write), then times both and reports the speed-up over the XLA path, achieved TFLOP/s and
+HBM GB/s. At most 16 points: sparse_decode (CSA, fp8_ds_mla) at batch {1, 64, 128} x context
+{4K, 32K, 128K}, sparse_prefill (CSA) and indexer_topk prefill at a 32K context, plus
 indexer_topk decode and kv_write.
+
+Timing is HOST WALL-CLOCK, not device time: per call, the median over 7 batches of the mean of
+n back-to-back calls of the compiled executable (n doubled until a batch takes >= 50 ms), each
+batch ended by `jax.block_until_ready`. Dispatch is asynchronous, so for kernels longer than
+their launch overhead this approaches the device time, but it includes launch gaps and the
+host sync and is an upper bound on it. TFLOP/s and GB/s are derived from that time.
+
+Robust to partial failure: a failing point is reported as ERROR and the next one runs; no point
+starts after --budget-s seconds (it is reported as skipped). With --markdown, the table header
+is written to the file at the start and each row is appended (and flushed to disk) as soon as
+its point is measured, so a run killed by a timeout keeps every row measured so far.
 
 FLOPs count useful work: attention 4 * heads * head_dim per (query, key) pair (QK and PV),
 indexer 2 * heads * d per (query, entry). Bytes count the KV rows read once (584 B per
@@ -90,8 +100,12 @@ def _tables(batch, context):
 
 
 # ---- timing ----------------------------------------------------------------------------------------
+TIMING = "host wall-clock per call: median of 7 batches of back-to-back calls, each ended by block_until_ready"
+
+
 def _median_seconds(fn, args, reps=7, min_time=0.05):
-    """Median over `reps` of the mean time of a batch of calls (blocked at the end)."""
+    """Host wall-clock seconds per call (not device time): the median over `reps` batches of the
+    mean time of n back-to-back calls, each batch ended by `jax.block_until_ready`."""
     jax.block_until_ready(fn(*args))
     n = 1
     while True:
@@ -222,57 +236,84 @@ def _parity(kind, tol, got, want, args):
 
 
 # ---- main ---------------------------------------------------------------------------------------
-def run(which, budget_s):
+HEADER = ("point", "status", "parity", "pallas ms (host)", "xla ms (host)", "speed-up", "TFLOP/s", "GB/s")
+
+
+class MarkdownTable:
+    """The results table, written to `path` (if any) one row at a time: the header when created,
+    then each row as soon as it is measured, flushed and fsync'ed, so a kill keeps what was done."""
+
+    def __init__(self, path, title):
+        self.path = path
+        self.lines = [title, "", "| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
+        if path:
+            with open(path, "w") as f:
+                f.write("\n".join(self.lines) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+
+    def add(self, line):
+        self.lines.append(line)
+        if self.path:
+            with open(self.path, "a") as f:
+                f.write(line + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+
+    def text(self):
+        return "\n".join(self.lines)
+
+
+def run(which, budget_s, markdown=None):
     device = jax.devices()[0]
-    print(f"# kernels benchmark {datetime.date.today().isoformat()} on {device.device_kind} (jax {jax.__version__})")
-    rows = []
+    today = datetime.date.today().isoformat()
+    print(f"# kernels benchmark {today} on {device.device_kind} (jax {jax.__version__}); timing: {TIMING}")
+    table = MarkdownTable(markdown, (
+        f"Kernel benchmark, {today}, {device.device_kind}, jax {jax.__version__}. Times are {TIMING} "
+        "(an upper bound on device time, not device-timed); TFLOP/s and GB/s of the Pallas kernel from that time."
+    ))
+    statuses = []
     start = time.perf_counter()
     for name, make in grid(which):
         if time.perf_counter() - start > budget_s:
-            rows.append((name, "skipped", "time budget spent", "", "", "", "", ""))
-            continue
-        try:
-            kern, ref, args, flops, nbytes, (kind, tol) = make()
-            ck = _compile(kern, args)
-            cr = _compile(ref, args)
-            ok, detail = _parity(kind, tol, ck(*args), cr(*args), args)
-            tk = _median_seconds(ck, args)
-            tr = _median_seconds(cr, args)
-            rows.append((
-                name, "ok" if ok else "PARITY FAIL", detail, f"{tk * 1e3:.3f}", f"{tr * 1e3:.3f}", f"{tr / tk:.2f}x",
-                f"{flops / tk / 1e12:.1f}" if flops else "-", f"{nbytes / tk / 1e9:.0f}",
-            ))
-        except Exception as exc:  # keep going: the table is printed whatever fails
-            traceback.print_exc(limit=3)
-            rows.append((name, "ERROR", f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}", "", "", "", "", ""))
-        print(" | ".join(rows[-1]), flush=True)
-    header = ("point", "status", "parity", "pallas ms", "xla ms", "speed-up", "TFLOP/s", "GB/s")
-    lines = [
-        f"Kernel benchmark, {datetime.date.today().isoformat()}, {device.device_kind}, jax {jax.__version__} "
-        "(device-timed medians; TFLOP/s and GB/s of the Pallas kernel)",
-        "",
-        "| " + " | ".join(header) + " |",
-        "|" + "---|" * len(header),
-    ]
-    lines += ["| " + " | ".join(r) + " |" for r in rows]
-    return "\n".join(lines), all(r[1] in ("ok", "skipped") for r in rows)
+            row = (name, "skipped", f"time budget ({budget_s:.0f} s) spent", "", "", "", "", "")
+        else:
+            try:
+                kern, ref, args, flops, nbytes, (kind, tol) = make()
+                ck = _compile(kern, args)
+                cr = _compile(ref, args)
+                ok, detail = _parity(kind, tol, ck(*args), cr(*args), args)
+                tk = _median_seconds(ck, args)
+                tr = _median_seconds(cr, args)
+                row = (
+                    name, "ok" if ok else "PARITY FAIL", detail, f"{tk * 1e3:.3f}", f"{tr * 1e3:.3f}",
+                    f"{tr / tk:.2f}x", f"{flops / tk / 1e12:.1f}" if flops else "-", f"{nbytes / tk / 1e9:.0f}",
+                )
+            except Exception as exc:  # keep going: every point gets a row whatever fails
+                traceback.print_exc(limit=3)
+                row = (name, "ERROR", f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}", "", "", "", "", "")
+        statuses.append(row[1])
+        table.add("| " + " | ".join(r.replace("|", "/") for r in row) + " |")
+        print(" | ".join(row), flush=True)
+    counts = {st: statuses.count(st) for st in dict.fromkeys(statuses)}
+    table.add("")
+    table.add(f"Finished all {len(statuses)} points in {time.perf_counter() - start:.0f} s: "
+              + ", ".join(f"{n} {st}" for st, n in counts.items()) + ".")
+    return table.text(), all(st in ("ok", "skipped") for st in statuses)
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--points", default="decode,prefill,indexer,write")
-    parser.add_argument("--markdown", help="also write the table to this file")
-    parser.add_argument("--budget-s", type=float, default=420.0, help="skip points after this many seconds")
+    parser.add_argument("--markdown", help="also write the table to this file, one row as soon as it is measured")
+    parser.add_argument("--budget-s", type=float, default=300.0, help="start no point after this many seconds")
     args = parser.parse_args(argv)
     if jax.default_backend() != "gpu":
         print(f"no GPU: JAX's default backend is {jax.default_backend()!r}; nothing measured")
         return 2
-    table, ok = run(set(args.points.split(",")), args.budget_s)
+    table, ok = run(set(args.points.split(",")), args.budget_s, args.markdown)
     print()
     print(table)
-    if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write(table + "\n")
     return 0 if ok else 1
 
 

@@ -133,8 +133,8 @@ def cases(kernel: str, device_kind: str, sh: Shapes = FLASH) -> list[tuple[str, 
                     fn = sparse_prefill.sparse_prefill
                     idx_shape = (b, s, sh.topk)
                 args = (*head, _S((sh.heads,), f32))
-                if mode == "window":
-                    args = (*args, None, None, None, _S((), i32))
+                if mode == "window":  # (compressed pool, table, picks, layer, compressed layer)
+                    args = (*args, None, None, None, _S((), i32), _S((), i32))
                 else:
                     layers = sh.csa_layers if mode == "csa" else sh.hca_layers
                     cpool = _kv_pool(fmt, layers, sh.compressed_blocks, sh.block_size // ratio, sh)
@@ -142,7 +142,7 @@ def cases(kernel: str, device_kind: str, sh: Shapes = FLASH) -> list[tuple[str, 
                     args = (*args, cpool, _S((b, sh.max_blocks), i32), idx, _S((), i32), _S((), i32))
                 f = functools.partial(fn, window=sh.window, ratio=ratio, device_kind=device_kind)
                 out.append((f"{fmt}/{mode}", f, args))
-                if kernel == "sparse_prefill" and mode == "csa":  # with the chunk's own window rows
+                if kernel == "sparse_prefill":  # with the chunk's own window rows (paged_core.py, every layer)
                     out.append((f"{fmt}/{mode}+window_kv", f, (*args, _S((b, s, sh.head_dim), bf16))))
         return out
     if kernel == "indexer_topk":

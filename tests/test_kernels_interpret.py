@@ -1,5 +1,7 @@
-"""Interpret-mode parity of every Pallas kernel with its pure-JAX reference, and of the attention
-references with the model's dense attention (dsv4_jax/model/attention_core.py) on the same K/V.
+"""Interpret-mode parity of every Pallas kernel with its pure-JAX reference, of the attention
+references with the model's dense attention (dsv4_jax/model/attention_core.py) on the same K/V,
+and of the indexer reference with the model's `Indexer` (dsv4_jax/model/compressor.py) on the
+same keys.
 
 Fixed small shapes (so each kernel compiles once): 16 heads, head_dim 192 = two 64-wide NoPE
 chunks + 64 RoPE dims, window 40 (not a multiple of the 16-row key chunks), 16 token positions
@@ -21,7 +23,9 @@ Tolerances (derived from the formats, stated once here):
 * indexer top-k: scores differ only by fp32 summation order, at most
   (d + heads) * 2**-24 * sum_h |w_h| sum_d |q_hd k_d| (doubled); selections must agree except
   for swaps between entries whose reference scores lie within that bound of the k-th score.
-  Exact ties (all-zero scores) must be broken by the lowest index in both.
+  Exact ties (all-zero scores) must be broken by the lowest index in both. The same bound holds
+  between the reference and the model's indexer (both fp32, only the summation order differs),
+  once the model's fp8 keys take the QAT round trip, which equals the stored keys exactly.
 """
 
 from __future__ import annotations
@@ -33,8 +37,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
+from dsv4_jax import presets
+from dsv4_jax.model import qat
 from dsv4_jax.model.attention_core import dense_attention
+from dsv4_jax.model.compressor import Indexer
 from pallas_kernels import backend, formats, tuning
 from pallas_kernels.indexer_topk import indexer_scores_reference, indexer_topk, indexer_topk_reference
 from pallas_kernels.kv_write import (
@@ -136,6 +144,7 @@ def make_cache(fmt: str, seed: int, lens: tuple[int, ...], pool_len: tuple[int, 
         np.full((LAYERS, c_blocks, UNITS // CSA, INDEX_DIM), 0x7F, np.uint8).view(jnp.float8_e4m3fn),
         np.full((LAYERS, c_blocks, UNITS // CSA), np.nan, np.float32),
     ]
+    ipool_bf16 = [np.full((LAYERS, c_blocks, UNITS // CSA, INDEX_DIM), np.nan, jnp.bfloat16)]
     for b, n in enumerate(lens):
         end = n if pool_len is None else pool_len[b]
         if end > 0:  # the ring holds the last RING pages of positions < end
@@ -150,10 +159,12 @@ def make_cache(fmt: str, seed: int, lens: tuple[int, ...], pool_len: tuple[int, 
         j = np.arange(n // CSA)
         u = UNITS // CSA
         _store(ipool, cbt[b, j // u] * u + j % u, [ik_q[b, j], ik_s[b, j]])
+        _store(ipool_bf16, cbt[b, j // u] * u + j % u, [ikeys[b, j].astype(jnp.bfloat16)])
     return dict(
         wpool=tuple(jnp.asarray(p) for p in wpool), wbt=jnp.asarray(wbt),
         cpool=tuple(jnp.asarray(p) for p in cpool), hpool=tuple(jnp.asarray(p) for p in hpool),
         cbt=jnp.asarray(cbt), ipool=tuple(jnp.asarray(p) for p in ipool),
+        ipool_bf16=tuple(jnp.asarray(p) for p in ipool_bf16),
         # the same values, contiguous, as the cache stores them (for dense_attention)
         kv=kv_values, csa=csa_values, hca=hca_values, kmax=float(np.abs(kv_values).max()),
     )
@@ -297,10 +308,14 @@ def test_sparse_decode_matches_reference_and_dense(fmt, mode, splits, seed):
 
 
 # ---- sparse prefill -----------------------------------------------------------------------------
-PREFILL_CASES = [  # (format, mode, seq, use chunk rows, seed)
+PREFILL_CASES = [  # (format, mode, seq, use chunk rows (window_kv), seed)
     ("fp8_ds_mla", "hca", 12, False, 21),
     ("fp8_ds_mla", "csa", 12, False, 22),
     ("bf16", "window", 48, True, 23),
+    # window_kv on every mode: dsv4_jax/model/paged_core.py prefills each layer this way
+    ("fp8_ds_mla", "window", 20, True, 24),
+    ("fp8_ds_mla", "hca", 12, True, 25),
+    ("fp8_ds_mla", "csa", 6, True, 26),
 ]
 
 
@@ -358,30 +373,41 @@ def _assert_same_selection(got, want, scores, bound):
                 assert abs(s[j] - kth) <= bound[pos], (pos, j, s[j], kth)
 
 
-INDEXER_CASES = [("prefill", 8, 1, 31), ("decode", 1, 2, 32)]
+def _near_tie_bound(q, w, pool, tail_args):
+    """Per query row: 2 (d + heads) 2**-24 max_j sum_h |w_h| sum_d |q_hd k_jd|, twice the bound on
+    the fp32 summation-order error of a score (the docstring's indexer tolerance). |q|, |w|, |k|
+    go through the reference scorer, so the magnitudes are those of the stored keys."""
+    keys = np.abs(np.asarray(pool[0]).astype(np.float32)).astype(pool[0].dtype)
+    abs_pool = (jnp.asarray(keys), *pool[1:])
+    mag = np.asarray(indexer_scores_reference(
+        jnp.asarray(np.abs(np.asarray(q))), jnp.asarray(np.abs(np.asarray(w))), abs_pool, *tail_args, ratio=CSA
+    ))
+    return 2 * (INDEX_DIM + INDEX_HEADS) * 2.0**-24 * np.max(np.where(np.isfinite(mag), mag, 0), axis=-1)
 
 
-@pytest.mark.parametrize("kind,seq,splits,seed", INDEXER_CASES)
-def test_indexer_topk_matches_reference(kind, seq, splits, seed):
+INDEXER_CASES = [  # (kind, seq, splits, key format, seed)
+    ("prefill", 8, 1, "fp8", 31),
+    ("decode", 1, 2, "fp8", 32),
+    ("prefill", 4, 2, "bf16", 33),
+]
+
+
+@pytest.mark.parametrize("kind,seq,splits,key_fmt,seed", INDEXER_CASES)
+def test_indexer_topk_matches_reference(kind, seq, splits, key_fmt, seed):
     rng = np.random.default_rng(seed)
     batch = 3
     q_lens = np.full(batch, seq, np.int32)
     q_lens[-1] = max(seq // 2, 1) if kind == "prefill" else 0  # padding rows -> all -1
     q_start = rng.integers(0, MAX_LEN - seq + 1, batch).astype(np.int32)
     c = make_cache("fp8_ds_mla", seed, tuple(int(n) for n in q_start + seq))
+    pool = c["ipool"] if key_fmt == "fp8" else c["ipool_bf16"]
     q = jnp.asarray(rng.standard_normal((batch, seq, INDEX_HEADS, INDEX_DIM)).astype(jnp.bfloat16))
     w = jnp.asarray(rng.standard_normal((batch, seq, INDEX_HEADS)).astype(np.float32))
-    args = (q, w, c["ipool"], c["cbt"], jnp.asarray(q_start), jnp.asarray(q_lens), LAYER)
+    args = (q, w, pool, c["cbt"], jnp.asarray(q_start), jnp.asarray(q_lens), LAYER)
     got = np.asarray(indexer_topk(*args, topk=TOPK, ratio=CSA, config=INDEXER_CFG, num_splits=splits, interpret=True))
     want = np.asarray(indexer_topk_reference(*args, topk=TOPK, ratio=CSA))
     scores = np.asarray(indexer_scores_reference(*args, ratio=CSA))
-    # |q|, |w|, |k| give sum_h |w_h| sum_d |q_hd k_d|, the scale of the summation-order error
-    abs_keys = np.abs(np.asarray(c["ipool"][0]).astype(np.float32)).astype(jnp.float8_e4m3fn)
-    abs_pool = (jnp.asarray(abs_keys), c["ipool"][1])
-    mag = np.asarray(indexer_scores_reference(
-        jnp.asarray(np.abs(np.asarray(q))), jnp.asarray(np.abs(np.asarray(w))), abs_pool, *args[3:], ratio=CSA
-    ))
-    bound = 2 * (INDEX_DIM + INDEX_HEADS) * 2.0**-24 * np.max(np.where(np.isfinite(mag), mag, 0), axis=-1)
+    bound = _near_tie_bound(q, w, pool, args[3:])
     assert got.shape == (batch, seq, TOPK)
     _assert_same_selection(got, want, scores, bound)
     visible = np.isfinite(scores).sum(-1)
@@ -398,6 +424,85 @@ def test_indexer_topk_matches_reference(kind, seq, splits, seed):
     np.testing.assert_array_equal(tied, tied_ref)
     first = np.where(np.isfinite(scores[0, 0]))[0][:TOPK]
     np.testing.assert_array_equal(tied[0, 0, : len(first)], first)
+
+
+class _Fixed(nnx.Module):
+    """Stands in for a submodule of the model's Indexer: returns a fixed array whatever its input."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def __call__(self, *args, **kwargs):
+        return self.value
+
+
+@pytest.mark.parametrize("key_fmt", ["bf16", "fp8"])
+def test_indexer_reference_matches_model_indexer(key_fmt):
+    """`indexer_topk_reference` over a paged key pool selects what the model's `Indexer.__call__`
+    selects on the same keys (full sequence from position 0). The model's own `__call__` runs,
+    with its projections and compressor replaced by fixed outputs (queries, raw head weights,
+    keys) and identity RoPE (cos 1, sin 0), so the score formula, the head-weight scaling
+    index_head_dim**-0.5 * index_n_heads**-0.5 and `select_visible_topk` are the model's.
+    bf16 keys: the pool stores them exactly. fp8 keys: the model takes its QAT round trip
+    (`round_keys=True`, qat.indexer_key_round_trip) and the pool is written by the cache's writer
+    (kv_write's reference, formats.indexer_fp8_quantize); the dequantised pool must equal the
+    round trip bit for bit. Selections must then agree except for swaps across the k-th place
+    between entries whose reference scores lie within the fp32 summation bound."""
+    rng = np.random.default_rng({"bf16": 41, "fp8": 42}[key_fmt])
+    batch, seq = 2, 128  # 32 entries > top-k 24; the first 95 positions see fewer than 24
+    n = seq // CSA
+    config = dataclasses.replace(
+        presets.dsv4_tiny_test(), index_n_heads=INDEX_HEADS, index_head_dim=INDEX_DIM, index_topk=TOPK,
+    )
+    q = (rng.standard_normal((batch, seq, INDEX_HEADS, INDEX_DIM)) * 0.5).astype(jnp.bfloat16)
+    raw_w = rng.standard_normal((batch, seq, INDEX_HEADS)).astype(np.float32)  # weights_proj(x), any sign
+    keys = rng.standard_normal((batch, n, INDEX_DIM)).astype(np.float32)
+    keys *= np.exp(rng.uniform(-3, 3, (batch, n, 1))).astype(np.float32)  # a different scale per key
+    keys = keys.astype(jnp.bfloat16) if key_fmt == "bf16" else keys
+
+    indexer = Indexer(config, CSA)
+    indexer.wq_b = _Fixed(jnp.asarray(q.reshape(batch, seq, INDEX_HEADS * INDEX_DIM)))
+    indexer.weights_proj = _Fixed(jnp.asarray(raw_w))
+    indexer.compressor = _Fixed(jnp.asarray(keys))
+    cos = jnp.ones((seq, config.qk_rope_head_dim // 2), jnp.float32)
+    x = jnp.zeros((batch, seq, config.hidden_size), jnp.bfloat16)
+    latent = jnp.zeros((batch, seq, config.q_lora_rank), jnp.bfloat16)
+    model = np.asarray(indexer(x, latent, cos, jnp.zeros_like(cos), round_keys=key_fmt == "fp8"))
+    assert model.shape == (batch, seq, TOPK)
+
+    # the same keys written into a paged pool (random blocks, -1 past the sequence, NaN elsewhere)
+    units = UNITS // CSA
+    blocks = batch * PAGES + 3
+    table = rng.permutation(blocks)[: batch * PAGES].reshape(batch, PAGES).astype(np.int32)
+    table[:, -(-n // units):] = -1
+    if key_fmt == "fp8":
+        pool = (
+            jnp.asarray(np.full((LAYERS, blocks, units, INDEX_DIM), 0x7F, np.uint8).view(jnp.float8_e4m3fn)),
+            jnp.full((LAYERS, blocks, units), jnp.nan, jnp.float32),
+        )
+    else:
+        pool = (jnp.full((LAYERS, blocks, units, INDEX_DIM), jnp.nan, jnp.bfloat16),)
+    j = np.arange(n)
+    slots = np.concatenate([table[b, j // units] * units + j % units for b in range(batch)]).astype(np.int32)
+    flat_keys = jnp.asarray(keys.reshape(batch * n, INDEX_DIM))
+    pool = write_indexer_keys_reference(pool, flat_keys, jnp.asarray(slots), LAYER)
+    if key_fmt == "fp8":  # the cache stores exactly the model's round trip
+        flat = [p[LAYER].reshape(blocks * units, *p.shape[3:]) for p in pool]
+        stored = np.asarray(formats.indexer_fp8_dequantize(flat[0][slots], flat[1][slots]))
+        trip = np.asarray(qat.indexer_key_round_trip(jnp.asarray(keys))).reshape(batch * n, INDEX_DIM)
+        np.testing.assert_array_equal(stored, trip)
+
+    head_w = jnp.asarray(raw_w) * (INDEX_DIM**-0.5 * INDEX_HEADS**-0.5)  # as Indexer.__call__ scales it
+    args = (jnp.asarray(q), head_w, pool, jnp.asarray(table), jnp.zeros(batch, jnp.int32),
+            jnp.full(batch, seq, jnp.int32), LAYER)
+    want = np.asarray(indexer_topk_reference(*args, topk=TOPK, ratio=CSA))
+    scores = np.asarray(indexer_scores_reference(*args, ratio=CSA))
+    _assert_same_selection(model, want, scores, _near_tie_bound(q, head_w, pool, args[3:]))
+    visible = np.minimum((np.arange(seq) + 1) // CSA, TOPK)
+    np.testing.assert_array_equal((model >= 0).sum(-1), np.broadcast_to(visible, (batch, seq)))
+    # near-ties are rare: almost every row is the same list, in the same order
+    same_rows = np.all(model == want, axis=-1)
+    assert same_rows.mean() >= 0.95, same_rows.mean()
 
 
 # ---- backend registry and tuning table ----------------------------------------------------------

@@ -20,6 +20,39 @@ def test_every_kernel_lowers_for_every_device_kind():
     assert not failed, "\n".join(failed)
 
 
+def test_prefill_variants_include_window_kv_for_every_mode():
+    """The model's paged attention core (dsv4_jax/model/paged_core.py) passes `window_kv` on every
+    layer, so the check lowers prefill with it for window, HCA and CSA, both formats, every kind."""
+    want = {f"{fmt}/{mode}{tail}" for fmt in ("fp8_ds_mla", "bf16") for mode in ("window", "csa", "hca")
+            for tail in ("", "+window_kv")}
+    for kind in check.DEFAULT_DEVICE_KINDS:
+        variants = check.cases("sparse_prefill", kind)
+        assert {name for name, _, _ in variants} == want, kind
+        for name, _, args in variants:  # window_kv is the 12th positional argument: [B, S, head_dim]
+            assert (len(args) == 12) == name.endswith("+window_kv"), name
+            if name.endswith("+window_kv"):
+                assert args[-1].shape == (check.FLASH.prefill_batch, check.FLASH.prefill_tokens, check.FLASH.head_dim)
+    # and the rows reach the kernel: its chunk-rows operand is [B, S + block_k, D], not the [1, 1, 16] dummy
+    sh = check.FLASH
+    for name, fn, args in check.cases("sparse_prefill", "NVIDIA H200"):
+        jaxpr = jax.make_jaxpr(fn)(*args).jaxpr
+        calls = [e for e in _all_eqns(jaxpr) if e.primitive.name == "pallas_call"]
+        assert len(calls) == 1, name
+        chunk_rows = [
+            v.aval.shape for v in calls[0].invars
+            if v.aval.ndim == 3 and v.aval.shape[0] == sh.prefill_batch and v.aval.shape[1] > sh.prefill_tokens
+        ]
+        assert (chunk_rows != []) == name.endswith("+window_kv"), (name, chunk_rows)
+
+
+def _all_eqns(jaxpr):
+    for eqn in jaxpr.eqns:
+        yield eqn
+        if eqn.primitive.name != "pallas_call":
+            for sub in _subjaxprs(eqn.params):
+                yield from _all_eqns(sub)
+
+
 def test_lowering_refuses_what_the_device_cannot_do():
     """The check really lowers per device: fp8 casts need compute capability >= 8.9 (A100 is 8.0)."""
     result = check.check_one("kv_write", "NVIDIA A100")
@@ -65,8 +98,6 @@ def _collect_dots(jaxpr, found):
 def test_kernel_dots_take_bf16_operands():
     """No fp32 dot inside a kernel: on the GPU an fp32 jnp.dot lowers to TF32 (half the bf16
     rate, ~1e-3 relative error), which interpret mode on CPU never shows."""
-    import jax
-
     for kernel in ("sparse_decode", "sparse_prefill", "indexer_topk"):
         for variant, fn, args in check.cases(kernel, "NVIDIA H200"):
             dots = _kernel_dots(jax.make_jaxpr(fn)(*args).jaxpr, [])
