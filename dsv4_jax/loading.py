@@ -66,6 +66,7 @@ class CausalLM:
         self.options = options
         self.mtp_enabled = mtp_enabled
         self.core = core
+        self.kv_cache_spec = None
         self.graphdef, self.state = nnx.split(module)
 
     @functools.cached_property
@@ -129,18 +130,28 @@ def load_model(
     kv_cache_rounding: bool = False,
     stack_layers: bool = True,
     attention_backend: str | None = None,
+    kv_cache_dtype: str | None = None,
 ) -> CausalLM:
     """Load a DeepSeek-V4 checkpoint directory (DeepSeek's names, or transformers' saved ones).
 
     `dtype` is the compute dtype of activations and dequantised weights; `kv_cache_rounding`
     rounds KV as the fp8 caches store it; `stack_layers=False` runs every layer unrolled;
     `attention_backend` ("xla", "pallas_fp8_ds_mla", "pallas_bf16") runs attention through that
-    KV-cache backend's kernels instead of the dense reference."""
+    KV-cache backend's kernels instead of the dense reference. `kv_cache_dtype` ("auto", "fp8",
+    "bfloat16", ... as `--kv-cache-dtype`) resolves the KV layout and backend for this device
+    with `resolve_kv_cache` (logged) and runs the model as that cache would: fp8_ds_mla rounds KV."""
     from dsv4_jax.checkpoint import load_checkpoint
 
-    options = ForwardOptions(dtype=dtype, kv_cache_rounding=kv_cache_rounding)
     path = Path(path)
     config = DeepseekV4Config.from_json(path)
+    kv_spec = None
+    if kv_cache_dtype is not None:
+        from dsv4_jax.kv_cache import resolve_for_device
+
+        kv_spec = resolve_for_device(kv_cache_dtype, jax.devices()[0], attention_backend, config)
+        attention_backend = kv_spec.attention_backend
+        kv_cache_rounding = kv_cache_rounding or kv_spec.kv_cache_dtype == "fp8_ds_mla"
+    options = ForwardOptions(dtype=dtype, kv_cache_rounding=kv_cache_rounding)
     fp8_kv = kv_cache_rounding or attention_backend == "pallas_fp8_ds_mla"
     if fp8_kv and config.nope_head_dim % 64:
         raise ValueError(
@@ -213,4 +224,6 @@ def load_model(
 
         core = PagedAttentionCore(attention_backend, config.qk_rope_head_dim)
         core.backend  # noqa: B018  (an unknown name fails here, not at the first call)
-    return CausalLM(module, options, report.mtp_enabled, core)
+    model = CausalLM(module, options, report.mtp_enabled, core)
+    model.kv_cache_spec = kv_spec  # what --kv-cache-dtype resolved to, or None
+    return model

@@ -67,3 +67,19 @@ def test_model_on_the_fp8_pallas_kernels_tracks_the_dense_model(tmp_path):
     # Each layer's attention differs by bf16 rounding of q and of the probabilities (relative
     # ~2^-8, see above); through 4 layers that is a few percent of the largest logit at most.
     assert np.max(np.abs(paged - dense)) <= 4 * 2.0**-8 * np.max(np.abs(dense))
+
+
+def test_kv_cache_dtype_resolves_the_layout_and_backend_for_this_device(tmp_path, caplog):
+    import logging
+
+    path = write_random_checkpoint(tmp_path / "m", "dsv4-tiny-test", seed=0, tokenizer=False, include_mtp=False)
+    with caplog.at_level(logging.INFO):
+        model = dsv4_jax.load_model(path, kv_cache_dtype="fp8")  # CPU: fp8 is emulated on xla
+    assert model.kv_cache_spec.kv_cache_dtype == "fp8_ds_mla"
+    assert model.kv_cache_spec.attention_backend == "xla" and model.core.backend_name == "xla"
+    assert model.options.kv_cache_rounding
+    assert "Using DeepSeek's fp8_ds_mla KV cache format." in caplog.messages
+    auto = dsv4_jax.load_model(path, kv_cache_dtype="auto")
+    assert auto.kv_cache_spec.kv_cache_dtype == "bfloat16" and not auto.options.kv_cache_rounding
+    with pytest.raises(ValueError, match="--kv-cache-dtype"):
+        dsv4_jax.load_model(path, kv_cache_dtype="int4")
