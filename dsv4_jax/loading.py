@@ -77,8 +77,7 @@ class CausalLM:
             return nnx.merge(graphdef, state).hidden_streams(ids, options, core)
 
         def logits(state, ids, options):
-            model = nnx.merge(graphdef, state)
-            return model.logits_from_streams(model.hidden_streams(ids, options, core), model)
+            return nnx.merge(graphdef, state)(ids, options, core)
 
         def mtp(state, streams, next_ids, options):
             return nnx.merge(graphdef, state).mtp_logits(streams, next_ids, options, core=core)

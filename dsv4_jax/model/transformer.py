@@ -176,9 +176,14 @@ class DeepseekV4(nnx.Module):
         h = owner.norm(h)
         return self.head(h.astype(jnp.float32), jnp.float32)  # logits in fp32
 
-    def __call__(self, token_ids: jax.Array, options: ForwardOptions = ForwardOptions()) -> jax.Array:
+    def __call__(
+        self,
+        token_ids: jax.Array,
+        options: ForwardOptions = ForwardOptions(),
+        core: AttentionCore = dense_attention,
+    ) -> jax.Array:
         """[batch, seq] int32 -> logits [batch, seq, vocab] float32 (full sequence, no cache)."""
-        return self.logits_from_streams(self.hidden_streams(token_ids, options), self)
+        return self.logits_from_streams(self.hidden_streams(token_ids, options, core), self)
 
     def mtp_logits(
         self,
