@@ -139,25 +139,27 @@ def check_tools(tools: Any, path: str = "tools") -> None:
         tool_path = f"{path}[{j}]"
         if not isinstance(tool, dict):
             raise InvalidRequestField(tool_path, f"a tool must be an object, got {tool!r}")
-        function, function_path = tool, tool_path
-        if "function" in tool:
-            function, function_path = tool["function"], f"{tool_path}.function"
-            if not isinstance(function, dict):
-                raise InvalidRequestField(function_path, f"expected an object, got {function!r}")
+        function, function_path = _function_object(tool, tool_path)
         if function.get("name") is not None:
             _check_name(function["name"], f"{function_path}.name", what="tool name")
         _check_json(function, function_path)
+
+
+def _function_object(item: dict, path: str) -> tuple[dict, str]:
+    """The OpenAI `function` object of a tool or tool call (or the item itself when it is flat)."""
+    if "function" not in item:
+        return item, path
+    function, function_path = item["function"], f"{path}.function"
+    if not isinstance(function, dict):
+        raise InvalidRequestField(function_path, f"expected an object, got {function!r}")
+    return function, function_path
 
 
 def _tool_call_parts(call: Any, path: str) -> tuple[str, dict]:
     """A tool call's name and arguments object, validated for DSML; InvalidRequestField otherwise."""
     if not isinstance(call, dict):
         raise InvalidRequestField(path, f"a tool call must be an object, got {call!r}")
-    function, function_path = call, path
-    if "function" in call:
-        function, function_path = call["function"], f"{path}.function"
-        if not isinstance(function, dict):
-            raise InvalidRequestField(function_path, f"expected an object, got {function!r}")
+    function, function_path = _function_object(call, path)
     name = function.get("name")
     _check_name(name, f"{function_path}.name", what="tool name")
     arguments_path = f"{function_path}.arguments"

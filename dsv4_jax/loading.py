@@ -7,6 +7,7 @@ split once; no `nnx.jit` per call).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from pathlib import Path
@@ -96,9 +97,7 @@ class CausalLM:
         return jnp.asarray(ids.astype(np.int32))
 
     def __call__(self, input_ids: Any, *, ablations: Ablations | None = None) -> jax.Array:
-        options = self.options if ablations is None else ForwardOptions(
-            self.options.dtype, self.options.kv_cache_rounding, ablations
-        )
+        options = self.options if ablations is None else dataclasses.replace(self.options, ablations=ablations)
         return self._jitted["logits"](self.state, self._ids(input_ids), options)
 
     def hidden_streams(self, input_ids: Any) -> jax.Array:
