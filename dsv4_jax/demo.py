@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> None:
     import dsv4_jax
     from dsv4_jax.builtin import builtin_model_dir
     from dsv4_jax.chat import encode_messages
-    from dsv4_jax.chat_request import encode_prompt, load_tokenizer
+    from dsv4_jax.tokenizer import encode_prompt, load_tokenizer
 
     model_dir = args.model or builtin_model_dir()
     model = dsv4_jax.load_model(model_dir, dtype=args.dtype)

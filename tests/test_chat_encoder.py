@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from dsv4_jax.chat import InvalidRequestField, encode_messages, parse_completion
 from dsv4_jax.chat_parser import ChatStreamParser, MessageBuilder
 
-GOLDEN = Path(__file__).resolve().parents[2] / "shared/golden/dsv4_chat_vectors.jsonl"
+GOLDEN = Path(__file__).resolve().parents[0] / "fixtures/chat/dsv4_chat_vectors.jsonl"
 ROWS = [json.loads(line) for line in GOLDEN.read_text(encoding="utf-8").splitlines() if line.strip()]
 ENCODE_ROWS = [row for row in ROWS if row["kind"] == "encode"]
 

@@ -16,9 +16,9 @@ from dsv4_jax.chat_parser import (
     ToolCallFinished,
     ToolCallStarted,
 )
-from dsv4_jax.chat_request import load_tokenizer
+from dsv4_jax.tokenizer import load_tokenizer
 
-GOLDEN = Path(__file__).resolve().parents[2] / "shared/golden/dsv4_chat_vectors.jsonl"
+GOLDEN = Path(__file__).resolve().parents[0] / "fixtures/chat/dsv4_chat_vectors.jsonl"
 ROWS = [json.loads(line) for line in GOLDEN.read_text(encoding="utf-8").splitlines() if line.strip()]
 PARSE_ROWS = [row for row in ROWS if row["kind"] == "parse"]
 ROW_IDS = [row["name"] for row in PARSE_ROWS]

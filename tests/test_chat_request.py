@@ -11,12 +11,11 @@ from dsv4_jax.chat_request import (
     InvalidRequestField,
     attach_request_fields,
     build_prompt,
-    encode_prompt,
-    load_tokenizer,
     resolve_chat_options,
 )
+from dsv4_jax.tokenizer import encode_prompt, load_tokenizer
 
-GOLDEN = Path(__file__).resolve().parents[2] / "shared/golden/dsv4_chat_vectors.jsonl"
+GOLDEN = Path(__file__).resolve().parents[0] / "fixtures/chat/dsv4_chat_vectors.jsonl"
 ROWS = [json.loads(line) for line in GOLDEN.read_text(encoding="utf-8").splitlines() if line.strip()]
 ENCODE_ROWS = [row for row in ROWS if row["kind"] == "encode"]
 
