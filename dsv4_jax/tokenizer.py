@@ -10,7 +10,7 @@ import functools
 import importlib.resources
 from pathlib import Path
 
-from dsv4_jax.chat_parser import BOS
+from dsv4_jax.chat.tokens import BOS
 
 
 @functools.lru_cache(maxsize=4)

@@ -1,5 +1,9 @@
 """Test-session plumbing: JAX's persistent compilation cache, and a per-test account of XLA
-compiles (count and seconds) with a cap on the session total, since compiles dominate CI."""
+compiles (count and seconds), since compiles dominate CI.
+
+The guard is on the number of backend compiles, which is deterministic for a given cold cache
+(a warm persistent cache only lowers it); their seconds depend on how busy the machine is, so
+they are reported, never asserted."""
 
 from __future__ import annotations
 
@@ -12,8 +16,10 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = REPO / "tests" / "fixtures"
-# Total backend-compile seconds the whole suite may spend (CI has 12 minutes on 2 cores).
-COMPILE_SECONDS_CAP = float(os.environ.get("DSV4_COMPILE_SECONDS_CAP", "420"))
+# Backend compiles the whole suite may run from a cold cache. Each issue that adds compiles
+# raises it by exactly what it adds (measured on a cold cache), so a test that starts
+# recompiling per call, or a new bucket nobody budgeted, fails the run.
+COMPILE_COUNT_CAP = int(os.environ.get("DSV4_COMPILE_COUNT_CAP", "1100"))
 
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(REPO / ".jax_cache"))
 
@@ -49,14 +55,14 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     rows = sorted(_compiles.items(), key=lambda kv: -sum(kv[1]))[:15]
     for test, secs in rows:
         terminalreporter.write_line(f"{sum(secs):7.1f}s {len(secs):4d} compiles  {test}")
-    terminalreporter.write_line(f"total: {count} compiles, {total:.1f}s (cap {COMPILE_SECONDS_CAP:.0f}s)")
+    terminalreporter.write_line(f"total: {count} compiles (cap {COMPILE_COUNT_CAP}), {total:.1f}s")
 
 
 def pytest_sessionfinish(session, exitstatus):
-    total = sum(sum(v) for v in _compiles.values())
-    if total > COMPILE_SECONDS_CAP and exitstatus == 0:
+    count = sum(len(v) for v in _compiles.values())
+    if count > COMPILE_COUNT_CAP and exitstatus == 0:
         session.exitstatus = 1
-        print(f"\nFAILED: XLA compile time {total:.1f}s exceeds the cap of {COMPILE_SECONDS_CAP:.0f}s")
+        print(f"\nFAILED: {count} XLA compiles exceed the cap of {COMPILE_COUNT_CAP} (see the table above)")
 
 
 @pytest.fixture(scope="session")

@@ -7,8 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dsv4_jax.chat import InvalidRequestField, encode_messages, parse_completion
-from dsv4_jax.chat_parser import ChatStreamParser, MessageBuilder
+from dsv4_jax.chat import ChatStreamParser, InvalidRequestField, MessageBuilder, encode_messages, parse_completion
 
 GOLDEN = Path(__file__).resolve().parents[0] / "fixtures/chat/dsv4_chat_vectors.jsonl"
 ROWS = [json.loads(line) for line in GOLDEN.read_text(encoding="utf-8").splitlines() if line.strip()]
@@ -36,10 +35,11 @@ def test_golden_rows_cover_the_format():
 
 
 def test_package_never_reads_golden_files():
-    package = Path(__file__).resolve().parents[1] / "dsv4_jax"
-    for name in ("chat.py", "chat_parser.py", "chat_request.py"):
-        source = (package / name).read_text(encoding="utf-8")
-        assert "shared/golden" not in source and ".jsonl" not in source
+    sources = sorted((Path(__file__).resolve().parents[1] / "dsv4_jax/chat").rglob("*.py"))
+    assert len(sources) >= 5, sources  # the glob found the package
+    for path in sources:
+        source = path.read_text(encoding="utf-8")
+        assert ".jsonl" not in source, path  # golden data is for tests; outside paths: test_repo_paths.py
 
 
 def test_simplest_prompts():

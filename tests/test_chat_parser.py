@@ -6,8 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from dsv4_jax.chat import parse_completion
-from dsv4_jax.chat_parser import (
+from dsv4_jax.chat.parser import (
     ChatStreamParser,
     ContentDelta,
     MessageBuilder,
@@ -15,6 +14,7 @@ from dsv4_jax.chat_parser import (
     ToolCallArguments,
     ToolCallFinished,
     ToolCallStarted,
+    parse_completion,
 )
 from dsv4_jax.tokenizer import load_tokenizer
 
@@ -202,7 +202,7 @@ def test_malformed_dsml_degrades_to_content_with_a_warning(name, caplog):
     text, content, arguments = MALFORMED[name]
     for deltas in ([text], list(text)):
         caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="dsv4_jax.chat_parser"):
+        with caplog.at_level(logging.WARNING, logger="dsv4_jax.chat.parser"):
             message, _ = run_stream(deltas, "chat")
         assert caplog.records, "a warning is logged"
         assert message["content"] == content
@@ -291,7 +291,7 @@ def param(key, value, string):
 @pytest.mark.parametrize("raw", ["NaN", "Infinity", "-Infinity", "[1, NaN]", '{"x": -Infinity}'])
 def test_nan_and_infinity_values_become_strings(raw, caplog):
     text = one_call(param("a", raw, string=False))
-    with caplog.at_level(logging.WARNING, logger="dsv4_jax.chat_parser"):
+    with caplog.at_level(logging.WARNING, logger="dsv4_jax.chat.parser"):
         for deltas in every_split(text):
             message, events = run_stream(deltas, "chat")
             arguments = message["tool_calls"][0]["function"]["arguments"]
@@ -334,7 +334,7 @@ def test_malformed_call_is_never_reported(name, caplog):
     text, content, calls = HALF_PARSED[name]
     for deltas in every_split(text):
         caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="dsv4_jax.chat_parser"):
+        with caplog.at_level(logging.WARNING, logger="dsv4_jax.chat.parser"):
             message, events = run_stream(deltas, "chat")
         assert caplog.records, "a warning is logged"
         assert message["content"] == content
@@ -367,7 +367,7 @@ def test_stray_dsml_is_content_however_the_text_is_split(text, mode, expected, c
     content, reasoning = expected
     for deltas in every_split(text):
         caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="dsv4_jax.chat_parser"):
+        with caplog.at_level(logging.WARNING, logger="dsv4_jax.chat.parser"):
             message, events = run_stream(deltas, mode)
         assert (message["content"], message["reasoning_content"]) == (content, reasoning), deltas
         assert message["tool_calls"] == [] and caplog.records
@@ -402,7 +402,7 @@ def test_duplicate_parameters(params, arguments, caplog):
     text = one_call("\n".join(param(k, v, s) for k, v, s in params))
     with pytest.raises(ValueError, match="duplicate"):
         parse_completion(text, "chat")
-    with caplog.at_level(logging.WARNING, logger="dsv4_jax.chat_parser"):
+    with caplog.at_level(logging.WARNING, logger="dsv4_jax.chat.parser"):
         for deltas in every_split(text):
             message, events = run_stream(deltas, "chat")
             final = message["tool_calls"][0]["function"]["arguments"]

@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from dsv4_jax.chat import encode_messages
-from dsv4_jax.chat_request import (
+from dsv4_jax.chat.encoder import encode_messages
+from dsv4_jax.chat.request import (
     ChatOptions,
     InvalidRequestField,
     attach_request_fields,
@@ -193,8 +193,10 @@ def test_malformed_request_fields_raise_a_value_error_naming_the_field(fields, f
 
 def test_invalid_request_field_is_one_class_for_encoder_and_request_helpers():
     from dsv4_jax import chat
+    from dsv4_jax.chat import encoder
 
-    assert InvalidRequestField is chat.InvalidRequestField and issubclass(InvalidRequestField, ValueError)
+    assert InvalidRequestField is encoder.InvalidRequestField is chat.InvalidRequestField
+    assert issubclass(InvalidRequestField, ValueError)
 
 
 def test_attach_request_fields_checks_its_inputs():

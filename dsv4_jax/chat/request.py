@@ -10,9 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-# InvalidRequestField lives with the encoder, which raises it too; it is re-exported here.
-from dsv4_jax.chat import InvalidRequestField, check_messages, check_tools, encode_messages
-from dsv4_jax.chat_parser import BOS
+# InvalidRequestField lives with the encoder, which raises it too (request.py imports the encoder,
+# so the class cannot live here without an import cycle).
+from dsv4_jax.chat.encoder import InvalidRequestField, check_messages, check_tools, encode_messages
 
 # OpenAI effort levels -> the April encoder's levels; it has no "low", so those get no effort line.
 _EFFORT_LEVELS: dict[str, str | None] = {"max": "max", "high": "high", "medium": None, "low": None, "minimal": None}

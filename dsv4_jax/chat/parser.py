@@ -28,26 +28,21 @@ import json
 import logging
 from dataclasses import dataclass
 
+from dsv4_jax.chat.tokens import (
+    BLOCK_SEPARATOR,
+    BOS,
+    DSML,
+    EOS,
+    INVOKE_END,
+    INVOKE_START,
+    PARAMETER_START,
+    THINK_END,
+    THINK_START,
+    TOOL_CALLS_END,
+    TOOL_CALLS_START,
+)
+
 logger = logging.getLogger(__name__)
-
-# Special-token texts of the V4 vocabulary that the chat format uses.
-BOS = "<｜begin▁of▁sentence｜>"
-EOS = "<｜end▁of▁sentence｜>"
-USER = "<｜User｜>"
-ASSISTANT = "<｜Assistant｜>"
-LATEST_REMINDER = "<｜latest_reminder｜>"
-THINK_START = "<think>"
-THINK_END = "</think>"
-DSML = "｜DSML｜"
-
-TOOL_CALLS_START = f"<{DSML}tool_calls>"
-TOOL_CALLS_END = f"</{DSML}tool_calls>"
-INVOKE_START = f'<{DSML}invoke name="'
-INVOKE_END = f"</{DSML}invoke>"
-PARAMETER_START = f'<{DSML}parameter name="'
-PARAMETER_END = f"</{DSML}parameter>"
-# Content and the tool-call block are separated by a blank line that belongs to neither.
-BLOCK_SEPARATOR = "\n\n"
 
 
 @dataclass(frozen=True)
@@ -131,8 +126,11 @@ def _first_marker(text: str, markers: tuple[str, ...]) -> tuple[int, str] | None
     return best
 
 
-def _reject_constant(name: str) -> None:
-    # json.loads accepts NaN, Infinity and -Infinity, which are not JSON.
+def reject_json_constant(name: str) -> None:
+    """`parse_constant` for `json.loads`: raise on NaN, Infinity and -Infinity, which are not JSON.
+
+    Shared with the encoder, which checks tool-call arguments with the same strictness.
+    """
     raise ValueError(f"{name} is not valid JSON")
 
 
@@ -476,7 +474,7 @@ class ChatStreamParser:
             return
         raw = self._raw_value
         try:
-            json.loads(raw, parse_constant=_reject_constant)
+            json.loads(raw, parse_constant=reject_json_constant)
         except ValueError:
             # Keep the arguments valid JSON: an unparsable non-string value is passed as a string.
             self._problem(f"parameter {self._param_key!r} is not valid JSON: {raw[:40]!r}")
@@ -538,3 +536,16 @@ class MessageBuilder:
                 for name, parts in self._calls
             ],
         }
+
+
+def parse_completion(text: str, thinking_mode: str = "chat") -> dict:
+    """Strictly parse one complete assistant completion (ending with EOS); ValueError if malformed.
+
+    Returns {"role", "content", "reasoning_content", "tool_calls"}, tool calls as
+    {"type": "function", "function": {"name", "arguments"}} with `arguments` a JSON string.
+    """
+    parser = ChatStreamParser(thinking_mode, strict=True)
+    builder = MessageBuilder()
+    builder.add(parser.feed(text))
+    builder.add(parser.finish())
+    return builder.message()

@@ -1,4 +1,4 @@
-"""DeepSeek-V4 chat format: OpenAI-style messages -> prompt string, completion text -> message.
+"""DeepSeek-V4 prompt encoder: OpenAI-style messages -> prompt string (parsing is in `parser`).
 
 V4 ships no Jinja template; this follows its Python encoder (`encoding_dsv4.py`, April release):
 system text goes first without a role token, user and developer turns start with `<｜User｜>`,
@@ -12,7 +12,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from dsv4_jax.chat_parser import (
+from dsv4_jax.chat.parser import reject_json_constant
+from dsv4_jax.chat.tokens import (
     ASSISTANT,
     BOS,
     DSML,
@@ -25,9 +26,6 @@ from dsv4_jax.chat_parser import (
     TOOL_CALLS_END,
     TOOL_CALLS_START,
     USER,
-    ChatStreamParser,
-    MessageBuilder,
-    _reject_constant,
 )
 
 # The fixed texts of the format (checked byte for byte by the golden rows).
@@ -166,7 +164,7 @@ def _tool_call_parts(call: Any, path: str) -> tuple[str, dict]:
     arguments = function.get("arguments")
     if isinstance(arguments, str):
         try:
-            arguments = json.loads(arguments, parse_constant=_reject_constant) if arguments.strip() else {}
+            arguments = json.loads(arguments, parse_constant=reject_json_constant) if arguments.strip() else {}
         except ValueError as error:
             raise InvalidRequestField(arguments_path, f"not valid JSON: {error}") from None
     if arguments is None:
@@ -407,15 +405,3 @@ def encode_messages(
             prompt.append(ASSISTANT + (THINK_START if opens_thinking else THINK_END))
     return "".join(prompt)
 
-
-def parse_completion(text: str, thinking_mode: str = "chat") -> dict:
-    """Strictly parse one complete assistant completion (ending with EOS); ValueError if malformed.
-
-    Returns {"role", "content", "reasoning_content", "tool_calls"}, tool calls as
-    {"type": "function", "function": {"name", "arguments"}} with `arguments` a JSON string.
-    """
-    parser = ChatStreamParser(thinking_mode, strict=True)
-    builder = MessageBuilder()
-    builder.add(parser.feed(text))
-    builder.add(parser.finish())
-    return builder.message()
