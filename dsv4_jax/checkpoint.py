@@ -205,28 +205,47 @@ class SafetensorsFile:
                 raise ValueError(f"{self.path}: not a safetensors file (shorter than 8 bytes)")
             (n,) = struct.unpack("<Q", head)
             if n > min(_MAX_HEADER, size - 8):
-                raise ValueError(f"{self.path}: corrupt safetensors header length {n} (file is {size} bytes)")
+                raise ValueError(
+                    f"{self.path}: truncated or corrupt safetensors file: header length {n} bytes, but the file "
+                    f"is {size} bytes"
+                )
             try:
                 header = json.loads(f.read(n))
             except (UnicodeDecodeError, json.JSONDecodeError) as e:
                 raise ValueError(f"{self.path}: corrupt safetensors header ({e})") from None
+        if not isinstance(header, dict):
+            raise ValueError(f"{self.path}: corrupt safetensors header (a JSON object is expected)")
         self.metadata: dict[str, str] | None = header.pop("__metadata__", None)
         self.data_start = 8 + n
-        data_len = size - self.data_start
-        self.tensors: dict[str, TensorInfo] = {}
-        for name, entry in header.items():
-            dtype, shape = entry["dtype"], tuple(int(s) for s in entry["shape"])
-            begin, end = (int(o) for o in entry["data_offsets"])
-            itemsize = wfmt.FILE_DTYPES[dtype].itemsize if dtype in wfmt.FILE_DTYPES else None
-            if not 0 <= begin <= end <= data_len or (
-                itemsize is not None and end - begin != math.prod(shape) * itemsize
-            ):
-                raise ValueError(
-                    f"{self.path}: tensor {name!r} ({dtype} {list(shape)}) has bad data offsets "
-                    f"[{begin}, {end}) for a data section of {data_len} bytes"
-                )
-            self.tensors[name] = TensorInfo(dtype, shape, begin, end)
+        self.tensors: dict[str, TensorInfo] = {
+            name: self._entry(name, entry, size - self.data_start) for name, entry in header.items()
+        }
         self._mmap: mmap.mmap | None = None
+
+    def _entry(self, name: str, entry: Any, data_len: int) -> TensorInfo:
+        """One header entry, checked against the data section the file really has."""
+        try:
+            dtype, shape = str(entry["dtype"]), tuple(int(s) for s in entry["shape"])
+            begin, end = (int(o) for o in entry["data_offsets"])
+        except (TypeError, KeyError, ValueError):
+            raise ValueError(
+                f"{self.path}: corrupt safetensors header entry for {name!r}: {entry!r} "
+                "(expected dtype, shape and data_offsets [begin, end])"
+            ) from None
+        itemsize = wfmt.FILE_DTYPES[dtype].itemsize if dtype in wfmt.FILE_DTYPES else None
+        if end > data_len and 0 <= begin <= end:
+            raise ValueError(
+                f"{self.path}: truncated file: tensor {name!r} ({dtype} {list(shape)}) has bad data offsets "
+                f"[{begin}, {end}) but the data section holds only {data_len} bytes (the file is "
+                f"{self.data_start + data_len} bytes, its header needs at least {self.data_start + end}); "
+                "copy or download this file again"
+            )
+        if not 0 <= begin <= end or (itemsize is not None and end - begin != math.prod(shape) * itemsize):
+            raise ValueError(
+                f"{self.path}: tensor {name!r} ({dtype} {list(shape)}) has bad data offsets "
+                f"[{begin}, {end}) for a data section of {data_len} bytes"
+            )
+        return TensorInfo(dtype, shape, begin, end)
 
     def __repr__(self) -> str:
         return f"SafetensorsFile({str(self.path)!r}, {len(self.tensors)} tensors)"
@@ -298,8 +317,16 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
 
 def _open_indexed(index_path: Path) -> Checkpoint:
     root = index_path.parent
-    index = json.loads(index_path.read_text())
-    mapping: dict[str, str] = index.get("weight_map") or {}
+    try:
+        index = json.loads(index_path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{index_path}: invalid JSON ({e})") from None
+    mapping = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(mapping, dict) or not all(isinstance(v, str) for v in mapping.values()):
+        raise ValueError(
+            f"{index_path}: needs a `weight_map` object from tensor names to shard file names, "
+            f"got {type(mapping).__name__}"
+        )
     shard_names = sorted(set(mapping.values()))
     absent = [s for s in shard_names if not (root / s).is_file()]
     if absent:
@@ -361,6 +388,51 @@ def _fmt(spec: TensorSpec | TensorInfo) -> str:
     return f"{spec.dtype}{list(spec.shape)}"
 
 
+def _mtp_decision(
+    present_mtp: list[str], expected_mtp: list[str], config: DeepseekV4Config, mtp: bool
+) -> tuple[bool, list[str], list[str]]:
+    """(load MTP?, mtp.* names to skip, warnings). MTP loads only when the file's `mtp.*` names are
+    exactly the V4 MTP block's; none at all, or foreign ones (DSpark draft stages), disable it."""
+    if not present_mtp:
+        if expected_mtp and mtp:
+            return False, [], [
+                f"checkpoint has no mtp.* tensors although the config declares "
+                f"{config.num_nextn_predict_layers} MTP layer(s): loading with MTP disabled"
+            ]
+        return False, [], []
+    if not mtp:
+        return False, present_mtp, []
+    if not expected_mtp:
+        return False, present_mtp, [
+            f"config declares no MTP layer: skipping the checkpoint's {len(present_mtp)} mtp.* tensors"
+        ]
+    present = set(present_mtp)
+    if present != set(expected_mtp):
+        extra = sorted(present - set(expected_mtp))
+        absent = [n for n in expected_mtp if n not in present]
+        return False, present_mtp, [
+            "the checkpoint's mtp.* tensors are not the DeepSeek-V4 MTP block (e.g. DSpark draft stages): "
+            f"{len(extra)} unexpected ({_summary(extra, 5)}), {len(absent)} missing ({_summary(absent, 5)}); "
+            f"loading with MTP disabled and skipping {len(present_mtp)} mtp.* tensors"
+        ]
+    return True, [], []
+
+
+def _mismatches(ckpt: Checkpoint, raw_of: dict[str, str], expected: dict[str, TensorSpec]) -> list[str]:
+    """One line per tensor whose stored shape or dtype the config does not allow, naming its file."""
+    out = []
+    for name, spec in expected.items():
+        if name not in raw_of:
+            continue
+        info = ckpt.info(raw_of[name])
+        dtype_ok = info.dtype == spec.dtype or (spec.dtype, info.dtype) in ACCEPTED_DTYPES
+        if tuple(info.shape) != tuple(spec.shape) or not dtype_ok:
+            label = name if raw_of[name] == name else f"{name} (stored as {raw_of[name]!r})"
+            shard = ckpt.weight_map[raw_of[name]].path.name
+            out.append(f"{label}: checkpoint has {_fmt(info)}, config expects {_fmt(spec)} (in {shard})")
+    return out
+
+
 def plan_checkpoint(path: str | Path, config: DeepseekV4Config, *, mtp: bool = True) -> CheckpointPlan:
     """Open and validate a checkpoint against `checkpoint_layout(config)` without reading data.
 
@@ -377,50 +449,16 @@ def plan_checkpoint(path: str | Path, config: DeepseekV4Config, *, mtp: bool = T
         else:
             raw_of[name] = raw
     expected = checkpoint_layout(config, include_mtp=True)
-    present_mtp = [n for n in raw_of if n.startswith("mtp.")]
-    expected_mtp = [n for n in expected if n.startswith("mtp.")]
-
-    warnings, skipped = [], []
-    mtp_enabled = False
-    if not present_mtp:
-        if expected_mtp and mtp:
-            warnings.append(
-                f"checkpoint has no mtp.* tensors although the config declares "
-                f"{config.num_nextn_predict_layers} MTP layer(s): loading with MTP disabled"
-            )
-    elif not mtp:
-        skipped = present_mtp
-    elif not expected_mtp:
-        skipped = present_mtp
-        warnings.append(
-            f"config declares no MTP layer: skipping the checkpoint's {len(present_mtp)} mtp.* tensors"
-        )
-    elif set(present_mtp) != set(expected_mtp):
-        extra = sorted(set(present_mtp) - set(expected_mtp))
-        absent = [n for n in expected_mtp if n not in raw_of]
-        skipped = present_mtp
-        warnings.append(
-            "the checkpoint's mtp.* tensors are not the DeepSeek-V4 MTP block (e.g. DSpark draft stages): "
-            f"{len(extra)} unexpected ({_summary(extra, 5)}), {len(absent)} missing ({_summary(absent, 5)}); "
-            f"loading with MTP disabled and skipping {len(present_mtp)} mtp.* tensors"
-        )
-    else:
-        mtp_enabled = True
+    mtp_enabled, skipped, warnings = _mtp_decision(
+        [n for n in raw_of if n.startswith("mtp.")], [n for n in expected if n.startswith("mtp.")], config, mtp
+    )
     if not mtp_enabled:
         expected = {n: s for n, s in expected.items() if not n.startswith("mtp.")}
     skip = set(skipped)
 
     missing = [n for n in expected if n not in raw_of]
     unexpected = sorted(n for n in raw_of if n not in expected and n not in skip)
-    mismatched = []
-    for name, spec in expected.items():
-        if name not in raw_of:
-            continue
-        info = ckpt.info(raw_of[name])
-        dtype_ok = info.dtype == spec.dtype or (spec.dtype, info.dtype) in ACCEPTED_DTYPES
-        if tuple(info.shape) != tuple(spec.shape) or not dtype_ok:
-            label = name if raw_of[name] == name else f"{name} (stored as {raw_of[name]!r})"
-            mismatched.append(f"{label}: checkpoint has {_fmt(info)}, config expects {_fmt(spec)}")
+    mismatched = _mismatches(ckpt, raw_of, expected)
     if missing or unexpected or mismatched or duplicates:
         parts = [f"checkpoint {path} does not match the config:"]
         if missing:

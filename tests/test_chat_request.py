@@ -206,3 +206,9 @@ def test_attach_request_fields_checks_its_inputs():
         attach_request_fields([HI], tools=[None])
     with pytest.raises(InvalidRequestField, match=r"messages\[0\]"):
         attach_request_fields([7], tools=[WEATHER])
+
+
+def test_a_broken_tokenizer_json_is_one_clear_error(tmp_path):
+    (tmp_path / "tokenizer.json").write_text("{not json", encoding="utf-8")
+    with pytest.raises(ValueError, match=r"tokenizer\.json: not a valid tokenizer\.json"):
+        load_tokenizer(tmp_path)

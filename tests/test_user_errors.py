@@ -1,0 +1,258 @@
+"""A user's mistake gets one clear error: bad model directories (ValueError / FileNotFoundError
+naming the file, and for config problems the field, the value found and what is allowed), and
+the command-line entry points (one line on stderr, exit status 2, the traceback only on request).
+
+Every bad directory is a copy of one small random checkpoint with one thing broken; each fails
+before any tensor reaches the device, so these tests compile nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import dsv4_jax
+from dsv4_jax import demo, plan
+from dsv4_jax.builtin import BUILTIN_PRESET, builtin_model_dir, checkpoint_bytes
+from dsv4_jax.checkpoint import INDEX_FILE
+from dsv4_jax.kv_cache.planner import MeshShape, estimate_weight_bytes_per_device, nominal_device_memory, plan_capacity
+from dsv4_jax.kv_cache.resolver import resolve_kv_cache
+from dsv4_jax.presets import get_config
+from dsv4_jax.testing import write_random_checkpoint
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = "dsv4-tiny-test"
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory) -> Path:
+    return write_random_checkpoint(tmp_path_factory.mktemp("tiny") / "ckpt", TINY, seed=0)
+
+
+@pytest.fixture
+def model_dir(tmp_path, tiny_checkpoint) -> Path:
+    """A fresh copy of the tiny checkpoint for one test to break."""
+    return Path(shutil.copytree(tiny_checkpoint, tmp_path / "model"))
+
+
+_DELETE = object()
+
+
+def _edit_config(model_dir: Path, **changes) -> None:
+    raw = json.loads((model_dir / "config.json").read_text())
+    for key, value in changes.items():
+        if value is _DELETE:
+            del raw[key]
+        else:
+            raw[key] = value
+    (model_dir / "config.json").write_text(json.dumps(raw))
+
+
+def _load_error(path: Path, kind: type[Exception] = ValueError) -> str:
+    with pytest.raises(kind) as err:
+        dsv4_jax.load_model(path)
+    return str(err.value)
+
+
+# ---- model directories ------------------------------------------------------------------------
+def test_missing_directory(tmp_path):
+    message = _load_error(tmp_path / "nowhere", FileNotFoundError)
+    assert str(tmp_path / "nowhere") in message and "does not exist" in message
+
+
+def test_missing_config_json(model_dir):
+    (model_dir / "config.json").unlink()
+    message = _load_error(model_dir, FileNotFoundError)
+    assert str(model_dir) in message and "no config.json" in message
+
+
+def test_invalid_json_names_the_file_and_line(model_dir):
+    text = (model_dir / "config.json").read_text()
+    (model_dir / "config.json").write_text(text.replace('"hidden_size":', '"hidden_size" 1,', 1))
+    line = 1 + text[: text.index('"hidden_size":')].count("\n")
+    message = _load_error(model_dir)
+    assert str(model_dir / "config.json") in message
+    assert "invalid JSON" in message and f"line {line} " in message
+
+
+@pytest.mark.parametrize(
+    "field, value, found, allowed",
+    [
+        ("hidden_size", "abc", '"abc" (a string)', "an integer"),
+        ("num_hidden_layers", True, "true (a boolean)", "an integer"),
+        ("rope_theta", [1], "[1] (a list)", "a number"),
+        ("n_routed_experts", -3, "-3", "positive"),
+        ("num_nextn_predict_layers", -1, "-1", ">= 0"),
+        ("eos_token_id", 10**6, "1000000", "[0, vocab_size=512)"),
+        ("model_type", "deepseek_v3", '"deepseek_v3"', "'deepseek_v4'"),
+    ],
+)
+def test_bad_config_field_names_file_field_value_and_allowed(model_dir, field, value, found, allowed):
+    _edit_config(model_dir, **{field: value})
+    message = _load_error(model_dir)
+    assert str(model_dir / "config.json") in message
+    assert f"`{field}`" in message and found in message and allowed in message
+
+
+def test_missing_required_field(model_dir):
+    _edit_config(model_dir, hidden_size=_DELETE)
+    message = _load_error(model_dir)
+    assert str(model_dir / "config.json") in message
+    assert "missing required field" in message and "`hidden_size`" in message and "integer" in message
+
+
+def test_index_naming_an_absent_shard(model_dir):
+    shards = sorted(model_dir.glob("*.safetensors"))
+    assert len(shards) >= 2  # the fixture is sharded: the index is what names the files
+    shards[-1].unlink()
+    message = _load_error(model_dir, FileNotFoundError)
+    assert INDEX_FILE in message and shards[-1].name in message
+
+
+def test_no_safetensors_at_all(model_dir):
+    for f in [*model_dir.glob("*.safetensors"), model_dir / INDEX_FILE]:
+        f.unlink()
+    message = _load_error(model_dir, FileNotFoundError)
+    assert str(model_dir) in message and "no *.safetensors" in message
+
+
+def test_truncated_shard(model_dir):
+    shard = sorted(model_dir.glob("*.safetensors"))[0]
+    size = shard.stat().st_size
+    with open(shard, "r+b") as f:
+        f.truncate(size - 1000)
+    message = _load_error(model_dir)
+    assert str(shard) in message and "truncated" in message
+    assert f"the file is {size - 1000} bytes" in message
+
+
+def test_tensors_of_the_wrong_shape_or_dtype(model_dir):
+    from safetensors.numpy import load_file, save_file
+
+    index = json.loads((model_dir / INDEX_FILE).read_text())["weight_map"]
+    edits = {  # (name, new value)
+        "norm.weight": np.zeros((7,), ml_dtypes.bfloat16),  # config: BF16[64]
+        "layers.0.hc_attn_fn": None,  # F32 in the config; stored as BF16 below
+    }
+    for name in edits:
+        shard = model_dir / index[name]
+        tensors = load_file(shard)
+        value = edits[name]
+        tensors[name] = value if value is not None else tensors[name].astype(ml_dtypes.bfloat16)
+        save_file(tensors, shard)
+    hidden = get_config(TINY).hidden_size
+    message = _load_error(model_dir)
+    assert f"norm.weight: checkpoint has BF16[7], config expects BF16[{hidden}] (in {index['norm.weight']})" in message
+    assert "layers.0.hc_attn_fn: checkpoint has BF16[" in message
+    assert "config expects F32[" in message and index["layers.0.hc_attn_fn"] in message
+
+
+# ---- files the package writes -----------------------------------------------------------------
+def test_written_checkpoint_files_follow_the_umask(tiny_checkpoint):
+    umask = os.umask(0)
+    os.umask(umask)
+    for f in tiny_checkpoint.iterdir():
+        assert stat.S_IMODE(f.stat().st_mode) == 0o666 & ~umask, f.name
+
+
+def test_checkpoint_bytes_is_the_size_on_disk(tiny_checkpoint):
+    on_disk = sum(f.stat().st_size for f in tiny_checkpoint.iterdir())
+    # Disk adds the safetensors headers and the small JSON files: well under 1% here.
+    assert 0.99 * on_disk < checkpoint_bytes(get_config(TINY)) <= on_disk
+
+
+def test_builtin_model_says_where_and_how_big_before_writing(tmp_path, monkeypatch, caplog):
+    import dsv4_jax.testing
+
+    seen_before_writing = []
+
+    def fake_write(path, config, seed):
+        seen_before_writing.extend(r.getMessage() for r in caplog.records)
+        Path(path).mkdir(parents=True)
+        (Path(path) / "config.json").write_text("{}")
+
+    monkeypatch.setenv("DSV4_JAX_CACHE", str(tmp_path))
+    monkeypatch.setattr(dsv4_jax.testing, "write_random_checkpoint", fake_write)
+    with caplog.at_level(logging.INFO, logger="dsv4_jax.builtin"):
+        path = builtin_model_dir()
+        assert len(seen_before_writing) == 1
+        builtin_model_dir()  # already there: written once, said once
+    assert len(caplog.records) == 1
+    mebibytes = checkpoint_bytes(get_config(BUILTIN_PRESET)) / 2**20
+    assert str(path) in seen_before_writing[0] and f"{mebibytes:.0f} MiB" in seen_before_writing[0]
+
+
+# ---- command-line entry points ----------------------------------------------------------------
+@pytest.mark.parametrize("parser", [demo.make_parser(), plan.make_parser()], ids=["demo", "plan"])
+def test_every_option_has_help_with_its_default(parser):
+    for action in parser._actions:
+        if isinstance(action, argparse._HelpAction):
+            continue
+        assert action.help and "default" in action.help, action.option_strings
+        expanded = action.help % {**vars(action), "prog": parser.prog}
+        if action.default not in (None, False):
+            assert str(action.default) in expanded, action.option_strings
+
+
+def test_plan_without_arguments_explains_every_row_once(capsys):
+    assert plan.main([]) == 0
+    out = capsys.readouterr().out
+    assert "..." not in out
+    assert all(line.count("does not fit") <= 1 for line in out.splitlines())
+    rows = [line for line in out.splitlines() if line.startswith(("fp8_ds_mla*", "bfloat16"))]
+    notes = [line for line in out.splitlines() if line.startswith("[")]
+    assert len(rows) == len(notes) == 2  # one H200 cannot hold DeepSeek-V4-Flash: both rows point to a note
+    for i, (row, note) in enumerate(zip(rows, notes), start=1):
+        assert row.endswith(f"does not fit [{i}]") and note.startswith(f"[{i}] ")
+    # The first note holds the planner's whole reason for the default fp8 row.
+    config = get_config("dsv4-flash")
+    with pytest.raises(ValueError) as err:
+        plan_capacity(
+            config, resolve_kv_cache("auto", "NVIDIA H200", None, None, config), max_model_len=1048576,
+            device_memory_bytes=nominal_device_memory("NVIDIA H200"),
+            weight_bytes=estimate_weight_bytes_per_device(config, MeshShape(), 0),
+        )
+    assert notes[0].endswith(str(err.value))
+
+
+def _run(module: str, *args: str, debug: bool = False) -> subprocess.CompletedProcess:
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    env.pop("DSV4_DEBUG", None)
+    if debug:
+        env["DSV4_DEBUG"] = "1"
+    return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, env=env,
+                          cwd=REPO, timeout=120)
+
+
+def _assert_one_line_error(done: subprocess.CompletedProcess, prog: str, *fragments: str) -> None:
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr
+    lines = done.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"{prog}: error: "), done.stderr
+    for fragment in fragments:
+        assert fragment in lines[0]
+
+
+def test_demo_bad_model_dir_is_one_line_and_debug_shows_the_traceback(model_dir):
+    _edit_config(model_dir, hidden_size="abc")
+    done = _run("dsv4_jax.demo", "--model", str(model_dir))
+    _assert_one_line_error(done, "python -m dsv4_jax.demo", str(model_dir / "config.json"), "`hidden_size`")
+    debug = _run("dsv4_jax.demo", "--model", str(model_dir), debug=True)
+    assert debug.returncode != 0 and "Traceback" in debug.stderr and "`hidden_size`" in debug.stderr
+
+
+def test_plan_bad_model_is_one_line(model_dir):
+    (model_dir / "config.json").write_text("{")
+    done = _run("dsv4_jax.plan", "--model", str(model_dir))
+    _assert_one_line_error(done, "python -m dsv4_jax.plan", str(model_dir / "config.json"), "invalid JSON")
