@@ -1,13 +1,16 @@
 """AOT lowering check of the Pallas kernels to Triton IR, without a GPU.
 
-    python -m pallas_kernels.check [--device-kind KIND ...] [--kernel NAME ...]
+    python -m pallas_kernels.check [--device-kind KIND ...] [--kernel NAME ...] [--debug]
 
 For each (kernel, device kind) this lowers exactly the wrappers the engine calls, with the
 launch parameters of pallas_kernels/tuning.py for that kind, at DeepSeek-V4-Flash shapes (64
 heads, head_dim 512 = 448 NoPE + 64 RoPE, top-k 512, window 128, block 256, indexer 64 x 128),
-to Triton IR for that device's compute capability, inside an abstract mesh of that device kind
-(`jax.export` for platform "cuda"). It prints one line per (kernel, device kind), OK or the
-first error, and exits non-zero if any failed.
+to Triton IR for that device's compute capability, inside an abstract mesh (`jax.export` for
+platform "cuda"). It prints one line per (kernel, device kind), OK or the first error, and exits
+1 if any failed. A device kind must be one of pallas_kernels/devices.py (an unknown one is one
+line on stderr and status 2). Kernels the device cannot run are reported as not applicable, not
+lowered: the fp8 variants (fp8_ds_mla KV planes, fp8 indexer keys) below compute capability 8.9,
+where the KV cache is bf16 (`pallas_bf16`), and every variant below 8.0.
 
 Lowering is not compiling: this proves that every primitive the kernels use has a Triton
 lowering for that compute capability (fp8 casts need >= 8.9, value slices are refused, ...).
@@ -20,7 +23,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import sys
 import time
 import warnings
 from typing import Any, Callable, Sequence
@@ -28,14 +30,27 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import indexer_topk, kv_write, sparse_decode, sparse_prefill
+from pallas_kernels import devices, indexer_topk, kv_write, sparse_decode, sparse_prefill
+from pallas_kernels.cli import add_debug_flag, run_main
+from pallas_kernels.devices import DeviceKind
 
+PROG = "python -m pallas_kernels.check"
 DEFAULT_DEVICE_KINDS = ("NVIDIA H100", "NVIDIA H200", "NVIDIA B200", "NVIDIA RTX PRO 6000")
 CHECK_KERNELS = ("kv_write", "sparse_decode", "sparse_prefill", "indexer_topk")
 DISCLAIMER = (
     "Lowering to Triton IR only: NOT compiled, NOT run on a GPU (register and shared-memory "
     "limits, correctness and speed on the device are not checked here)."
 )
+# Every variant is named "<storage format>/<what>"; these formats hold e4m3 values.
+FP8_FORMATS = ("fp8_ds_mla", "fp8")
+# JAX's Pallas lowering reads the compute capability from the abstract device's kind, with a list of
+# its own (jax/_src/pallas/triton/gpu_info.py) that lacks H20, H800, L40S, GeForce RTX 5090 and more:
+# each kind is lowered as the kind JAX knows with its compute capability (the launch parameters stay
+# the kind's own, from pallas_kernels/tuning.py).
+JAX_KIND_BY_CAPABILITY = {
+    "8.0": "NVIDIA A100", "8.6": "NVIDIA A10", "8.9": "NVIDIA L4", "9.0": "NVIDIA H100", "10.0": "NVIDIA B200",
+    "10.3": "NVIDIA B300", "12.0": "NVIDIA RTX PRO 6000", "12.1": "NVIDIA GB10",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,7 +130,7 @@ def cases(kernel: str, device_kind: str, sh: Shapes = FLASH) -> list[tuple[str, 
         for fmt in ("fp8", "bf16"):
             pool = _indexer_pool(fmt, sh)
             keys = _S((t // 4, sh.index_head_dim), f32)
-            out.append((f"indexer_{fmt}", write_idx, (pool, keys, _S((t // 4,), i32), _S((), i32))))
+            out.append((f"{fmt}/indexer", write_idx, (pool, keys, _S((t // 4,), i32), _S((), i32))))
         return out
     if kernel in ("sparse_decode", "sparse_prefill"):
         for fmt in ("fp8_ds_mla", "bf16"):
@@ -173,37 +188,76 @@ def lower(fn: Callable[..., Any], args: Sequence[Any], device_kind: str) -> jax.
         )(*args)
 
 
+def resolve_device_kind(device_kind: str) -> DeviceKind:
+    """The row of pallas_kernels/devices.py for a GPU kind; ValueError naming the known ones."""
+    kind = devices.lookup(device_kind) if isinstance(device_kind, str) else None
+    if kind is None or kind.compute_capability is None:
+        raise ValueError(
+            f"--device-kind {device_kind!r} is not a GPU kind of pallas_kernels/devices.py; known: "
+            + ", ".join(devices.gpu_kind_names())
+        )
+    return kind
+
+
+def not_applicable(kind: DeviceKind) -> str:
+    """Why some of the kernels do not apply to `kind` ("" when all do)."""
+    cc = kind.compute_capability
+    if not kind.runs_pallas:
+        return f"no Pallas Triton kernels on compute capability {cc} (< 8.0: attention runs on the xla backend)"
+    if not kind.has_fp8:
+        return (
+            f"no fp8 on compute capability {cc} (Triton's e4m3 needs >= 8.9): the fp8 kernels (fp8_ds_mla KV, "
+            f"fp8 indexer keys) do not apply; the bf16 KV layout's kernels (pallas_bf16) are lowered"
+        )
+    return ""
+
+
+def applies(variant: str, kind: DeviceKind) -> bool:
+    """Whether the engine would launch `variant` on `kind` (the resolver's choice of KV layout)."""
+    return kind.runs_pallas and (kind.has_fp8 or variant.split("/")[0] not in FP8_FORMATS)
+
+
 @dataclasses.dataclass(frozen=True)
 class CheckResult:
     kernel: str
     device_kind: str
     ok: bool
-    variants: int
+    variants: int  # lowered (or tried, on failure)
     seconds: float
     error: str = ""
+    not_applicable: int = 0  # variants the device cannot run (not lowered)
 
     def line(self) -> str:
-        status = "OK  " if self.ok else "FAIL"
-        detail = f"{self.variants} variants lowered" if self.ok else self.error
+        skipped = f"{self.not_applicable} variants not applicable"
+        if not self.ok:
+            status, detail = "FAIL", self.error
+        elif not self.variants:
+            status, detail = "N/A ", skipped
+        else:
+            status = "OK  "
+            detail = f"{self.variants} variants lowered" + (f"; {skipped}" if self.not_applicable else "")
         return f"{status} {self.kernel:<15} {self.device_kind:<20} {self.seconds:5.1f}s  {detail}"
 
 
 def check_one(kernel: str, device_kind: str, shapes: Shapes = FLASH) -> CheckResult:
     start = time.perf_counter()
     try:
+        kind = resolve_device_kind(device_kind)
         variants = cases(kernel, device_kind, shapes)
     except Exception as exc:  # noqa: BLE001  (report, don't crash the table)
         return CheckResult(kernel, device_kind, False, 0, time.perf_counter() - start, f"{type(exc).__name__}: {exc}")
-    for name, fn, args in variants:
+    runnable = [(name, fn, args) for name, fn, args in variants if applies(name, kind)]
+    skipped = len(variants) - len(runnable)
+    for name, fn, args in runnable:
         try:
-            lower(fn, args, device_kind)
+            lower(fn, args, JAX_KIND_BY_CAPABILITY[kind.compute_capability])
         except Exception as exc:  # noqa: BLE001
             msg = " ".join(str(exc).split())[:300]
             return CheckResult(
-                kernel, device_kind, False, len(variants), time.perf_counter() - start,
-                f"{name}: {type(exc).__name__}: {msg}",
+                kernel, device_kind, False, len(runnable), time.perf_counter() - start,
+                f"{name}: {type(exc).__name__}: {msg}", skipped,
             )
-    return CheckResult(kernel, device_kind, True, len(variants), time.perf_counter() - start)
+    return CheckResult(kernel, device_kind, True, len(runnable), time.perf_counter() - start, "", skipped)
 
 
 def run_check(
@@ -212,9 +266,13 @@ def run_check(
     shapes: Shapes = FLASH,
     echo: Callable[[str], None] | None = None,
 ) -> list[CheckResult]:
-    """Lower every kernel for every device kind; one result per (kernel, device kind)."""
+    """Lower every kernel for every device kind; one result per (kernel, device kind). `echo` gets
+    each result's line, after a NOTE line for a kind where some kernels do not apply."""
     results = []
     for kind in device_kinds:
+        note = not_applicable(resolve_device_kind(kind))
+        if echo is not None and note:
+            echo(f"NOTE {kind}: {note}")
         for kernel in kernels:
             result = check_one(kernel, kind, shapes)
             results.append(result)
@@ -223,21 +281,31 @@ def run_check(
     return results
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m pallas_kernels.check",
+        prog=PROG,
         description="Lower the Pallas kernels to Triton IR for GPU kinds, without a GPU. " + DISCLAIMER,
     )
     parser.add_argument(
         "--device-kind", action="append", dest="device_kinds", metavar="KIND",
-        help=f"device kind to lower for (repeatable; default: {', '.join(DEFAULT_DEVICE_KINDS)})",
+        help="GPU kind to lower for, as jax reports it or as pallas_kernels/devices.py names it "
+        f"(repeatable; default: {', '.join(DEFAULT_DEVICE_KINDS)})",
     )
     parser.add_argument(
         "--kernel", action="append", dest="kernels", choices=CHECK_KERNELS,
-        help="kernel to lower (repeatable; default: all)",
+        help=f"kernel to lower (repeatable; default: all of {', '.join(CHECK_KERNELS)})",
     )
-    args = parser.parse_args(argv)
+    add_debug_flag(parser)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Print one line per (kernel, device kind); 1 if any failed. An unknown kind is a ValueError
+    (one line and status 2 under `run_main`), raised before anything is lowered."""
+    args = make_parser().parse_args(argv)
     kinds = args.device_kinds or list(DEFAULT_DEVICE_KINDS)
+    for kind in kinds:
+        resolve_device_kind(kind)
     kernels = args.kernels or list(CHECK_KERNELS)
     sh = FLASH
     print(DISCLAIMER)
@@ -248,9 +316,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     results = run_check(kinds, kernels, sh, echo=lambda line: print(line, flush=True))
     failed = [r for r in results if not r.ok]
-    print(f"{len(results) - len(failed)}/{len(results)} (kernel, device kind) pairs lowered; {len(failed)} failed.")
+    lowered = [r for r in results if r.ok and r.variants]
+    skipped = sum(r.not_applicable for r in results)
+    print(
+        f"{len(lowered)}/{len(results)} (kernel, device kind) pairs lowered; {len(failed)} failed"
+        + (f"; {skipped} variants not applicable (see NOTE)." if skipped else ".")
+    )
     return 1 if failed else 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main, prog=PROG)

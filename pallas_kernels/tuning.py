@@ -1,4 +1,4 @@
-"""Block sizes, warps and stages of every Pallas kernel, per GPU kind: the one table.
+"""Block sizes, warps and stages of every Pallas kernel, per GPU kind: the one table of launch parameters.
 
 The kernel wrappers look their launch parameters up here (`kernel_config`), and so does the
 lowering check (`python -m pallas_kernels.check`), so what the check lowers is exactly what the
@@ -15,15 +15,21 @@ are chosen from register and shared-memory budgets:
 * decode splits the key range over up to `max_splits` programs so that batch x head blocks x
   splits covers the SMs about twice (flash-decoding), and a merge step combines the splits.
 
-Device kinds are matched as prefixes ("NVIDIA H100 80GB HBM3" -> "NVIDIA H100"); "cpu" (and
-`interpret=True`) gets the small interpret-mode entry; an unknown GPU gets the SM120 entry, the
-smallest budget.
+Device kinds are matched by the one table of pallas_kernels/devices.py ("NVIDIA H100 80GB HBM3"
+-> "NVIDIA H100"); the launch parameters follow the row's shared memory per block: the
+H100-class entry on SM90/SM100 (227 KB), the SM120 entry on every other GPU (at most 163 KB on
+SM80, about 99 KB on SM86/89/120), the small interpret-mode entry on "cpu" (and with
+`interpret=True`). A GPU kind the table does not know gets the RTX PRO 6000 row (SM120, the
+smallest budget).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+
+from pallas_kernels import devices
+from pallas_kernels.devices import DeviceKind
 
 KERNELS = ("kv_write", "sparse_decode", "sparse_prefill", "sparse_prefill_csa", "indexer_topk")
 
@@ -58,21 +64,6 @@ class KernelConfig:
                 raise ValueError(f"KernelConfig.{name} must be a power of two (Triton blocks), got {value}")
 
 
-@dataclasses.dataclass(frozen=True)
-class DeviceInfo:
-    sm_count: int
-    shared_memory_per_block: int  # bytes (opt-in maximum)
-    compute_capability: str
-
-
-DEVICES: dict[str, DeviceInfo] = {
-    "NVIDIA H100": DeviceInfo(132, 227 * 1024, "9.0"),
-    "NVIDIA H200": DeviceInfo(132, 227 * 1024, "9.0"),
-    "NVIDIA B200": DeviceInfo(148, 227 * 1024, "10.0"),
-    "NVIDIA RTX PRO 6000": DeviceInfo(188, 99 * 1024, "12.0"),
-    "cpu": DeviceInfo(4, 0, ""),
-}
-
 _HOPPER_CLASS = {
     "kv_write": KernelConfig(block_k=32, num_warps=4, num_stages=1),
     "sparse_decode": KernelConfig(block_h=32, block_k=32, max_splits=64, num_warps=8, num_stages=2),
@@ -99,30 +90,28 @@ _INTERPRET = {
     "indexer_topk": KernelConfig(block_k=16, max_splits=4, num_warps=4, num_stages=1),
 }
 
-TUNING: dict[str, dict[str, KernelConfig]] = {
-    "NVIDIA H100": _HOPPER_CLASS,
-    "NVIDIA H200": _HOPPER_CLASS,
-    "NVIDIA B200": _HOPPER_CLASS,
-    "NVIDIA RTX PRO 6000": _SM120,
-    "cpu": _INTERPRET,
-}
+
+def _launch_class(kind: DeviceKind) -> dict[str, KernelConfig]:
+    """Launch parameters by shared memory per block: 227 KB on SM90/SM100, less on every other GPU."""
+    if kind.capability is None:
+        return _INTERPRET
+    return _HOPPER_CLASS if kind.capability[0] in (9, 10) else _SM120
+
+
+# Keyed by the canonical names of pallas_kernels/devices.py (every row, "cpu" included).
+TUNING: dict[str, dict[str, KernelConfig]] = {kind.name: _launch_class(kind) for kind in devices.DEVICE_KINDS}
 FALLBACK_KIND = "NVIDIA RTX PRO 6000"
 
 
 def canonical_device_kind(device_kind: str | None = None) -> str:
-    """The table's key for a device kind (None: the default JAX device's kind)."""
+    """The table's name for a device kind (None: the default JAX device's kind); FALLBACK_KIND for
+    a kind the table does not know."""
     if device_kind is None:
         import jax  # deferred: the table itself needs no JAX
 
         device_kind = jax.devices()[0].device_kind
-    if device_kind in TUNING:
-        return device_kind
-    if device_kind.lower() == "cpu":
-        return "cpu"
-    for kind in sorted(TUNING, key=len, reverse=True):
-        if device_kind.startswith(kind):
-            return kind
-    return FALLBACK_KIND
+    kind = devices.lookup(device_kind)
+    return FALLBACK_KIND if kind is None else kind.name
 
 
 def kernel_config(kernel: str, device_kind: str | None = None, *, interpret: bool = False) -> KernelConfig:
@@ -133,12 +122,13 @@ def kernel_config(kernel: str, device_kind: str | None = None, *, interpret: boo
     return TUNING[kind][kernel]
 
 
-def device_info(device_kind: str | None = None, *, interpret: bool = False) -> DeviceInfo:
-    return DEVICES["cpu" if interpret else canonical_device_kind(device_kind)]
+def device_info(device_kind: str | None = None, *, interpret: bool = False) -> DeviceKind:
+    """The devices-table row the kernels size their grids for (its `sm_count`)."""
+    return devices.BY_NAME["cpu" if interpret else canonical_device_kind(device_kind)]
 
 
 def num_splits(
-    work_chunks: int, parallel_programs: int, config: KernelConfig, info: DeviceInfo
+    work_chunks: int, parallel_programs: int, config: KernelConfig, info: DeviceKind
 ) -> int:
     """Split-K factor: enough programs to cover the SMs about twice, at most `config.max_splits`
     and never more splits than there are key chunks."""

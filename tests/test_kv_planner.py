@@ -18,6 +18,7 @@ from dsv4_jax.kv_cache import (
     weight_bytes_breakdown,
 )
 from dsv4_jax.presets import get_config
+from pallas_kernels.cli import run_main
 
 GiB = 1024**3
 FLASH = get_config("dsv4-flash")
@@ -176,8 +177,9 @@ def test_plan_cli(capsys):
     assert sum("tensor-parallel (KV replicated) tp=8 dp=1" in r for r in rows) == 2
     assert sum("data-parallel tp=1 dp=8" in r for r in rows) == 2
 
-    assert plan_cli.main(argv[:-1] + ["4194304"]) == 2
-    assert "--max-model-len" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:  # as `python -m dsv4_jax.plan` runs it
+        run_main(plan_cli.main, argv[:-1] + ["4194304"], prog="python -m dsv4_jax.plan")
+    assert exit_.value.code == 2 and "--max-model-len" in capsys.readouterr().err
     assert plan_cli.main(["--device-kind", "NVIDIA A100-SXM4-80GB", "--num-devices", "8"]) == 0
     out = capsys.readouterr().out
     assert "bfloat16*" in out and "fp8_ds_mla (xla, emulated)" in out

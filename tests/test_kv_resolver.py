@@ -20,12 +20,13 @@ from dsv4_jax.kv_cache import (
     DEFAULT_COMPUTE_CAPABILITY,
     KVCacheSpec,
     lookup_compute_capability,
+    nominal_device_memory,
     parse_compute_capability,
     resolve_for_device,
     resolve_kv_cache,
 )
-from dsv4_jax.kv_cache import resolver as resolver_module
 from dsv4_jax.presets import get_config
+from pallas_kernels import devices, tuning
 
 REPO = Path(__file__).resolve().parents[1]
 LOGGER = "dsv4_jax.kv_cache.resolver"
@@ -199,11 +200,32 @@ def test_device_kind_patterns():
     assert {kind: lookup_compute_capability(kind) for kind in UNKNOWN_KINDS} == dict.fromkeys(UNKNOWN_KINDS)
 
 
-@pytest.mark.parametrize("kind", list(DEVICE_KINDS))
-def test_no_device_kind_matches_two_rows(kind):
-    # Shadowing ("Quadro RTX 5000" caught by an RTX 50x0 row) cannot hide behind the row order.
-    rows = [(p, cc) for p, cc in resolver_module.DEVICE_KIND_CAPABILITIES if re.search(p, kind, re.IGNORECASE)]
-    assert len(rows) == 1, (kind, rows)
+def test_every_row_of_the_device_table_is_reachable():
+    # First match wins, so a row shadowed by an earlier, broader one ("NVIDIA GH200" before the
+    # 144 GB part, "GeForce RTX 50x0" before the 5090) never matches its own devices.
+    names = [row.name for row in devices.DEVICE_KINDS]
+    assert len(set(names)) == len(names)
+    for row in devices.DEVICE_KINDS:
+        for kind in (row.name, *row.examples, f"  {row.name.upper()} "):
+            assert devices.lookup(kind) is row, (kind, row.name, getattr(devices.lookup(kind), "name", None))
+
+
+def test_resolver_planner_and_tuning_agree_on_every_row():
+    want_class = {(True, True): "fp8_gpu", (True, False): "bf16_gpu", (False, False): "legacy_gpu"}
+    for row in devices.DEVICE_KINDS:
+        for kind in (row.name, *row.examples):
+            assert lookup_compute_capability(kind) == row.compute_capability, kind
+            assert nominal_device_memory(kind) == (row.memory_mib and row.memory_mib * 2**20), kind
+            assert tuning.canonical_device_kind(kind) == row.name, kind
+            assert tuning.device_info(kind).sm_count == row.sm_count, kind
+            if row.compute_capability is None:  # the host: interpret mode
+                assert kind == "cpu" and tuning.kernel_config("kv_write", kind) == tuning.kernel_config(
+                    "kv_write", interpret=True)
+                continue
+            spec = resolve_kv_cache("auto", kind, None)
+            assert spec.compute_capability == row.compute_capability, kind
+            assert spec.device_class == want_class[row.runs_pallas, row.has_fp8], kind
+            assert spec.kv_cache_dtype == ("fp8_ds_mla" if row.has_fp8 else "bfloat16"), kind
 
 
 @pytest.mark.parametrize("kind,cc", [("Quadro RTX 5000", "7.5"), ("NVIDIA RTX 5000 Ada Generation", "8.9"),

@@ -20,52 +20,24 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 from typing import Any
 
 from dsv4_jax.config import CSA, HCA, SLIDING, DeepseekV4Config
 from dsv4_jax.kv_cache.resolver import KVCacheSpec
+from pallas_kernels import devices
 
 GiB = 1024**3
 MiB = 1024**2
 DEFAULT_BLOCK_SIZE = 256
 BLOCK_SIZE_MULTIPLE = 128
 
-POOLS = ("sliding", "csa", "indexer", "hca", "csa_state", "hca_state")
-
-# Nominal total memory (MiB, as nvidia-smi reports it) of common devices, used only when no live
-# device can be asked (the planning CLI); at run time the engine passes JAX's
-# `memory_stats()["bytes_limit"]`. Override with `--device-memory-gib`.
-# First match wins; `\bH200\b` / `\bB200\b` do not match the Grace superchips ("NVIDIA GH200 480GB",
-# "NVIDIA GB200"), which have their own rows.
-DEVICE_MEMORY_MIB: tuple[tuple[str, int], ...] = (
-    # GH200 comes with 96 GB HBM3 ("NVIDIA GH200 480GB": the 480GB is the Grace LPDDR5X) or 144 GB
-    # HBM3e ("NVIDIA GH200 144G HBM3e", 146831 MiB): the smaller unless the kind says 144.
-    (r"\bGH200\b.*\b144\s*GB?\b", 146831),
-    (r"\bGH200\b", 97871),
-    (r"\bGB200\b", 189471),  # 186 GB HBM3e per GPU: nvidia-smi reports 189471 MiB
-    (r"\bH200\b", 143771),
-    (r"\bH100\b.*\bNVL\b", 95830),
-    (r"\bH100\b|\bH800\b", 81559),
-    (r"\bH20\b", 97871),
-    (r"\bB200\b", 183359),
-    (r"\bRTX PRO 6000 Blackwell\b", 97887),
-    (r"\bRTX 5090\b", 32607),
-    (r"\bRTX 4090\b", 24564),
-    (r"\bL40S\b", 46068),
-    (r"\bA100\b.*\b40GB\b", 40960),
-    (r"\bA100\b", 81920),
-    (r"\bA10\b", 23028),
-    (r"\bT4\b", 15360),
-)
-
 
 def nominal_device_memory(device_kind: str) -> int | None:
-    """Nominal total bytes of a device kind from our table, or None."""
-    for pattern, mib in DEVICE_MEMORY_MIB:
-        if re.search(pattern, device_kind, flags=re.IGNORECASE):
-            return mib * MiB
-    return None
+    """Nominal total bytes of a device kind (pallas_kernels/devices.py: what nvidia-smi reports), or
+    None. Used only when no live device can be asked (the planning CLI); at run time the engine
+    passes JAX's `memory_stats()["bytes_limit"]`. Override with `--device-memory-gib`."""
+    kind = devices.lookup(device_kind)
+    return None if kind is None or kind.memory_mib is None else kind.memory_mib * MiB
 
 
 def live_device_memory(device: Any) -> int | None:
@@ -370,6 +342,84 @@ def max_model_len_that_fits(
     return lo * block_size
 
 
+def _check_plan_flags(
+    config: DeepseekV4Config, max_model_len: int, gpu_memory_utilization: Any, max_num_seqs: Any
+) -> None:
+    if not isinstance(gpu_memory_utilization, (int, float)) or not 0 < gpu_memory_utilization <= 1:
+        raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {gpu_memory_utilization!r}")
+    if max_num_seqs is not None and (isinstance(max_num_seqs, bool) or not isinstance(max_num_seqs, int)
+                                     or max_num_seqs < 1):
+        raise ValueError(f"--max-num-seqs must be a positive integer, got {max_num_seqs!r}")
+    if max_model_len > config.max_position_embeddings:
+        raise ValueError(
+            f"--max-model-len {max_model_len} exceeds the model's max_position_embeddings "
+            f"{config.max_position_embeddings}; pass --max-model-len {config.max_position_embeddings} or less"
+        )
+
+
+def _does_not_fit(
+    config: DeepseekV4Config, spec: KVCacheSpec, pools: tuple[PoolUsage, ...], budget: int, *,
+    max_model_len: int, device_memory_bytes: int, gpu_memory_utilization: float, weight_bytes: int,
+    reserved_bytes: int, block_size: int, num_mtp_layers: int,
+) -> ValueError:
+    """The error for a budget below one full-length sequence, with the longest one that fits."""
+    per_seq = sum(p.bytes_per_seq for p in pools)
+    fits = max_model_len_that_fits(config, spec, budget, block_size, num_mtp_layers) if budget > 0 else 0
+    return ValueError(
+        f"--max-model-len {max_model_len} does not fit: one sequence needs {per_seq / GiB:.2f} GiB of "
+        f"{spec.kv_cache_dtype} KV cache ("
+        + ", ".join(f"{p.name} {p.bytes_per_seq / GiB:.3f}" for p in pools)
+        + f" GiB), but each device has {budget / GiB:.2f} GiB left ({device_memory_bytes / GiB:.2f} GiB x "
+        f"{gpu_memory_utilization} - {weight_bytes / GiB:.2f} GiB weights - {reserved_bytes / GiB:.2f} GiB "
+        f"reserved). Pass --max-model-len {fits} or less"
+        + (", " if fits else " (nothing fits), ")
+        + "raise --gpu-memory-utilization, or spread the weights over more devices"
+        + ("" if spec.kv_cache_dtype == "fp8_ds_mla" else ", or use --kv-cache-dtype fp8 where the GPU has fp8")
+    )
+
+
+def _slots_and_compressed_blocks(
+    pools: tuple[PoolUsage, ...], budget: int, max_num_seqs: int | None, max_model_len: int
+) -> tuple[int, int]:
+    """(sequence slots, compressed blocks) of one rank's `budget` bytes, which hold one sequence.
+
+    Each slot costs its sliding-window ring and compressor state; the rest is compressed blocks.
+    Without `max_num_seqs` every full-length sequence that fits gets a slot."""
+    per_block = _compressed_bytes_per_block(pools)
+    per_slot = _fixed_bytes_per_slot(pools)
+    seq_blocks = pools[1].blocks_per_seq  # compressed blocks of one full-length sequence
+    if max_num_seqs is None:
+        slots = budget // sum(p.bytes_per_seq for p in pools)
+    else:
+        slots = max_num_seqs
+        if slots * per_slot > budget - seq_blocks * per_block:
+            most = (budget - seq_blocks * per_block) // per_slot
+            raise ValueError(
+                f"--max-num-seqs {max_num_seqs} does not fit: each sequence slot holds {per_slot / MiB:.1f} MiB of "
+                f"sliding-window KV and compressor state, and one {max_model_len}-token sequence needs "
+                f"{seq_blocks * per_block / GiB:.2f} GiB of compressed KV, in {budget / GiB:.2f} GiB; pass "
+                f"--max-num-seqs {most} or less, or a smaller --max-model-len"
+            )
+    return slots, (budget - slots * per_slot) // per_block if per_block else 0
+
+
+def _plan_without_device_memory(common: dict[str, Any], max_num_seqs: int | None) -> CapacityPlan:
+    """Pools sized from `max_num_seqs x max_model_len` positions plus one block per sequence."""
+    if max_num_seqs is None:
+        raise ValueError(
+            "no device memory is known (JAX reports none on CPU): pass --max-num-seqs so the KV pools are "
+            "sized from max_num_seqs x max_model_len"
+        )
+    pools, slots = common["pools"], max_num_seqs
+    compressed = math.ceil(slots * common["max_model_len"] / common["block_size"]) + slots
+    return CapacityPlan(
+        **common, sized_from="max_num_seqs", device_memory_bytes=None,
+        kv_budget_bytes=slots * _fixed_bytes_per_slot(pools) + compressed * _compressed_bytes_per_block(pools),
+        num_seq_slots=slots, num_blocks={"sliding": slots * pools[0].blocks_per_seq, "compressed": compressed},
+        max_seqs_per_rank=slots,
+    )
+
+
 def plan_capacity(
     config: DeepseekV4Config,
     spec: KVCacheSpec,
@@ -396,75 +446,27 @@ def plan_capacity(
     compressed pool holds `max_num_seqs * max_model_len` positions plus one block per sequence.
 
     Raises ValueError (naming the numbers and flags) when not even one sequence fits."""
-    mesh = mesh or MeshShape()
-    if not isinstance(gpu_memory_utilization, (int, float)) or not 0 < gpu_memory_utilization <= 1:
-        raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {gpu_memory_utilization!r}")
-    if max_num_seqs is not None and (isinstance(max_num_seqs, bool) or not isinstance(max_num_seqs, int)
-                                     or max_num_seqs < 1):
-        raise ValueError(f"--max-num-seqs must be a positive integer, got {max_num_seqs!r}")
-    if max_model_len > config.max_position_embeddings:
-        raise ValueError(
-            f"--max-model-len {max_model_len} exceeds the model's max_position_embeddings "
-            f"{config.max_position_embeddings}; pass --max-model-len {config.max_position_embeddings} or less"
-        )
+    _check_plan_flags(config, max_model_len, gpu_memory_utilization, max_num_seqs)
     pools = pool_usage(config, spec, max_model_len, block_size, num_mtp_layers)
-    per_seq = sum(p.bytes_per_seq for p in pools)
-    per_block = _compressed_bytes_per_block(pools)
-    per_slot = _fixed_bytes_per_slot(pools)
-    seq_blocks = pools[1].blocks_per_seq  # compressed blocks of one full-length sequence
-    sliding_blocks = pools[0].blocks_per_seq
     common = dict(
-        spec=spec, mesh=mesh, max_model_len=max_model_len, block_size=block_size,
+        spec=spec, mesh=mesh or MeshShape(), max_model_len=max_model_len, block_size=block_size,
         num_mtp_layers=num_mtp_layers, pools=pools, gpu_memory_utilization=float(gpu_memory_utilization),
         weight_bytes=int(weight_bytes), reserved_bytes=int(reserved_bytes),
     )
-
     if device_memory_bytes is None:
-        if max_num_seqs is None:
-            raise ValueError(
-                "no device memory is known (JAX reports none on CPU): pass --max-num-seqs so the KV pools are "
-                "sized from max_num_seqs x max_model_len"
-            )
-        slots = max_num_seqs
-        compressed = math.ceil(slots * max_model_len / block_size) + slots
-        return CapacityPlan(
-            **common, sized_from="max_num_seqs", device_memory_bytes=None,
-            kv_budget_bytes=slots * per_slot + compressed * per_block, num_seq_slots=slots,
-            num_blocks={"sliding": slots * sliding_blocks, "compressed": compressed}, max_seqs_per_rank=slots,
+        return _plan_without_device_memory(common, max_num_seqs)
+    budget = int(device_memory_bytes * gpu_memory_utilization) - int(weight_bytes) - int(reserved_bytes)
+    if budget < sum(p.bytes_per_seq for p in pools):
+        raise _does_not_fit(
+            config, spec, pools, budget, max_model_len=max_model_len, device_memory_bytes=device_memory_bytes,
+            gpu_memory_utilization=gpu_memory_utilization, weight_bytes=weight_bytes, reserved_bytes=reserved_bytes,
+            block_size=block_size, num_mtp_layers=num_mtp_layers,
         )
-
-    usable = int(device_memory_bytes * gpu_memory_utilization)
-    budget = usable - int(weight_bytes) - int(reserved_bytes)
-    if budget < per_seq:
-        fits = max_model_len_that_fits(config, spec, budget, block_size, num_mtp_layers) if budget > 0 else 0
-        raise ValueError(
-            f"--max-model-len {max_model_len} does not fit: one sequence needs {per_seq / GiB:.2f} GiB of "
-            f"{spec.kv_cache_dtype} KV cache ("
-            + ", ".join(f"{p.name} {p.bytes_per_seq / GiB:.3f}" for p in pools)
-            + f" GiB), but each device has {budget / GiB:.2f} GiB left ({device_memory_bytes / GiB:.2f} GiB x "
-            f"{gpu_memory_utilization} - {weight_bytes / GiB:.2f} GiB weights - {reserved_bytes / GiB:.2f} GiB "
-            f"reserved). Pass --max-model-len {fits} or less"
-            + (", " if fits else " (nothing fits), ")
-            + "raise --gpu-memory-utilization, or spread the weights over more devices"
-            + ("" if spec.kv_cache_dtype == "fp8_ds_mla" else ", or use --kv-cache-dtype fp8 where the GPU has fp8")
-        )
-    if max_num_seqs is None:
-        slots = budget // per_seq
-        compressed = (budget - slots * per_slot) // per_block if per_block else 0
-    else:
-        slots = max_num_seqs
-        if slots * per_slot > budget - seq_blocks * per_block:
-            most = (budget - seq_blocks * per_block) // per_slot
-            raise ValueError(
-                f"--max-num-seqs {max_num_seqs} does not fit: each sequence slot holds {per_slot / MiB:.1f} MiB of "
-                f"sliding-window KV and compressor state, and one {max_model_len}-token sequence needs "
-                f"{seq_blocks * per_block / GiB:.2f} GiB of compressed KV, in {budget / GiB:.2f} GiB; pass "
-                f"--max-num-seqs {most} or less, or a smaller --max-model-len"
-            )
-        compressed = (budget - slots * per_slot) // per_block if per_block else 0
-    full = compressed // seq_blocks if seq_blocks and per_block else slots
+    slots, compressed = _slots_and_compressed_blocks(pools, budget, max_num_seqs, max_model_len)
+    seq_blocks = pools[1].blocks_per_seq  # compressed blocks of one full-length sequence
+    full = compressed // seq_blocks if seq_blocks and _compressed_bytes_per_block(pools) else slots
     return CapacityPlan(
         **common, sized_from="memory", device_memory_bytes=int(device_memory_bytes), kv_budget_bytes=budget,
-        num_seq_slots=slots, num_blocks={"sliding": slots * sliding_blocks, "compressed": compressed},
+        num_seq_slots=slots, num_blocks={"sliding": slots * pools[0].blocks_per_seq, "compressed": compressed},
         max_seqs_per_rank=min(slots, full),
     )

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from dsv4_jax.config import DeepseekV4Config
 from dsv4_jax.presets import get_config
+from pallas_kernels import devices
 from pallas_kernels.backend import PALLAS_BF16, PALLAS_FP8_DS_MLA, XLA  # the kernel registry's names
 from pallas_kernels.formats import (
     bf16_bytes_per_token,
@@ -51,40 +52,6 @@ LEGACY_GPU = "legacy_gpu"  # cc < 8.0: Turing, Volta, Pascal
 CPU = "cpu"
 TPU = "tpu"
 DEVICE_CLASSES = (FP8_GPU, BF16_GPU, LEGACY_GPU, CPU, TPU)
-
-# Our own table of NVIDIA device kinds (jax's lacks H20, H800, L40S, RTX 5090 and more). Matched
-# case-insensitively, with `re.search`, against what `jax.Device.device_kind` reports (e.g.
-# "NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB", "NVIDIA GeForce RTX 5090"). Rows are tried in
-# order, but no real kind may match two rows (tests/test_kv_resolver.py checks this), so the order
-# never decides: workstation names reuse consumer numbers ("Quadro RTX 5000" is Turing 7.5, "NVIDIA
-# RTX 5000 Ada Generation" is 8.9, "NVIDIA RTX A5000" is 8.6), so consumer cards match only as
-# "GeForce RTX <series><5-9>0" (no consumer RTX card ends in 000), and workstation rows by their
-# generation word (Ada, Quadro, A, PRO ... Blackwell).
-DEVICE_KIND_CAPABILITIES: tuple[tuple[str, str], ...] = (
-    # Workstation cards first: their numbers overlap the GeForce series.
-    (r"\bRTX PRO \d{3,4}\w*(?: SFF)? Blackwell\b", "12.0"),  # RTX PRO 6000/5000/4500/... Blackwell
-    (r"\bRTX \d{3,4}\w*(?: SFF)? Ada\b", "8.9"),  # RTX 6000/5000/4000 (SFF)/2000E Ada Generation
-    (r"\bRTX A\d{3,4}\b", "8.6"),  # RTX A6000/A5000/A4000/A2000/A500
-    (r"\bQuadro RTX\b|\bTITAN RTX\b", "7.5"),  # Quadro RTX 8000/6000/5000/4000/3000
-    # Data centre.
-    (r"\bGB10\b", "12.1"),  # DGX Spark
-    (r"\bG?B300\b", "10.3"),
-    (r"\bG?B200\b|\bB100\b", "10.0"),
-    (r"\bG?H(?:100|200|800|20)\b", "9.0"),  # H100, H200, GH200, H800, H20
-    (r"\bL40S?\b|\bL4\b|\bL20\b|\bL2\b", "8.9"),
-    (r"\bA100\b|\bA800\b|\bA30\b", "8.0"),
-    (r"\bA10G?\b|\bA40\b|\bA16\b|\bA2\b", "8.6"),
-    (r"\bT4G?\b", "7.5"),  # Tesla T4, NVIDIA T4G
-    (r"\bV100\b|\bTITAN V\b", "7.0"),
-    (r"\bP100\b", "6.0"),
-    (r"\bP40\b|\bP4\b", "6.1"),
-    # GeForce: 50x0 Blackwell, 40x0 Ada, 30x0 and the (GA107) 2050 Ampere, 2060-2080 Turing.
-    (r"\bGeForce RTX 50[5-9]0\b", "12.0"),
-    (r"\bGeForce RTX 40[5-9]0\b", "8.9"),
-    (r"\bGeForce RTX 30[5-9]0\b|\bGeForce RTX 2050\b", "8.6"),
-    (r"\bGeForce RTX 20[6-8]0\b", "7.5"),
-)
-
 
 class _DefaultCapability(str):
     """The type of `resolve_kv_cache`'s default compute capability: equal to "9.0" (what its default
@@ -193,11 +160,10 @@ def parse_compute_capability(value: Any) -> tuple[int, int]:
 
 
 def lookup_compute_capability(device_kind: str) -> str | None:
-    """Compute capability of an NVIDIA device kind from our table, or None if unknown."""
-    for pattern, cc in DEVICE_KIND_CAPABILITIES:
-        if re.search(pattern, device_kind, flags=re.IGNORECASE):
-            return cc
-    return None
+    """Compute capability of an NVIDIA device kind from our table (pallas_kernels/devices.py), or
+    None if unknown. JAX's own table lacks H20, H800, L40S, RTX 5090 and more."""
+    kind = devices.lookup(device_kind)
+    return None if kind is None else kind.compute_capability
 
 
 def _live_compute_capability(device_kind: str) -> str | None:
@@ -251,9 +217,9 @@ def classify_device(
         )
     major, minor = parse_compute_capability(cc)
     text = f"{major}.{minor}"
-    if (major, minor) >= (8, 9):
+    if (major, minor) >= devices.FP8_MIN_CAPABILITY:
         return FP8_GPU, text
-    if (major, minor) >= (8, 0):
+    if (major, minor) >= devices.PALLAS_MIN_CAPABILITY:
         return BF16_GPU, text
     return LEGACY_GPU, text
 
@@ -312,105 +278,116 @@ def _normalise_backend(backend: Any) -> str | None:
     )
 
 
+def _refuse_impossible_backend(device_class: str, backend: str | None, where: str) -> None:
+    """ValueError for a Pallas backend the device cannot run at all."""
+    if backend not in (PALLAS_FP8_DS_MLA, PALLAS_BF16):
+        return
+    if device_class == TPU:
+        raise ValueError(
+            f"--attention-backend {backend} runs Pallas Triton kernels (NVIDIA GPUs) and cannot run on "
+            f"{where}; pass --attention-backend xla or leave it unset"
+        )
+    if device_class == LEGACY_GPU:
+        raise ValueError(
+            f"--attention-backend {backend} needs compute capability >= 8.0 (Triton bf16/fp8); {where} "
+            f"is older; pass --attention-backend xla or leave it unset"
+        )
+    if device_class == BF16_GPU and backend == PALLAS_FP8_DS_MLA:
+        raise ValueError(
+            f"--attention-backend pallas_fp8_ds_mla needs fp8 in Triton (compute capability >= 8.9); "
+            f"{where} has none; pass --attention-backend pallas_bf16 (bfloat16 KV), or "
+            f"--attention-backend xla --kv-cache-dtype fp8 to emulate fp8 slowly"
+        )
+
+
+def _default_backend(device_class: str, request: str, where: str) -> str:
+    """The backend the device runs for this request when --attention-backend is unset."""
+    if device_class == FP8_GPU:
+        return PALLAS_BF16 if request in BF16_REQUESTS else PALLAS_FP8_DS_MLA
+    if device_class == BF16_GPU:
+        if request in FP8_REQUESTS:
+            raise ValueError(
+                f"--kv-cache-dtype {request} needs fp8 support (compute capability >= 8.9) and {where} has "
+                f"none in Triton; pass --kv-cache-dtype bfloat16 (or auto), or --attention-backend xla "
+                f"to emulate fp8 slowly"
+            )
+        return PALLAS_BF16
+    return XLA
+
+
+def _kv_dtype(device_class: str, request: str, backend: str) -> str:
+    """The KV dtype `backend` reads; ValueError when the request asks for the other one."""
+    if backend == PALLAS_FP8_DS_MLA:
+        if request in BF16_REQUESTS:
+            raise ValueError(
+                f"--attention-backend pallas_fp8_ds_mla reads only the fp8_ds_mla KV cache, but "
+                f"--kv-cache-dtype {request} was given; pass --kv-cache-dtype fp8 (or auto), or "
+                f"--attention-backend pallas_bf16 for a bfloat16 cache"
+            )
+        return FP8_DS_MLA
+    if backend == PALLAS_BF16:
+        if request in FP8_REQUESTS:
+            raise ValueError(
+                f"--attention-backend pallas_bf16 reads only a bfloat16 KV cache, but --kv-cache-dtype "
+                f"{request} was given; pass --kv-cache-dtype bfloat16 (or auto), or --attention-backend "
+                + ("pallas_fp8_ds_mla for fp8_ds_mla" if device_class in (FP8_GPU, CPU) else "xla to emulate fp8")
+            )
+        return BFLOAT16
+    return FP8_DS_MLA if request in FP8_REQUESTS else BFLOAT16  # XLA: bf16 unless fp8 was asked for
+
+
+def _reason(device_class: str, request: str, backend: str, dtype: str, where: str) -> str:
+    """The one line saying why this format and backend."""
+    if device_class == FP8_GPU and backend == PALLAS_FP8_DS_MLA:
+        return f"{where} has fp8 (compute capability >= 8.9), so the KV cache is fp8_ds_mla"
+    if device_class == FP8_GPU and backend == PALLAS_BF16 and request in BF16_REQUESTS:
+        return (
+            f"--kv-cache-dtype {request} asks for bfloat16 on {where}, so the pallas_bf16 backend reads plain bf16 "
+            f"rows (about 1.75x the memory of fp8_ds_mla; --kv-cache-dtype auto would pick fp8_ds_mla)"
+        )
+    if device_class == BF16_GPU and backend == PALLAS_BF16:
+        return f"{where} has no fp8 in Triton (compute capability < 8.9), so the KV cache is bfloat16"
+    if device_class == CPU:
+        return f"CPU: {dtype} KV cache on the {backend} backend" + (
+            " (fp8 emulated in XLA ops)" if dtype == FP8_DS_MLA and backend == XLA else ""
+        ) + (" (Pallas interpret mode, slow)" if backend != XLA else "")
+    if device_class == TPU:
+        return f"{where}: the Pallas kernels target NVIDIA GPUs, so {dtype} KV cache on the xla backend" + (
+            " (fp8 emulated)" if dtype == FP8_DS_MLA else ""
+        )
+    return f"{where}: {dtype} KV cache on the {backend} backend" + (
+        f" (--kv-cache-dtype {request})" if request != AUTO else " (auto)"
+    )
+
+
+def _warnings(device_class: str, backend: str, dtype: str, where: str) -> tuple[str, ...]:
+    """Warnings for a GPU whose attention runs as plain XLA ops."""
+    if device_class == LEGACY_GPU:
+        return (
+            f"{where} is unsupported for speed (compute capability < 8.0): attention runs on the xla backend "
+            f"without Pallas kernels",
+        )
+    if device_class in (FP8_GPU, BF16_GPU) and backend == XLA:
+        return (
+            f"--attention-backend xla on {where} runs attention as plain XLA ops (slow)"
+            + ("; fp8_ds_mla is dequantised in XLA" if dtype == FP8_DS_MLA else ""),
+        )
+    return ()
+
+
 def _policy(
     device_class: str, request: str, backend: str | None, where: str
 ) -> tuple[str, str, str, tuple[str, ...]]:
     """(kv dtype, backend, reason, warnings); raises ValueError for impossible combinations.
 
     This is the table of docs/kv_cache.md (tests/test_kv_resolver.py checks the two agree)."""
-    fp8 = request in FP8_REQUESTS
-    bf16 = request in BF16_REQUESTS
-    warnings: list[str] = []
-    gpu = device_class in (FP8_GPU, BF16_GPU, LEGACY_GPU)
-
-    # 1. Backends the device cannot run at all.
-    if backend in (PALLAS_FP8_DS_MLA, PALLAS_BF16):
-        if device_class == TPU:
-            raise ValueError(
-                f"--attention-backend {backend} runs Pallas Triton kernels (NVIDIA GPUs) and cannot run on "
-                f"{where}; pass --attention-backend xla or leave it unset"
-            )
-        if device_class == LEGACY_GPU:
-            raise ValueError(
-                f"--attention-backend {backend} needs compute capability >= 8.0 (Triton bf16/fp8); {where} "
-                f"is older; pass --attention-backend xla or leave it unset"
-            )
-        if device_class == BF16_GPU and backend == PALLAS_FP8_DS_MLA:
-            raise ValueError(
-                f"--attention-backend pallas_fp8_ds_mla needs fp8 in Triton (compute capability >= 8.9); "
-                f"{where} has none; pass --attention-backend pallas_bf16 (bfloat16 KV), or "
-                f"--attention-backend xla --kv-cache-dtype fp8 to emulate fp8 slowly"
-            )
-
-    # 2. The backend: explicit, or the device's default for this request.
+    _refuse_impossible_backend(device_class, backend, where)
     if backend is None:
-        if device_class == FP8_GPU:
-            backend = PALLAS_BF16 if bf16 else PALLAS_FP8_DS_MLA
-        elif device_class == BF16_GPU:
-            if fp8:
-                raise ValueError(
-                    f"--kv-cache-dtype {request} needs fp8 support (compute capability >= 8.9) and {where} has "
-                    f"none in Triton; pass --kv-cache-dtype bfloat16 (or auto), or --attention-backend xla "
-                    f"to emulate fp8 slowly"
-                )
-            backend = PALLAS_BF16
-        else:
-            backend = XLA
-
-    # 3. The dtype the backend reads.
-    if backend == PALLAS_FP8_DS_MLA:
-        if bf16:
-            raise ValueError(
-                f"--attention-backend pallas_fp8_ds_mla reads only the fp8_ds_mla KV cache, but "
-                f"--kv-cache-dtype {request} was given; pass --kv-cache-dtype fp8 (or auto), or "
-                f"--attention-backend pallas_bf16 for a bfloat16 cache"
-            )
-        dtype = FP8_DS_MLA
-    elif backend == PALLAS_BF16:
-        if fp8:
-            raise ValueError(
-                f"--attention-backend pallas_bf16 reads only a bfloat16 KV cache, but --kv-cache-dtype "
-                f"{request} was given; pass --kv-cache-dtype bfloat16 (or auto), or --attention-backend "
-                + ("pallas_fp8_ds_mla for fp8_ds_mla" if device_class in (FP8_GPU, CPU) else "xla to emulate fp8")
-            )
-        dtype = BFLOAT16
-    else:  # XLA: bf16 unless fp8 was asked for
-        dtype = FP8_DS_MLA if fp8 else BFLOAT16
-
-    # 4. Reason and warnings.
-    if device_class == FP8_GPU and backend == PALLAS_FP8_DS_MLA:
-        reason = f"{where} has fp8 (compute capability >= 8.9), so the KV cache is fp8_ds_mla"
-    elif device_class == FP8_GPU and backend == PALLAS_BF16 and bf16:
-        reason = (
-            f"--kv-cache-dtype {request} asks for bfloat16 on {where}, so the pallas_bf16 backend reads plain bf16 "
-            f"rows (about 1.75x the memory of fp8_ds_mla; --kv-cache-dtype auto would pick fp8_ds_mla)"
-        )
-    elif device_class == BF16_GPU and backend == PALLAS_BF16:
-        reason = f"{where} has no fp8 in Triton (compute capability < 8.9), so the KV cache is bfloat16"
-    elif device_class == CPU:
-        reason = f"CPU: {dtype} KV cache on the {backend} backend" + (
-            " (fp8 emulated in XLA ops)" if dtype == FP8_DS_MLA and backend == XLA else ""
-        ) + (" (Pallas interpret mode, slow)" if backend != XLA else "")
-    elif device_class == TPU:
-        reason = f"{where}: the Pallas kernels target NVIDIA GPUs, so {dtype} KV cache on the xla backend" + (
-            " (fp8 emulated)" if dtype == FP8_DS_MLA else ""
-        )
-    else:
-        reason = f"{where}: {dtype} KV cache on the {backend} backend" + (
-            f" (--kv-cache-dtype {request})" if request != AUTO else " (auto)"
-        )
-
-    if device_class == LEGACY_GPU:
-        warnings.append(
-            f"{where} is unsupported for speed (compute capability < 8.0): attention runs on the xla backend "
-            f"without Pallas kernels"
-        )
-    elif gpu and backend == XLA:
-        warnings.append(
-            f"--attention-backend xla on {where} runs attention as plain XLA ops (slow)"
-            + ("; fp8_ds_mla is dequantised in XLA" if dtype == FP8_DS_MLA else "")
-        )
-    return dtype, backend, reason, tuple(warnings)
+        backend = _default_backend(device_class, request, where)
+    dtype = _kv_dtype(device_class, request, backend)
+    return dtype, backend, _reason(device_class, request, backend, dtype, where), _warnings(
+        device_class, backend, dtype, where
+    )
 
 
 def resolve_kv_cache(
