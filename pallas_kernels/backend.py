@@ -86,7 +86,7 @@ def _require(kv_format: str | None, pool: Any, backend: str) -> None:
 def _make(name: str, *, device_kind: str | None, interpret: bool) -> AttentionBackend:
     kv_format = _KV_FORMAT[name]
     if name == XLA:
-        write_kv_fn, write_idx_fn = _kv_write.write_kv_reference, _kv_write.write_indexer_keys_reference
+        write_kv_fn = write_idx_fn = _kv_write.write_kv_reference  # one reference writer, any pool
         decode_fn, prefill_fn = _decode.sparse_decode_reference, _prefill.sparse_prefill_reference
         topk_fn = _indexer.indexer_topk_reference
     else:

@@ -36,7 +36,7 @@ Special values (tested in tests/test_kv_formats.py); none of them raises:
 * NaN or +-inf anywhere in a 64-dim NoPE block (in a key for the indexer): the whole block's
   scale is stored as byte 0xFF (E8M0's NaN; fp32 NaN for the indexer), the block's e4m3 values
   are NaN, and the block decodes to NaN -- the other blocks of the token are unaffected. The
-  model's QAT round trip (dsv4_jax/model/qat.py) gives the same for +-inf; for NaN its result
+  model's KV rounding (dsv4_jax/model/kv_rounding.py) gives the same for +-inf; for NaN its result
   depends on whether XLA's max-reduction propagates the NaN (on CPU it may not, and then only
   the NaN element is NaN), so equality with it is only claimed for finite inputs.
 * RoPE dims are a plain round-to-nearest-even bf16 cast: NaN stays NaN, +-inf stays +-inf, and

@@ -36,6 +36,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import tuning
+from pallas_kernels.paged_attention import flatten_pool, full_block, layer_offset
 
 _NO_INDEX = 2**31 - 1  # sentinel index of empty list slots: loses every tie
 _HIGHEST = lax.Precision.HIGHEST
@@ -174,21 +175,18 @@ def _indexer_topk_kernel(
 
 
 # ---- wrapper ----------------------------------------------------------------------------------
-def _key_planes(key_pool):
-    """(flat planes, fp8?, units, blocks*units) of an indexer pool [L, blocks, units, d] / [blocks, units, d]."""
+def _key_planes(key_pool) -> tuple[tuple[jax.Array, ...], bool, int]:
+    """(planes flattened to rows, fp8?, units per block) of an indexer pool: (e4m3 keys, fp32
+    scales) or (bf16 keys,), [L, blocks, units, d] or [blocks, units, d]."""
     key_pool = tuple(key_pool)
     keys = key_pool[0]
-    layered = keys.ndim == 4
     fp8 = len(key_pool) == 2
     if fp8 and keys.dtype != jnp.float8_e4m3fn:
         raise ValueError(f"fp8 indexer keys must be float8_e4m3fn, got {keys.dtype}")
     if not fp8 and keys.dtype != jnp.bfloat16:
         raise ValueError(f"bf16 indexer keys must be bfloat16, got {keys.dtype}")
-    flat = []
-    for p in key_pool:
-        p = p if layered else p[None]
-        flat.append(p.reshape(p.shape[0] * p.shape[1] * p.shape[2], *p.shape[3:]))
-    return tuple(flat), fp8, keys.shape[-2], keys.shape[-3] * keys.shape[-2]
+    flat, _, units = flatten_pool(key_pool)
+    return flat, fp8, units
 
 
 def _list_length(topk: int) -> int:
@@ -233,7 +231,7 @@ def indexer_topk(
     """
     cfg = config or tuning.kernel_config("indexer_topk", device_kind, interpret=interpret)
     info = tuning.device_info(device_kind, interpret=interpret)
-    flat, fp8, units, per_layer = _key_planes(key_pool)
+    flat, fp8, units = _key_planes(key_pool)
     batch, seq, heads, d = q.shape
     if d % 16 or d & (d - 1):
         raise ValueError(f"index_head_dim ({d}) must be a power of two >= 16")
@@ -242,26 +240,23 @@ def indexer_topk(
     n_entries = block_table.shape[1] * units
     max_chunks = -(-n_entries // n_top)
     splits = num_splits or tuning.num_splits(max_chunks, batch * seq, cfg, info)
-    off = (jnp.asarray(layer, jnp.int32) * per_layer).reshape(1)
+    off = layer_offset(layer, key_pool).reshape(1)
     kernel = functools.partial(
         _indexer_topk_kernel, fp8=fp8, n_top=n_top, block_k=block_k, ratio=ratio, num_splits=splits,
         units=units, n_entries=n_entries,
     )
-
-    def full(x):
-        return pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)
 
     meta = [q_start.astype(jnp.int32), q_lens.astype(jnp.int32), off, block_table.astype(jnp.int32)]
     out_shape = (batch, seq, splits, n_top)
     scores, index = pl.pallas_call(
         kernel,
         grid=(batch, seq, splits),
-        in_specs=[full(x) for x in meta]
+        in_specs=[full_block(x) for x in meta]
         + [
             pl.BlockSpec((None, None, heads, d), lambda b, s, k: (b, s, 0, 0)),
             pl.BlockSpec((None, None, heads), lambda b, s, k: (b, s, 0)),
         ]
-        + [full(p) for p in flat],
+        + [full_block(p) for p in flat],
         out_specs=[pl.BlockSpec((None, None, None, n_top), lambda b, s, k: (b, s, k, 0))] * 2,
         out_shape=[jax.ShapeDtypeStruct(out_shape, jnp.float32), jax.ShapeDtypeStruct(out_shape, jnp.int32)],
         compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
@@ -277,13 +272,13 @@ def indexer_topk(
 @functools.partial(jax.jit, static_argnames=("ratio",))
 def indexer_scores_reference(q, weights, key_pool, block_table, q_start, q_lens, layer=0, *, ratio: int) -> jax.Array:
     """All scores [B, S, entries] (fp32; -inf where an entry is not visible or not there)."""
-    flat, fp8, units, per_layer = _key_planes(key_pool)
-    batch, seq = q.shape[:2]
+    flat, fp8, units = _key_planes(key_pool)
+    seq = q.shape[1]
     nb = block_table.shape[1]
     j = jnp.arange(nb * units)
     blk = block_table.astype(jnp.int32)[:, j // units]  # [B, C]
     exists = blk >= 0
-    rows = jnp.where(exists, jnp.asarray(layer, jnp.int32) * per_layer + blk * units + j % units, 0)
+    rows = jnp.where(exists, layer_offset(layer, key_pool) + blk * units + j % units, 0)
     keys = flat[0][rows].astype(jnp.float32)
     if fp8:
         keys = keys * flat[1][rows][..., None]

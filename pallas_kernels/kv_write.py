@@ -7,6 +7,10 @@ plus one fp32 power-of-two scale per key (or bf16 rows). Slots are flat rows of 
 `block * units + offset`; a slot < 0 or past the pool is skipped. Formats and their special
 values are defined in pallas_kernels/formats.py; the kernel reproduces them bit for bit.
 
+`write_kv_reference` is the one pure-JAX writer of the project (the `xla` backend, the paged
+cache's `write_kv` / `write_indexer` and the tests all use it): the same arguments as the kernel
+wrappers, `(pool, rows, slots, layer)`, for every pool format (the plane count tells them apart).
+
 Kernel (Pallas, Triton backend): grid (ceil(T / block_k),); a program quantises block_k rows,
 64 dims at a time, and scatters them with masked stores straight into the aliased pool planes
 (in place under jit with donation). The scale exponent is computed from float32 bits, exactly as
@@ -22,6 +26,7 @@ duplicate stores write identical bytes. Slots must be distinct within one call.
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -30,7 +35,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import formats, tuning
-from pallas_kernels.paged_attention import DIM_CHUNK, chunk_width
+from pallas_kernels.paged_attention import DIM_CHUNK, chunk_width, flatten_pool, full_block
 
 
 # ---- kernel -----------------------------------------------------------------------------------
@@ -123,21 +128,26 @@ def _kv_write_kernel(
 
 
 # ---- wrapper ----------------------------------------------------------------------------------
-def _flatten(planes):
-    """Planes [L, blocks, units, ...] or [blocks, units, ...] -> [rows, ...]; plus (layered,
-    blocks * units). The first plane has a trailing data dim, so 4 dims means a layer axis."""
-    layered = planes[0].ndim == 4
-    flat = []
-    for p in planes:
-        q = p if layered else p[None]
-        flat.append(q.reshape(q.shape[0] * q.shape[1] * q.shape[2], *q.shape[3:]))
-    per_layer = planes[0].shape[-3] * planes[0].shape[-2]
-    return tuple(flat), layered, per_layer
+def _write_format(planes: tuple[jax.Array, ...], width: int) -> str:
+    """The format a pool stores rows of `width` dims in, told by its plane count: "fp8_ds_mla"
+    (e4m3 nope, bf16 rope, uint8 scales), "indexer_fp8" (e4m3 keys, fp32 scales) or "bf16" (rows).
+    ValueError when the rows do not fit the planes."""
+    formats_by_count = {3: "fp8_ds_mla", 2: "indexer_fp8", 1: "bf16"}
+    if len(planes) not in formats_by_count:
+        raise ValueError(
+            "a pool is (e4m3 nope, bf16 rope, uint8 scales), (e4m3 keys, fp32 scales) or (bf16 rows,) "
+            f"planes, got {len(planes)} planes"
+        )
+    fmt = formats_by_count[len(planes)]
+    pool_width = planes[0].shape[-1] + (planes[1].shape[-1] if fmt == "fp8_ds_mla" else 0)
+    if pool_width != width:
+        raise ValueError(f"rows of {width} dims do not fit this {fmt} pool, whose rows have {pool_width} dims")
+    return fmt
 
 
 def _write(planes, x, slots, layer, fmt, cfg, interpret):
-    planes = tuple(planes)
-    flat, layered, per_layer = _flatten(planes)
+    flat, blocks, units = flatten_pool(planes)
+    per_layer = blocks * units
     t, dim = x.shape
     block_t = cfg.block_k
     slots = slots.astype(jnp.int32)
@@ -161,16 +171,12 @@ def _write(planes, x, slots, layer, fmt, cfg, interpret):
     kernel = functools.partial(
         _kv_write_kernel, fmt=fmt, n_planes=n_planes, nope=nope, width=chunk_width(dim - nope)
     )
-
-    def full(p):
-        return pl.BlockSpec(p.shape, lambda i: (0,) * p.ndim)
-
     new = pl.pallas_call(
         kernel,
         grid=(x.shape[0] // block_t,),
         in_specs=[pl.BlockSpec((block_t,), lambda i: (i,)), pl.BlockSpec((block_t, dim), lambda i: (i, 0))]
-        + [full(p) for p in flat],
-        out_specs=[full(p) for p in flat],
+        + [full_block(p) for p in flat],
+        out_specs=[full_block(p) for p in flat],
         out_shape=[jax.ShapeDtypeStruct(p.shape, p.dtype) for p in flat],
         input_output_aliases={2 + i: i for i in range(n_planes)},
         compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
@@ -194,14 +200,9 @@ def write_kv(
     """Quantise `kv` into the pool's format and scatter it to `slots`; returns the new planes
     (the pool is updated in place when the caller donates it)."""
     pool = tuple(pool)
-    if len(pool) == 3:
-        fmt = "fp8_ds_mla"
-        if pool[0].shape[-1] + pool[1].shape[-1] != kv.shape[-1]:
-            raise ValueError(f"kv width {kv.shape[-1]} != pool nope + rope")
-    elif len(pool) == 1:
-        fmt = "bf16"
-    else:
-        raise ValueError("a KV pool is (nope, rope, scales) or (rows,)")
+    fmt = _write_format(pool, kv.shape[-1])
+    if fmt == "indexer_fp8":
+        raise ValueError("write_kv got an indexer key pool (2 planes); indexer keys go through write_indexer_keys")
     cfg = config or tuning.kernel_config("kv_write", device_kind, interpret=interpret)
     return _write(pool, kv, slots, layer, fmt, cfg, interpret)
 
@@ -219,34 +220,38 @@ def write_indexer_keys(
 ) -> tuple[jax.Array, ...]:
     """Quantise indexer keys (one power-of-two scale per key) and scatter them to `slots`."""
     pool = tuple(pool)
-    fmt = "indexer_fp8" if len(pool) == 2 else "bf16"
+    fmt = _write_format(pool, keys.shape[-1])
+    if fmt == "fp8_ds_mla":
+        raise ValueError("write_indexer_keys got an fp8_ds_mla KV pool (3 planes); KV rows go through write_kv")
     cfg = config or tuning.kernel_config("kv_write", device_kind, interpret=interpret)
     return _write(pool, keys, slots, layer, fmt, cfg, interpret)
 
 
 # ---- reference --------------------------------------------------------------------------------
-def _scatter(planes, values, slots, layer):
-    flat, layered, per_layer = _flatten(tuple(planes))
-    total = flat[0].shape[0]
-    slots = slots.astype(jnp.int32)
-    rows = jnp.where((slots >= 0) & (slots < per_layer), jnp.asarray(layer, jnp.int32) * per_layer + slots, total)
-    return tuple(f.at[rows].set(v, mode="drop").reshape(p.shape) for f, v, p in zip(flat, values, planes))
-
-
 @jax.jit
-def write_kv_reference(pool, kv, slots, layer=0):
-    """Pure-JAX definition of `write_kv`: formats.fp8_ds_mla_quantize / bf16 rows, then a scatter."""
-    pool = tuple(pool)
-    if len(pool) == 3:
-        values = formats.fp8_ds_mla_quantize(kv, pool[1].shape[-1])
+def write_kv_reference(
+    pool: Any,  # a tuple of planes [L, blocks, units, ...] / [blocks, units, ...], or a pytree of them
+    rows: jax.Array,  # [T, D] new K = V rows or indexer keys
+    slots: jax.Array,  # [T] int32 flat slots of pool layer `layer`; < 0 or past the layer = skip
+    layer: int | jax.Array = 0,
+) -> Any:
+    """Pure-JAX definition of `write_kv` and `write_indexer_keys`: quantise `rows` into the pool's
+    format with formats.py (`_write_format` tells it from the plane count), then scatter. Returns
+    the pool with the same structure (a tuple, or e.g. the cache's `Fp8DsMlaPlanes`)."""
+    planes, structure = jax.tree.flatten(pool)
+    fmt = _write_format(planes, rows.shape[-1])
+    if fmt == "fp8_ds_mla":
+        values = formats.fp8_ds_mla_quantize(rows, planes[1].shape[-1])
+    elif fmt == "indexer_fp8":
+        values = formats.indexer_fp8_quantize(rows)
     else:
-        values = (formats.bf16_rows_quantize(kv),)
-    return _scatter(pool, values, slots, layer)
-
-
-@jax.jit
-def write_indexer_keys_reference(pool, keys, slots, layer=0):
-    """Pure-JAX definition of `write_indexer_keys`: formats.indexer_fp8_quantize, then a scatter."""
-    pool = tuple(pool)
-    values = formats.indexer_fp8_quantize(keys) if len(pool) == 2 else (keys.astype(jnp.bfloat16),)
-    return _scatter(pool, values, slots, layer)
+        values = (formats.bf16_rows_quantize(rows),)
+    flat, blocks, units = flatten_pool(planes)
+    per_layer = blocks * units
+    slots = slots.astype(jnp.int32)
+    # Skipped slots point one past the last row: mode="drop" discards them.
+    target = jnp.where(
+        (slots >= 0) & (slots < per_layer), jnp.asarray(layer, jnp.int32) * per_layer + slots, flat[0].shape[0]
+    )
+    new = [f.at[target].set(v, mode="drop").reshape(p.shape) for f, v, p in zip(flat, values, planes)]
+    return jax.tree.unflatten(structure, new)

@@ -1,13 +1,16 @@
 """Building blocks shared by the paged attention kernels (`sparse_decode`, `sparse_prefill`):
-pool-plane helpers, the in-kernel row gather, fp8 dequantisation and online-softmax step, and
-`paged_attention_reference`, the pure-JAX attention over the paged cache whose numerics both
-kernels' references are defined by.
+pool-plane helpers, the in-kernel row gather, fp8 dequantisation and online-softmax step, the
+wrappers' common setup (`pad_heads`: silent heads for small models; `pool_operands`: the pools
+as kernel operands with their BlockSpecs), and `paged_attention_reference`, the pure-JAX
+attention over the paged cache whose numerics both kernels' references are defined by.
 
 Pools are tuples of planes with leading dims [layers, blocks, units] (or [blocks, units]):
 fp8_ds_mla = (e4m3 nope, bf16 rope, uint8 UE8M0 scales) or bf16 rows, see formats.py.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -96,7 +99,7 @@ def layer_offset(layer, planes) -> jax.Array:
     return jnp.asarray(layer, jnp.int32) * (blocks * units)
 
 
-# ---- in-kernel helpers (also used by sparse_prefill) -------------------------------------------
+# ---- in-kernel helpers --------------------------------------------------------------------------
 def _ue8m0_scale(byte: jax.Array) -> jax.Array:
     """uint8 UE8M0 bytes -> fp32 scales, as formats.ue8m0_decode (0 -> 2**-127, 0xFF -> NaN)."""
     b = byte.astype(jnp.int32)
@@ -105,7 +108,7 @@ def _ue8m0_scale(byte: jax.Array) -> jax.Array:
     return jnp.where(b == formats.UE8M0_NAN, jnp.float32(jnp.nan), s)
 
 
-def _key_chunk(planes, rows: jax.Array, valid: jax.Array, chunk: tuple[int, int, int]) -> jax.Array:
+def key_chunk(planes, rows: jax.Array, valid: jax.Array, chunk: tuple[int, int, int]) -> jax.Array:
     """One dim chunk (plane, column, width) of the key rows `rows` [bk] as bf16 [bk, width]; zeros
     where not valid (so NaN in unused pool rows never reaches a dot). fp8 values times their
     power-of-two scale are exact in bf16."""
@@ -119,7 +122,7 @@ def _key_chunk(planes, rows: jax.Array, valid: jax.Array, chunk: tuple[int, int,
     return jnp.where(valid[:, None], k, jnp.zeros((), jnp.bfloat16))
 
 
-def _online_softmax_step(carry, q_chunks, k_chunks, mask: jax.Array, scale: float):
+def online_softmax_step(carry, q_chunks, k_chunks, mask: jax.Array, scale: float):
     """One block of keys: logits = q @ k^T * scale over all dim chunks (bf16 operands, fp32
     accumulation), masked to -inf, then the flash-attention update of (m, l, acc).
 
@@ -142,7 +145,7 @@ def _online_softmax_step(carry, q_chunks, k_chunks, mask: jax.Array, scale: floa
     return m_new, l, acc
 
 
-def _window_rows(bt_ref, b, pos, valid, units: int, row0):
+def window_rows(bt_ref, b, pos, valid, units: int, row0):
     """Flat pool rows of token positions `pos` [bk] through the sliding ring; (rows, valid)."""
     ring = bt_ref.shape[1]
     safe = jnp.maximum(pos, 0)
@@ -151,7 +154,7 @@ def _window_rows(bt_ref, b, pos, valid, units: int, row0):
     return jnp.where(valid, row0 + blk * units + safe % units, 0), valid
 
 
-def _entry_rows(bt_ref, b, j, valid, units: int, row0):
+def entry_rows(bt_ref, b, j, valid, units: int, row0):
     """Flat pool rows of compressed entries `j` [bk]; (rows, valid)."""
     nb = bt_ref.shape[1]
     safe = jnp.maximum(j, 0)
@@ -162,8 +165,8 @@ def _entry_rows(bt_ref, b, j, valid, units: int, row0):
     return jnp.where(valid, row0 + blk * units + safe % units, 0), valid
 
 
-# ---- kernel -----------------------------------------------------------------------------------
-def _check_shapes(q, window_pool, compressed_pool, topk_indices, ratio):
+# ---- wrapper helpers --------------------------------------------------------------------------
+def check_shapes(q, window_pool, compressed_pool, topk_indices, ratio):
     fmt = pool_format(window_pool)
     head_dim = q.shape[-1]
     _, _, pool_dim = pool_dims(window_pool)
@@ -182,10 +185,111 @@ def _check_shapes(q, window_pool, compressed_pool, topk_indices, ratio):
     return fmt
 
 
-def _mode(compressed_pool, topk_indices) -> str:
+def attention_mode(compressed_pool, topk_indices) -> str:
     if compressed_pool is None:
         return "window"
     return "hca" if topk_indices is None else "csa"
+
+
+MIN_DOT_ROWS = 16  # Triton's tensor-core dots need at least 16 rows
+
+
+def padded_heads(heads: int, block_h: int) -> int:
+    """Head count the kernels run with: models with fewer heads than a head block (small test
+    models) are padded with silent heads to a power of two of at least MIN_DOT_ROWS rows."""
+    if heads >= block_h:
+        return heads
+    return max(MIN_DOT_ROWS, 1 << (heads - 1).bit_length())
+
+
+def pad_heads(
+    q: jax.Array,  # [..., H, D] with the heads on `head_axis`
+    sinks: jax.Array,  # [H]
+    block_h: int,  # the launch config's head block
+    head_axis: int,
+) -> tuple[jax.Array, jax.Array, int]:
+    """(q, sinks, block_h) to launch with: q and sinks padded to `padded_heads` heads (zero queries
+    and sinks: silent heads whose outputs the wrapper drops) and the head block for that count.
+    ValueError when the heads do not split into whole head blocks."""
+    heads = q.shape[head_axis]
+    extra = padded_heads(heads, block_h) - heads
+    if extra:
+        widths = [(0, 0)] * q.ndim
+        widths[head_axis] = (0, extra)
+        q, sinks = jnp.pad(q, widths), jnp.pad(sinks, (0, extra))
+    block_h = min(block_h, heads + extra)
+    if (heads + extra) % block_h:
+        raise ValueError(f"heads ({heads + extra}) must be a multiple of block_h ({block_h})")
+    return q, sinks, block_h
+
+
+def full_block(x) -> pl.BlockSpec:
+    """BlockSpec handing the whole of `x` to every program (pool planes, tables, metadata)."""
+    return pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolOperands:
+    """The window and compressed pools of one attention call as kernel operands."""
+
+    planes: tuple[jax.Array, ...]  # window planes then compressed planes, each flat [rows, ...]
+    layer_offsets: jax.Array  # [2] int32: first flat row of the layer in the window / compressed pool
+    window_block_table: jax.Array  # [B, ring] int32
+    compressed_block_table: jax.Array  # [B, max_blocks] int32 ([B, 1] dummy without compressed pool)
+    n_planes: int  # planes per pool
+    chunks: tuple[tuple[int, int, int], ...]  # dim_chunks of the pools
+    w_units: int  # rows per window-pool block
+    c_units: int  # entries per compressed-pool block (1 without compressed pool)
+    c_entries: int  # compressed entries a block-table row can address (1 without compressed pool)
+
+    def tables(self) -> list[jax.Array]:
+        """The kernels' (offsets, window table, compressed table) operands, in that order."""
+        return [self.layer_offsets, self.window_block_table, self.compressed_block_table]
+
+    def plane_specs(self) -> list[pl.BlockSpec]:
+        return [full_block(p) for p in self.planes]
+
+    def kernel_params(self) -> dict:
+        """The static keyword arguments both kernels take from the pools."""
+        return dict(
+            n_planes=self.n_planes, chunks=self.chunks, w_units=self.w_units, c_units=self.c_units,
+            c_entries=self.c_entries,
+        )
+
+
+def pool_operands(
+    window_pool: tuple[jax.Array, ...],  # planes [L, blocks, units, ...] or [blocks, units, ...]
+    window_block_table: jax.Array,  # [B, ring]
+    compressed_pool: tuple[jax.Array, ...] | None,
+    compressed_block_table: jax.Array | None,  # [B, max_blocks]
+    layer: int | jax.Array,
+    compressed_layer: int | jax.Array,
+) -> PoolOperands:
+    """Flatten the pools' planes to rows, locate the layers in them and cast the block tables."""
+    wplanes, _, w_units = flatten_pool(window_pool)
+    offsets = [layer_offset(layer, window_pool)]
+    batch = window_block_table.shape[0]
+    cplanes: tuple[jax.Array, ...] = ()
+    c_units = c_entries = 1
+    cbt = jnp.zeros((batch, 1), jnp.int32)
+    if compressed_pool is not None:
+        cplanes, _, c_units = flatten_pool(compressed_pool)
+        offsets.append(layer_offset(compressed_layer, compressed_pool))
+        cbt = compressed_block_table.astype(jnp.int32)
+        c_entries = cbt.shape[1] * c_units
+    else:
+        offsets.append(jnp.int32(0))
+    return PoolOperands(
+        planes=(*wplanes, *cplanes),
+        layer_offsets=jnp.stack(offsets).astype(jnp.int32),
+        window_block_table=window_block_table.astype(jnp.int32),
+        compressed_block_table=cbt,
+        n_planes=len(window_pool),
+        chunks=dim_chunks(window_pool),
+        w_units=w_units,
+        c_units=c_units,
+        c_entries=c_entries,
+    )
 
 
 def _gather_rows_reference(planes, block_table, keys, *, ring: bool, layer=0):
@@ -270,15 +374,4 @@ def paged_attention_reference(
         out = out + jnp.einsum("bshk,bskd->bshd", p[..., start : start + n], v, precision=_HIGHEST)
         start += n
     return jnp.where(q_valid[:, :, None, None], out, 0.0)
-
-
-MIN_DOT_ROWS = 16  # Triton's tensor-core dots need at least 16 rows
-
-
-def padded_heads(heads: int, block_h: int) -> int:
-    """Head count the kernels run with: models with fewer heads than a head block (small test
-    models) are padded with silent heads to a power of two of at least MIN_DOT_ROWS rows."""
-    if heads >= block_h:
-        return heads
-    return max(MIN_DOT_ROWS, 1 << (heads - 1).bit_length())
 

@@ -43,20 +43,21 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import tuning
 from pallas_kernels.paged_attention import (
-    padded_heads,
-    _check_shapes,
-    _entry_rows,
-    _key_chunk,
-    _mode,
-    _online_softmax_step,
-    _window_rows,
+    attention_mode,
+    check_shapes,
     chunk_offsets,
-    dim_chunks,
-    flatten_pool,
-    layer_offset,
+    entry_rows,
+    full_block,
+    key_chunk,
+    online_softmax_step,
+    pad_heads,
     paged_attention_reference,
+    pool_operands,
+    window_rows,
 )
 
+
+# ---- kernel -----------------------------------------------------------------------------------
 def _sparse_decode_kernel(
     lens_ref,  # [B] int32: tokens per sequence including the query (query position = len - 1)
     offs_ref,  # [2] int32: first flat row of this layer in the window / compressed pool
@@ -91,14 +92,14 @@ def _sparse_decode_kernel(
     c_row0 = offs_ref[1]
 
     def attend(carry, planes, rows, valid):
-        k_chunks = [_key_chunk(planes, rows, valid, ch) for ch in chunks]
+        k_chunks = [key_chunk(planes, rows, valid, ch) for ch in chunks]
         mask = jnp.broadcast_to(valid[None, :], (block_h, block_k))
-        return _online_softmax_step(carry, q_chunks, k_chunks, mask, scale)
+        return online_softmax_step(carry, q_chunks, k_chunks, mask, scale)
 
     def window_body(ci, carry):
         slot = ci * block_k + iota
         pos = t - window + 1 + slot
-        rows, valid = _window_rows(wbt_ref, b, pos, (pos >= 0) & (slot < window), w_units, w_row0)
+        rows, valid = window_rows(wbt_ref, b, pos, (pos >= 0) & (slot < window), w_units, w_row0)
         return attend(carry, wplanes, rows, valid)
 
     n_visible = jnp.clip((t + 1) // ratio, 0, c_entries) if mode != "window" else 0
@@ -110,7 +111,7 @@ def _sparse_decode_kernel(
         else:
             j = ci * block_k + iota
             ok = j < n_visible
-        rows, valid = _entry_rows(cbt_ref, b, j, ok, c_units, c_row0)
+        rows, valid = entry_rows(cbt_ref, b, j, ok, c_units, c_row0)
         return attend(carry, cplanes, rows, valid)
 
     # The key space: window chunks first, then compressed chunks; each split takes a contiguous
@@ -184,88 +185,63 @@ def sparse_decode(
       config / num_splits: launch parameters (default: tuning table for `device_kind`).
       interpret: run the kernel in the Pallas interpreter (CPU).
     """
-    call_args = dict(locals())
-    fmt = _check_shapes(q, window_pool, compressed_pool, topk_indices, ratio)
-    mode = _mode(compressed_pool, topk_indices)
+    fmt = check_shapes(q, window_pool, compressed_pool, topk_indices, ratio)
+    mode = attention_mode(compressed_pool, topk_indices)
     cfg = config or tuning.kernel_config("sparse_decode", device_kind, interpret=interpret)
     info = tuning.device_info(device_kind, interpret=interpret)
-    batch, heads, head_dim = q.shape
-    if padded_heads(heads, cfg.block_h) != heads:  # silent heads: zero queries, outputs dropped
-        extra = padded_heads(heads, cfg.block_h) - heads
-        padded = dict(call_args, q=jnp.pad(q, ((0, 0), (0, extra), (0, 0))), sinks=jnp.pad(sinks, (0, extra)))
-        out = sparse_decode(**padded)
-        return out[:, :heads]
-    block_h = min(cfg.block_h, heads)
+    heads = q.shape[1]
+    q, sinks, block_h = pad_heads(q, sinks, cfg.block_h, head_axis=1)
+    batch, run_heads, head_dim = q.shape
     block_k = cfg.block_k
-    if heads % block_h:
-        raise ValueError(f"heads ({heads}) must be a multiple of block_h ({block_h})")
-    chunks = dim_chunks(window_pool)
-    n_planes = len(window_pool)
-
-    wplanes, _, w_units = flatten_pool(window_pool)
-    offs = [layer_offset(layer, window_pool)]
-    cplanes: tuple[jax.Array, ...] = ()
-    c_units = c_entries = 1
-    cbt = jnp.zeros((batch, 1), jnp.int32)
+    pools = pool_operands(
+        window_pool, window_block_table, compressed_pool, compressed_block_table, layer, compressed_layer
+    )
     idx = jnp.zeros((batch, 1), jnp.int32)
-    if compressed_pool is not None:
-        cplanes, _, c_units = flatten_pool(compressed_pool)
-        offs.append(layer_offset(compressed_layer, compressed_pool))
-        cbt = compressed_block_table.astype(jnp.int32)
-        c_entries = cbt.shape[1] * c_units
-        if topk_indices is not None:
-            idx = topk_indices.astype(jnp.int32)
-            pad = -idx.shape[1] % block_k
-            if pad:
-                idx = jnp.pad(idx, ((0, 0), (0, pad)), constant_values=-1)
-    else:
-        offs.append(jnp.int32(0))
-    offs = jnp.stack(offs).astype(jnp.int32)
+    if mode == "csa":
+        idx = topk_indices.astype(jnp.int32)
+        pad = -idx.shape[1] % block_k
+        if pad:
+            idx = jnp.pad(idx, ((0, 0), (0, pad)), constant_values=-1)
 
     n_window_chunks = -(-window // block_k)
     if mode == "csa":
         max_chunks = n_window_chunks + idx.shape[1] // block_k
     elif mode == "hca":
-        max_chunks = n_window_chunks + -(-c_entries // block_k)
+        max_chunks = n_window_chunks + -(-pools.c_entries // block_k)
     else:
         max_chunks = n_window_chunks
-    head_blocks = heads // block_h
+    head_blocks = run_heads // block_h
     splits = num_splits or tuning.num_splits(max_chunks, batch * head_blocks, cfg, info)
 
     kernel = functools.partial(
         _sparse_decode_kernel,
-        n_planes=n_planes, mode=mode, window=window, ratio=max(ratio, 1), block_k=block_k,
-        num_splits=splits, chunks=chunks, w_units=w_units, c_units=c_units,
-        c_entries=c_entries, scale=head_dim**-0.5,
+        mode=mode, window=window, ratio=max(ratio, 1), block_k=block_k, num_splits=splits,
+        scale=head_dim**-0.5, **pools.kernel_params(),
     )
-
-    def full(x):
-        return pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)
-
-    inputs = [seq_lens.astype(jnp.int32), offs, window_block_table.astype(jnp.int32), cbt, idx, q.astype(jnp.bfloat16)]
-    in_specs = [full(x) for x in inputs[:5]]
-    in_specs.append(pl.BlockSpec((None, block_h, head_dim), lambda b, h, s: (b, h, 0)))
-    inputs += [*wplanes, *cplanes]
-    in_specs += [full(x) for x in (*wplanes, *cplanes)]
+    meta = [seq_lens.astype(jnp.int32), *pools.tables(), idx]
     acc, m, l = pl.pallas_call(
         kernel,
         grid=(batch, head_blocks, splits),
-        in_specs=in_specs,
+        in_specs=[
+            *(full_block(x) for x in meta),
+            pl.BlockSpec((None, block_h, head_dim), lambda b, h, s: (b, h, 0)),
+            *pools.plane_specs(),
+        ],
         out_specs=[
             pl.BlockSpec((None, None, block_h, head_dim), lambda b, h, s: (b, s, h, 0)),
             pl.BlockSpec((None, None, block_h), lambda b, h, s: (b, s, h)),
             pl.BlockSpec((None, None, block_h), lambda b, h, s: (b, s, h)),
         ],
         out_shape=[
-            jax.ShapeDtypeStruct((batch, splits, heads, head_dim), jnp.float32),
-            jax.ShapeDtypeStruct((batch, splits, heads), jnp.float32),
-            jax.ShapeDtypeStruct((batch, splits, heads), jnp.float32),
+            jax.ShapeDtypeStruct((batch, splits, run_heads, head_dim), jnp.float32),
+            jax.ShapeDtypeStruct((batch, splits, run_heads), jnp.float32),
+            jax.ShapeDtypeStruct((batch, splits, run_heads), jnp.float32),
         ],
         compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         interpret=interpret,
         name=f"sparse_decode_{fmt}_{mode}",
-    )(*inputs)
-    return merge_splits(acc, m, l, sinks)
+    )(*meta, q.astype(jnp.bfloat16), *pools.planes)
+    return merge_splits(acc, m, l, sinks)[:, :heads]
 
 
 def merge_splits(acc: jax.Array, m: jax.Array, l: jax.Array, sinks: jax.Array) -> jax.Array:
@@ -287,7 +263,7 @@ def sparse_decode_reference(
     topk_indices=None, layer=0, compressed_layer=0, *, window: int, ratio: int = 0,
 ) -> jax.Array:
     """Pure-JAX definition of `sparse_decode` (same arguments, no launch parameters): [B, H, D] fp32."""
-    _check_shapes(q, window_pool, compressed_pool, topk_indices, ratio)
+    check_shapes(q, window_pool, compressed_pool, topk_indices, ratio)
     positions = (seq_lens.astype(jnp.int32) - 1)[:, None]
     idx = None if topk_indices is None else topk_indices.astype(jnp.int32)[:, None]
     out = paged_attention_reference(

@@ -36,18 +36,17 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import tuning
 from pallas_kernels.paged_attention import (
-    padded_heads,
-    _check_shapes,
-    _entry_rows,
-    _key_chunk,
-    _mode,
-    _online_softmax_step,
-    _window_rows,
+    attention_mode,
+    check_shapes,
     chunk_offsets,
-    dim_chunks,
-    flatten_pool,
-    layer_offset,
+    entry_rows,
+    full_block,
+    key_chunk,
+    online_softmax_step,
+    pad_heads,
     paged_attention_reference,
+    pool_operands,
+    window_rows,
 )
 
 
@@ -105,15 +104,15 @@ def _sparse_prefill_kernel(
     )
 
     def attend(carry, planes, rows, valid, mask):
-        k_chunks = [_key_chunk(planes, rows, valid, ch) for ch in chunks]
-        return _online_softmax_step(carry, q_chunks, k_chunks, mask & valid[None, :], scale)
+        k_chunks = [key_chunk(planes, rows, valid, ch) for ch in chunks]
+        return online_softmax_step(carry, q_chunks, k_chunks, mask & valid[None, :], scale)
 
     key0 = first - window + 1  # the block's tokens see key positions [key0, last]
 
     def window_body(ci, carry):
         kpos = key0 + ci * block_k + iota
         pool_end = start - 1 if has_chunk_kv else last  # with chunk rows, the pool serves < start
-        rows, valid = _window_rows(wbt_ref, b, kpos, (kpos >= 0) & (kpos <= pool_end), w_units, w_row0)
+        rows, valid = window_rows(wbt_ref, b, kpos, (kpos >= 0) & (kpos <= pool_end), w_units, w_row0)
         band = (kpos[None, :] <= qpos[:, None]) & (kpos[None, :] > qpos[:, None] - window)
         return attend(carry, wplanes, rows, valid, band & row_ok[:, None])
 
@@ -137,7 +136,7 @@ def _sparse_prefill_kernel(
             ]
             band = (kpos[None, :] <= qpos[:, None]) & (kpos[None, :] > qpos[:, None] - window)
             mask = band & row_ok[:, None] & valid[None, :]
-            return _online_softmax_step(carry, q_chunks, k_chunks, mask, scale)
+            return online_softmax_step(carry, q_chunks, k_chunks, mask, scale)
 
         n_chunk = jnp.maximum(last - start - s_first + 1, 0)
         carry = lax.fori_loop(0, jnp.where(any_row, (n_chunk + block_k - 1) // block_k, 0), chunk_body, carry)
@@ -148,7 +147,7 @@ def _sparse_prefill_kernel(
 
         def hca_body(ci, carry):
             j = ci * block_k + iota
-            rows, valid = _entry_rows(cbt_ref, b, j, j < n_block, c_units, c_row0)
+            rows, valid = entry_rows(cbt_ref, b, j, j < n_block, c_units, c_row0)
             causal = j[None, :] < row_visible[:, None]
             return attend(carry, cplanes, rows, valid, causal & row_ok[:, None])
 
@@ -158,7 +157,7 @@ def _sparse_prefill_kernel(
 
         def csa_body(ci, carry):
             j = idx_ref[pl.ds(ci * block_k, block_k)]
-            rows, valid = _entry_rows(cbt_ref, b, j, (j >= 0) & (j < n_visible), c_units, c_row0)
+            rows, valid = entry_rows(cbt_ref, b, j, (j >= 0) & (j < n_visible), c_units, c_row0)
             return attend(carry, cplanes, rows, valid, jnp.broadcast_to(row_ok[:, None], (rows_m, block_k)))
 
         carry = lax.fori_loop(0, jnp.where(any_row, idx_ref.shape[0] // block_k, 0), csa_body, carry)
@@ -199,49 +198,29 @@ def sparse_prefill(
     a chunk longer than the sliding ring can hold still sees its own rows; pass the rows as the
     cache stores them (fp8_ds_mla round trip or bf16) to match a read from the pool exactly.
     """
-    call_args = dict(locals())
-    fmt = _check_shapes(q, window_pool, compressed_pool, topk_indices, ratio)
-    mode = _mode(compressed_pool, topk_indices)
+    fmt = check_shapes(q, window_pool, compressed_pool, topk_indices, ratio)
+    mode = attention_mode(compressed_pool, topk_indices)
     name = "sparse_prefill_csa" if mode == "csa" else "sparse_prefill"
     cfg = config or tuning.kernel_config(name, device_kind, interpret=interpret)
-    batch, seq, heads, head_dim = q.shape
+    heads = q.shape[2]
+    q, sinks, block_h = pad_heads(q, sinks, cfg.block_h, head_axis=2)
+    batch, seq, run_heads, head_dim = q.shape
     block_q = 1 if mode == "csa" else cfg.block_q
-    if padded_heads(heads, cfg.block_h) != heads:  # silent heads: zero queries, outputs dropped
-        extra = padded_heads(heads, cfg.block_h) - heads
-        padded = dict(call_args, q=jnp.pad(q, ((0, 0), (0, 0), (0, extra), (0, 0))), sinks=jnp.pad(sinks, (0, extra)))
-        out = sparse_prefill(**padded)
-        return out[:, :, :heads]
-    block_h = min(cfg.block_h, heads)
     block_k = cfg.block_k
-    if heads % block_h:
-        raise ValueError(f"heads ({heads}) must be a multiple of block_h ({block_h})")
-    chunks = dim_chunks(window_pool)
-    n_planes = len(window_pool)
+    pools = pool_operands(
+        window_pool, window_block_table, compressed_pool, compressed_block_table, layer, compressed_layer
+    )
 
     pad_s = -seq % block_q
     q = q.astype(jnp.bfloat16)
     if pad_s:
         q = jnp.pad(q, ((0, 0), (0, pad_s), (0, 0), (0, 0)))
     seq_p = seq + pad_s
-
-    wplanes, _, w_units = flatten_pool(window_pool)
-    offs = [layer_offset(layer, window_pool)]
-    cplanes: tuple[jax.Array, ...] = ()
-    c_units = c_entries = 1
-    cbt = jnp.zeros((batch, 1), jnp.int32)
     idx = jnp.zeros((batch, 1, 1), jnp.int32)
-    if compressed_pool is not None:
-        cplanes, _, c_units = flatten_pool(compressed_pool)
-        offs.append(layer_offset(compressed_layer, compressed_pool))
-        cbt = compressed_block_table.astype(jnp.int32)
-        c_entries = cbt.shape[1] * c_units
-        if topk_indices is not None:
-            idx = topk_indices.astype(jnp.int32)
-            pad_k = -idx.shape[2] % block_k
-            idx = jnp.pad(idx, ((0, 0), (0, pad_s), (0, pad_k)), constant_values=-1)
-    else:
-        offs.append(jnp.int32(0))
-    offs = jnp.stack(offs).astype(jnp.int32)
+    if mode == "csa":
+        idx = topk_indices.astype(jnp.int32)
+        pad_k = -idx.shape[2] % block_k
+        idx = jnp.pad(idx, ((0, 0), (0, pad_s), (0, pad_k)), constant_values=-1)
 
     if window_kv is not None:
         kvc = jnp.pad(window_kv.astype(jnp.bfloat16), ((0, 0), (0, pad_s + block_k), (0, 0)))
@@ -252,36 +231,32 @@ def sparse_prefill(
 
     kernel = functools.partial(
         _sparse_prefill_kernel,
-        has_chunk_kv=window_kv is not None,
-        n_planes=n_planes, mode=mode, window=window, ratio=max(ratio, 1), block_k=block_k, chunks=chunks,
-        w_units=w_units, c_units=c_units, c_entries=c_entries, scale=head_dim**-0.5,
+        has_chunk_kv=window_kv is not None, mode=mode, window=window, ratio=max(ratio, 1), block_k=block_k,
+        scale=head_dim**-0.5, **pools.kernel_params(),
     )
-
-    def full(x):
-        return pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)
-
-    meta = [q_start.astype(jnp.int32), q_lens.astype(jnp.int32), offs, window_block_table.astype(jnp.int32), cbt]
-    inputs = [*meta, idx, sinks.astype(jnp.float32), q, kvc, *wplanes, *cplanes]
-    in_specs = [full(x) for x in meta]
-    if mode == "csa":
-        in_specs.append(pl.BlockSpec((None, None, idx.shape[2]), lambda b, i, h: (b, i, 0)))
+    meta = [q_start.astype(jnp.int32), q_lens.astype(jnp.int32), *pools.tables()]
+    if mode == "csa":  # each query row its own picks
+        idx_spec = pl.BlockSpec((None, None, idx.shape[2]), lambda b, i, h: (b, i, 0))
     else:
-        in_specs.append(pl.BlockSpec((None, None, idx.shape[2]), lambda b, i, h: (b, 0, 0)))
-    in_specs.append(pl.BlockSpec((block_h,), lambda b, i, h: (h,)))
-    in_specs.append(pl.BlockSpec((None, block_q, block_h, head_dim), lambda b, i, h: (b, i, h, 0)))
-    in_specs.append(kvc_spec)
-    in_specs += [full(x) for x in (*wplanes, *cplanes)]
+        idx_spec = pl.BlockSpec((None, None, idx.shape[2]), lambda b, i, h: (b, 0, 0))
     out = pl.pallas_call(
         kernel,
-        grid=(batch, seq_p // block_q, heads // block_h),
-        in_specs=in_specs,
+        grid=(batch, seq_p // block_q, run_heads // block_h),
+        in_specs=[
+            *(full_block(x) for x in meta),
+            idx_spec,
+            pl.BlockSpec((block_h,), lambda b, i, h: (h,)),
+            pl.BlockSpec((None, block_q, block_h, head_dim), lambda b, i, h: (b, i, h, 0)),
+            kvc_spec,
+            *pools.plane_specs(),
+        ],
         out_specs=pl.BlockSpec((None, block_q, block_h, head_dim), lambda b, i, h: (b, i, h, 0)),
-        out_shape=jax.ShapeDtypeStruct((batch, seq_p, heads, head_dim), jnp.float32),
+        out_shape=jax.ShapeDtypeStruct((batch, seq_p, run_heads, head_dim), jnp.float32),
         compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         interpret=interpret,
         name=f"sparse_prefill_{fmt}_{mode}",
-    )(*inputs)
-    return out[:, :seq]
+    )(*meta, idx, sinks.astype(jnp.float32), q, kvc, *pools.planes)
+    return out[:, :seq, :heads]
 
 
 # ---- reference --------------------------------------------------------------------------------
@@ -291,7 +266,7 @@ def sparse_prefill_reference(
     topk_indices=None, layer=0, compressed_layer=0, window_kv=None, *, window: int, ratio: int = 0,
 ) -> jax.Array:
     """Pure-JAX definition of `sparse_prefill` (same arguments, no launch parameters): [B, S, H, D] fp32."""
-    _check_shapes(q, window_pool, compressed_pool, topk_indices, ratio)
+    check_shapes(q, window_pool, compressed_pool, topk_indices, ratio)
     seq = q.shape[1]
     s = jnp.arange(seq)[None, :]
     positions = q_start.astype(jnp.int32)[:, None] + s

@@ -417,6 +417,31 @@ def test_random_values_have_meaningful_scales(tiny_state):
     assert f("layers.1.ffn.gate.bias").std() > 0.03 and f("layers.1.attn.attn_sink").std() > 0
 
 
+def _power_of_two(scale: np.ndarray) -> np.ndarray:
+    """A scale tensor as float32 multipliers: UE8M0 byte b is 2^(b - 127) (spec 7.2), f32 as is."""
+    if scale.dtype == ml_dtypes.float8_e8m0fnu:
+        return np.ldexp(np.float32(1), scale.view(np.uint8).astype(np.int32) - 127)
+    return scale
+
+
+def _expected_fp8_block(weight: np.ndarray, scale: np.ndarray, block: tuple[int, int]) -> np.ndarray:
+    """Spec 7.2, written here from the stored bytes: W[i, j] = e4m3(Wq[i, j]) * S[i // 128, j // 128]."""
+    rows, cols = weight.shape
+    per_element = np.repeat(np.repeat(_power_of_two(scale), block[0], axis=0), block[1], axis=1)[:rows, :cols]
+    # One float32 product per element: exact for UE8M0 scales, rounded once for float32 scales.
+    return weight.astype(np.float32) * per_element
+
+
+def _expected_mxfp4(packed: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """Spec 7.2: byte k of a row holds element 2k in its low nibble and 2k + 1 in its high one, each
+    an E2M1 code (ml_dtypes.float4_e2m1fn), times 2^(S[i, j // 32] - 127)."""
+    raw = packed.view(np.uint8)
+    values = np.empty((*raw.shape[:-1], 2 * raw.shape[-1]), np.float32)
+    values[..., 0::2] = (raw & 0x0F).view(ml_dtypes.float4_e2m1fn).astype(np.float32)
+    values[..., 1::2] = (raw >> 4).view(ml_dtypes.float4_e2m1fn).astype(np.float32)
+    return values * np.repeat(_power_of_two(scale), 32, axis=-1)
+
+
 @pytest.mark.parametrize("fmt", ["fp8", "fp8-f32scales"])
 def test_quantized_checkpoint_equals_its_dequantized_twin(fmt):
     qconfig, q = random_state(TINY, seed=1, quantize=fmt)
@@ -425,16 +450,21 @@ def test_quantized_checkpoint_equals_its_dequantized_twin(fmt):
     assert qconfig.quantization.scale_fmt == (None if fmt == "fp8-f32scales" else "ue8m0")
     layout = checkpoint_layout(qconfig)
     block = qconfig.quantization.weight_block_size
-    assert set(q) == set(layout) and set(twin) == set(checkpoint_layout(tconfig))
+    assert block == (128, 128) and set(q) == set(layout) and set(twin) == set(checkpoint_layout(tconfig))
+    formats = set()
     for name, value in twin.items():
         spec = layout[name]
+        scale = q.get(name[:-6] + "scale")
         if spec.dtype == "F8_E4M3":
-            deq = W.dequantize_fp8_blocks_np(q[name], q[name[:-6] + "scale"], block)
+            expected = _expected_fp8_block(q[name], scale, block)
         elif spec.dtype == "I8":
-            deq = W.dequantize_mxfp4_np(q[name], q[name[:-6] + "scale"])
+            expected = _expected_mxfp4(q[name], scale)
         else:
             assert q[name].tobytes() == value.tobytes(), name
             continue
-        np.testing.assert_array_equal(value.astype(np.float32), deq, err_msg=name)
-        original = random_tensor(name, TensorSpec(deq.shape, "BF16"), tconfig, seed=1)
-        assert 0 < np.abs(deq - original).max() <= 0.35 * np.abs(original).max(), name  # near, not equal
+        formats.add((spec.dtype, str(scale.dtype)))
+        np.testing.assert_array_equal(value.astype(np.float32), expected, err_msg=name)
+        original = random_tensor(name, TensorSpec(expected.shape, "BF16"), tconfig, seed=1)
+        assert 0 < np.abs(expected - original).max() <= 0.35 * np.abs(original).max(), name  # near, not equal
+    fp8_scales = "float8_e8m0fnu" if fmt == "fp8" else "float32"
+    assert formats == {("F8_E4M3", fp8_scales), ("I8", "float8_e8m0fnu")}  # every format was checked

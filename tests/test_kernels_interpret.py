@@ -1,6 +1,6 @@
 """Interpret-mode parity of every Pallas kernel with its pure-JAX reference, of the attention
 references with the model's dense attention (dsv4_jax/model/attention_core.py) on the same K/V,
-and of the indexer reference with the model's `Indexer` (dsv4_jax/model/compressor.py) on the
+and of the indexer reference with the model's `Indexer` (dsv4_jax/model/indexer.py) on the
 same keys.
 
 Fixed small shapes (so each kernel compiles once): 16 heads, head_dim 192 = two 64-wide NoPE
@@ -40,18 +40,12 @@ import pytest
 from flax import nnx
 
 from dsv4_jax import presets
-from dsv4_jax.model import qat
+from dsv4_jax.model import kv_rounding
 from dsv4_jax.model.attention_core import dense_attention
-from dsv4_jax.model.compressor import Indexer
+from dsv4_jax.model.indexer import Indexer
 from pallas_kernels import backend, formats, tuning
 from pallas_kernels.indexer_topk import indexer_scores_reference, indexer_topk, indexer_topk_reference
-from pallas_kernels.kv_write import (
-    _ue8m0_byte_and_inverse,
-    write_indexer_keys,
-    write_indexer_keys_reference,
-    write_kv,
-    write_kv_reference,
-)
+from pallas_kernels.kv_write import _ue8m0_byte_and_inverse, write_indexer_keys, write_kv, write_kv_reference
 from pallas_kernels.sparse_decode import sparse_decode, sparse_decode_reference
 from pallas_kernels.sparse_prefill import sparse_prefill, sparse_prefill_reference
 
@@ -247,12 +241,9 @@ def test_kv_write_matches_reference(fmt):
     slots = rng.permutation(blocks * units)[:t].astype(np.int32)
     slots[[0, 9, 30]] = -1  # skipped
     slots[12] = blocks * units + 5  # past the pool: skipped
-    if fmt == "indexer_fp8":
-        write, ref = write_indexer_keys, write_indexer_keys_reference
-    else:
-        write, ref = write_kv, write_kv_reference
+    write = write_indexer_keys if fmt == "indexer_fp8" else write_kv
     got = write(pool, jnp.asarray(x), jnp.asarray(slots), LAYER, config=WRITE_CFG, interpret=True)
-    want = ref(pool, jnp.asarray(x), jnp.asarray(slots), LAYER)
+    want = write_kv_reference(pool, jnp.asarray(x), jnp.asarray(slots), LAYER)
     assert len(got) == len(want)
     for g, w in zip(got, want):
         assert g.shape == w.shape and g.dtype == w.dtype
@@ -261,6 +252,21 @@ def test_kv_write_matches_reference(fmt):
     none = write(pool, jnp.asarray(x), jnp.full((t,), -1, jnp.int32), LAYER, config=WRITE_CFG, interpret=True)
     for g, p in zip(none, pool):
         assert _bits_equal(g, p)
+
+
+def test_writers_reject_rows_that_do_not_fit_the_pool():
+    # numpy operands: the errors come while tracing, so nothing is compiled
+    kv_pool = tuple(_nan_planes("fp8_ds_mla", 1, UNITS))
+    key_pool = (np.zeros((1, 1, UNITS, INDEX_DIM), jnp.float8_e4m3fn), np.zeros((1, 1, UNITS), np.float32))
+    slots = np.zeros((2,), np.int32)
+    with pytest.raises(ValueError, match="rows of 64 dims do not fit this fp8_ds_mla pool, whose rows have 192"):
+        write_kv_reference(kv_pool, np.zeros((2, 64), np.float32), slots)
+    with pytest.raises(ValueError, match="rows of 192 dims do not fit this indexer_fp8 pool, whose rows have 64"):
+        write_kv_reference(key_pool, np.zeros((2, HEAD_DIM), np.float32), slots)
+    with pytest.raises(ValueError, match="write_kv got an indexer key pool"):
+        write_kv(key_pool, np.zeros((2, INDEX_DIM), np.float32), slots, config=WRITE_CFG, interpret=True)
+    with pytest.raises(ValueError, match="write_indexer_keys got an fp8_ds_mla KV pool"):
+        write_indexer_keys(kv_pool, np.zeros((2, HEAD_DIM), np.float32), slots, config=WRITE_CFG, interpret=True)
 
 
 # ---- sparse decode ------------------------------------------------------------------------------
@@ -444,7 +450,7 @@ def test_indexer_reference_matches_model_indexer(key_fmt):
     keys) and identity RoPE (cos 1, sin 0), so the score formula, the head-weight scaling
     index_head_dim**-0.5 * index_n_heads**-0.5 and `select_visible_topk` are the model's.
     bf16 keys: the pool stores them exactly. fp8 keys: the model takes its QAT round trip
-    (`round_keys=True`, qat.indexer_key_round_trip) and the pool is written by the cache's writer
+    (`round_keys=True`, kv_rounding.indexer_key_round_trip) and the pool is written by the cache's writer
     (kv_write's reference, formats.indexer_fp8_quantize); the dequantised pool must equal the
     round trip bit for bit. Selections must then agree except for swaps across the k-th place
     between entries whose reference scores lie within the fp32 summation bound."""
@@ -485,11 +491,11 @@ def test_indexer_reference_matches_model_indexer(key_fmt):
     j = np.arange(n)
     slots = np.concatenate([table[b, j // units] * units + j % units for b in range(batch)]).astype(np.int32)
     flat_keys = jnp.asarray(keys.reshape(batch * n, INDEX_DIM))
-    pool = write_indexer_keys_reference(pool, flat_keys, jnp.asarray(slots), LAYER)
+    pool = write_kv_reference(pool, flat_keys, jnp.asarray(slots), LAYER)
     if key_fmt == "fp8":  # the cache stores exactly the model's round trip
         flat = [p[LAYER].reshape(blocks * units, *p.shape[3:]) for p in pool]
         stored = np.asarray(formats.indexer_fp8_dequantize(flat[0][slots], flat[1][slots]))
-        trip = np.asarray(qat.indexer_key_round_trip(jnp.asarray(keys))).reshape(batch * n, INDEX_DIM)
+        trip = np.asarray(kv_rounding.indexer_key_round_trip(jnp.asarray(keys))).reshape(batch * n, INDEX_DIM)
         np.testing.assert_array_equal(stored, trip)
 
     head_w = jnp.asarray(raw_w) * (INDEX_DIM**-0.5 * INDEX_HEADS**-0.5)  # as Indexer.__call__ scales it

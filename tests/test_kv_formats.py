@@ -1,5 +1,5 @@
 """KV-cache storage formats (pallas_kernels/formats.py): byte counts, the spec 8.2 rule, special
-values, and bit-for-bit agreement with the model's QAT round trip (dsv4_jax/model/qat.py)."""
+values, and bit-for-bit agreement with the model's KV rounding (dsv4_jax/model/kv_rounding.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 from hypothesis.extra import numpy as hnp
 
-from dsv4_jax.model import qat
+from dsv4_jax.model import kv_rounding
 from pallas_kernels import formats as F
 
 HEAD, ROPE = 512, 64  # DeepSeek-V4-Flash
@@ -21,7 +21,7 @@ E4M3_CODES = np.array([c for c in range(256) if c not in (0x7F, 0xFF)], dtype=np
 quantize = jax.jit(F.fp8_ds_mla_quantize, static_argnums=1)
 dequantize = jax.jit(F.fp8_ds_mla_dequantize, static_argnums=3)
 idx_quantize = jax.jit(F.indexer_fp8_quantize)
-qat_kv = jax.jit(qat.kv_cache_round_trip, static_argnums=1)
+kv_round_trip = jax.jit(kv_rounding.kv_cache_round_trip, static_argnums=1)
 
 
 def fp8_round_trip(x: np.ndarray, rope: int = ROPE) -> tuple[np.ndarray, np.ndarray]:
@@ -59,9 +59,9 @@ def test_planes_shapes_and_dtypes():
     assert F.fp8_ds_mla_dequantize(nope, rope, scales, jnp.bfloat16).dtype == jnp.bfloat16
 
 
-# ---- agreement with the model's QAT round trip ---------------------------------------------------
+# ---- agreement with the model's KV rounding ---------------------------------------------------
 @pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16])
-def test_dequantised_equals_qat_round_trip_bit_for_bit(dtype):
+def test_dequantised_equals_kv_rounding_bit_for_bit(dtype):
     # Block maxima between about 0.06 and 200 (scale exponents in [-12, 12]); the whole range is
     # covered by the next test.
     rng = np.random.default_rng(0)
@@ -69,21 +69,21 @@ def test_dequantised_equals_qat_round_trip_bit_for_bit(dtype):
     nope, rope, scales = quantize(jnp.asarray(x), ROPE)
     assert set(np.unique(np.asarray(scales)[:, :7])) <= set(range(127 - 12, 127 + 13))
     ours = dequantize(nope, rope, scales, jnp.dtype(dtype))
-    ref = qat_kv(jnp.asarray(x), ROPE)
+    ref = kv_round_trip(jnp.asarray(x), ROPE)
     np.testing.assert_array_equal(bits(ours), bits(ref))
 
     keys = x[:, :128]
     q, scale = idx_quantize(jnp.asarray(keys))
     ours = F.indexer_fp8_dequantize(q, scale, jnp.dtype(dtype))
-    np.testing.assert_array_equal(bits(ours), bits(qat.indexer_key_round_trip(jnp.asarray(keys))))
+    np.testing.assert_array_equal(bits(ours), bits(kv_rounding.indexer_key_round_trip(jnp.asarray(keys))))
 
 
-def test_qat_round_trip_matches_over_the_whole_range():
-    # Regression: qat once took exp2(ceil(log2(...))), inexact on XLA:CPU (exp2(-22) != 2**-22).
+def test_kv_rounding_matches_over_the_whole_range():
+    # Regression: the KV rounding once took exp2(ceil(log2(...))), inexact on XLA:CPU (exp2(-22) != 2**-22).
     rng = np.random.default_rng(1)
     x = np.concatenate([rng.normal(size=(4, HEAD)) * s for s in (1e-5, 1e-3, 1e3, 1e6)]).astype(np.float32)
     ours, _ = fp8_round_trip(x)
-    np.testing.assert_array_equal(bits(ours), bits(qat_kv(jnp.asarray(x), ROPE)))
+    np.testing.assert_array_equal(bits(ours), bits(kv_round_trip(jnp.asarray(x), ROPE)))
 
 
 # ---- the spec 8.2 rule, on drawn values -------------------------------------------------------------

@@ -31,7 +31,8 @@ from dsv4_jax.kv_cache import (
     write_indexer,
     write_kv,
 )
-from dsv4_jax.model import qat
+from dsv4_jax.kv_cache.paged import indexer_planes, kv_planes
+from dsv4_jax.model import kv_rounding
 from dsv4_jax.presets import get_config
 
 TINY = get_config("dsv4-tiny-test")  # head 96 (64 nope + 32 rope), window 8, layers: sliding, CSA, HCA, CSA
@@ -132,21 +133,29 @@ def test_write_read_round_trip(spec):
 
     @jax.jit
     def step(csa, indexer):
-        csa = write_kv(csa, 1, slots, kv)
-        indexer = write_indexer(indexer, 1, slots, keys)
-        return csa, indexer, read_kv(csa, 1, slots), read_indexer(indexer, 1, slots)
+        csa = write_kv(csa, kv, slots, 1)
+        indexer = write_indexer(indexer, keys, slots, 1)
+        return csa, indexer, read_kv(csa, slots, 1), read_indexer(indexer, slots, 1)
 
     csa, indexer, back, back_keys = step(cache.compressed.csa, cache.compressed.indexer)
+    assert type(csa) is type(cache.compressed.csa) and type(indexer) is type(cache.compressed.indexer)
     valid = np.asarray(slots) >= 0
     if spec is FP8:
-        want, want_keys = jax.jit(lambda a, b: (qat.kv_cache_round_trip(a, 32), qat.indexer_key_round_trip(b)))(
-            kv, keys
-        )
+        want, want_keys = jax.jit(
+            lambda a, b: (kv_rounding.kv_cache_round_trip(a, 32), kv_rounding.indexer_key_round_trip(b))
+        )(kv, keys)
     else:
         want = kv.astype(jnp.bfloat16).astype(jnp.float32)
         want_keys = keys.astype(jnp.bfloat16).astype(jnp.float32)
     np.testing.assert_array_equal(np.asarray(back)[valid], np.asarray(want)[valid])
     np.testing.assert_array_equal(np.asarray(back_keys)[valid], np.asarray(want_keys)[valid])
     assert not np.asarray(back)[~valid].any()
-    other = read_kv(csa, 0, slots)  # layer 0 of the pool was not written
+    other = read_kv(csa, slots, 0)  # layer 0 of the pool was not written
     assert not np.asarray(other).any()
+
+
+def test_pool_planes_name_the_unknown_dtype():
+    with pytest.raises(ValueError, match="kv_cache_dtype 'fp8' has no pool planes; allowed: 'fp8_ds_mla', 'bfloat16'"):
+        kv_planes("fp8", (1, 2, 4), 96, 32)
+    with pytest.raises(ValueError, match="indexer_dtype 'int8' has no pool planes; allowed: 'fp8', 'bfloat16'"):
+        indexer_planes("int8", (1, 2, 4), 64)

@@ -13,8 +13,8 @@ from flax import nnx
 
 from dsv4_jax.checkpoint import checkpoint_layout
 from dsv4_jax.config import DeepseekV4Config
-from dsv4_jax.model import qat
-from dsv4_jax.model.compressor import select_visible_topk
+from dsv4_jax.model import kv_rounding
+from dsv4_jax.model.indexer import Indexer, select_visible_topk
 from dsv4_jax.model.moe import MoE
 from dsv4_jax.model.transformer import DeepseekV4, check_token_ids, layer_kinds, plan_segments
 from dsv4_jax.presets import dsv4_flash, dsv4_tiny_test, get_config
@@ -100,41 +100,41 @@ def test_get_config_accepts_objects_names_and_dicts():
 def test_fp8_block_quantize_known_answers():
     block = np.zeros(64, np.float32)
     block[:5] = [1.0, 0.3, -0.3, 1e-3, -1.0]
-    codes, exponent = qat.fp8_block_quantize(jnp.asarray(block))
+    codes, exponent = kv_rounding.fp8_block_quantize(jnp.asarray(block))
     # amax 1.0 -> scale 2^ceil(log2(1/448)) = 2^-8, stored as the UE8M0 byte 127 - 8 = 119.
     assert int(exponent[0]) + 127 == 119
     # 1.0 / 2^-8 = 256 = 1.0 * 2^8 -> E4M3 0 1111 000; 0.3 * 256 = 76.8 -> 80 = 1.25 * 2^6 -> 0 1101 010;
     # 1e-3 * 256 = 0.256 -> 0.25 = 2^-2 -> 0 0101 000; the sign is the top bit.
     assert list(np.asarray(codes).view(np.uint8)[:5]) == [0x78, 0x6A, 0xEA, 0x28, 0xF8]
-    back = np.asarray(qat.fp8_block_round_trip(jnp.asarray(block)))
+    back = np.asarray(kv_rounding.fp8_block_round_trip(jnp.asarray(block)))
     np.testing.assert_array_equal(back[:5], [1.0, 0.3125, -0.3125, 2.0**-10, -1.0])
 
 
 def test_fp8_block_amax_floor_and_large_values():
     zeros = jnp.zeros(64)
-    _, exponent = qat.fp8_block_quantize(zeros)
+    _, exponent = kv_rounding.fp8_block_quantize(zeros)
     assert int(exponent[0]) == int(np.ceil(np.log2(1e-4 / 448)))  # amax floored at 1e-4: -22
-    np.testing.assert_array_equal(np.asarray(qat.fp8_block_round_trip(zeros)), 0.0)
+    np.testing.assert_array_equal(np.asarray(kv_rounding.fp8_block_round_trip(zeros)), 0.0)
     big = jnp.full((64,), 1280.0)  # scale 2^ceil(log2(1280/448)) = 4; 320 is on the E4M3 grid
-    _, exponent = qat.fp8_block_quantize(big)
-    assert int(exponent[0]) == 2 and float(qat.fp8_block_round_trip(big)[0]) == 1280.0
+    _, exponent = kv_rounding.fp8_block_quantize(big)
+    assert int(exponent[0]) == 2 and float(kv_rounding.fp8_block_round_trip(big)[0]) == 1280.0
     tie = jnp.full((64,), 1344.0)  # 336 lies halfway between 320 and 352: ties go to even (320)
-    assert float(qat.fp8_block_round_trip(tie)[0]) == 1280.0
+    assert float(kv_rounding.fp8_block_round_trip(tie)[0]) == 1280.0
 
 
 def test_kv_cache_round_trip_rounds_nope_to_fp8_and_rope_to_bf16():
     kv = jnp.concatenate([jnp.full((64,), 0.3), jnp.full((32,), 1.0 + 2.0**-10)])
-    out = np.asarray(qat.kv_cache_round_trip(kv, rope_dim=32))
+    out = np.asarray(kv_rounding.kv_cache_round_trip(kv, rope_dim=32))
     np.testing.assert_array_equal(out[:64], 0.3125)  # 0.3 * 2^8 = 76.8 -> 80 on the E4M3 grid
     np.testing.assert_array_equal(out[64:], 1.0)  # 1 + 2^-10 is below bf16's half-ulp at 1.0
 
 
 def test_indexer_keys_use_one_scale_per_key():
     keys = jnp.asarray(np.linspace(-3, 3, 128, dtype=np.float32))
-    codes, exponent = qat.fp8_block_quantize(keys, block=128)
+    codes, exponent = kv_rounding.fp8_block_quantize(keys, block=128)
     assert exponent.shape == (1,) and int(exponent[0]) == int(np.ceil(np.log2(3 / 448)))
-    np.testing.assert_array_equal(np.asarray(qat.indexer_key_round_trip(keys)),
-                                  np.asarray(qat.fp8_block_round_trip(keys, block=128)))
+    np.testing.assert_array_equal(np.asarray(kv_rounding.indexer_key_round_trip(keys)),
+                                  np.asarray(kv_rounding.fp8_block_round_trip(keys, block=128)))
 
 
 # ---- indexer selection ----------------------------------------------------------------------
@@ -160,6 +160,33 @@ def test_topk_prefers_higher_scores_among_visible_only():
     assert list(idx[1]) == [0, -1]  # one visible entry
     assert list(idx[5]) == [1, 2]  # entry 3 (9.0) is not visible yet
     assert list(idx[7]) == [3, 1]
+
+
+def test_indexer_picks_the_top_scoring_visible_entries():
+    """The Indexer module end to end against spec 3.7 in float64 numpy: score(t, j) =
+    sum_h relu(q_th . k_j) * w_th * index_head_dim^-0.5 * index_n_heads^-0.5, top-k over the
+    entries visible at t, -1 where fewer are visible. RoPE is the identity here (cos 1, sin 0)."""
+    config = dsv4_tiny_test().replace(index_topk=3)
+    heads, dim, ratio, seq = config.index_n_heads, config.index_head_dim, 4, 24  # 6 entries > top-k 3
+    indexer = Indexer(config, ratio)
+    rng = np.random.default_rng(7)
+    for linear in (indexer.wq_b, indexer.weights_proj, indexer.compressor.wkv, indexer.compressor.wgate):
+        out_features, in_features = linear.weight[...].shape
+        linear.weight.set_value(jnp.asarray(rng.standard_normal((out_features, in_features), np.float32) / 8))
+    x = rng.standard_normal((1, seq, config.hidden_size)).astype(np.float32)
+    latent = rng.standard_normal((1, seq, config.q_lora_rank)).astype(np.float32)
+    cos = jnp.ones((seq, config.qk_rope_head_dim // 2))
+    picked = np.asarray(indexer(jnp.asarray(x), jnp.asarray(latent), cos, jnp.zeros_like(cos)))[0]
+
+    keys = np.asarray(indexer.compressor(jnp.asarray(x), cos, jnp.zeros_like(cos)), np.float64)[0]  # [6, dim]
+    q = (latent[0].astype(np.float64) @ np.asarray(indexer.wq_b.weight[...], np.float64).T).reshape(seq, heads, dim)
+    w = x[0].astype(np.float64) @ np.asarray(indexer.weights_proj.weight[...], np.float64).T * (dim * heads) ** -0.5
+    scores = np.einsum("thn,th->tn", np.maximum(np.einsum("thd,nd->thn", q, keys), 0), w)
+    for t in range(seq):
+        visible = (t + 1) // ratio
+        best = list(np.argsort(-scores[t, :visible], kind="stable")[:3])
+        assert list(picked[t]) == best + [-1] * (3 - len(best)), t
+    assert (picked[:11] == -1).any()  # the first queries see fewer than 3 entries: -1 slots
 
 
 def test_token_ids_outside_the_vocabulary_raise():

@@ -21,7 +21,8 @@ Layout (every plane is `[layers of the pool, blocks, units per block, ...]`):
   start at -inf), for the CSA main and indexer compressors and the HCA compressor.
 
 KV planes are `Fp8DsMlaPlanes` (e4m3 nope, bf16 rope, uint8 UE8M0 scales) or `Bf16Rows`; indexer
-planes are `IndexerFp8Planes` (e4m3 keys, fp32 scale) or `IndexerBf16Rows`. Block tables hold
+planes are `IndexerFp8Planes` (e4m3 keys, fp32 scale) or `IndexerBf16Rows`; `kv_planes` and
+`indexer_planes` are the one definition of their dtypes and shapes. Block tables hold
 `NO_BLOCK` (-1) where no block is assigned. With data-parallel attention the block axis of every
 plane, and the slot axis of block tables and state, are sharded over the data axis: each rank
 owns its blocks and sequence slots, and block ids in its tables are local to it.
@@ -32,7 +33,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any, Union
+from typing import Any, Callable, Union
 
 import jax
 import jax.numpy as jnp
@@ -46,8 +47,9 @@ from dsv4_jax.kv_cache.planner import (
     layer_groups,
     sliding_blocks_per_seq,
 )
-from dsv4_jax.kv_cache.resolver import FP8_DS_MLA, KVCacheSpec
+from dsv4_jax.kv_cache.resolver import BFLOAT16, FP8_DS_MLA, KVCacheSpec
 from pallas_kernels import formats
+from pallas_kernels.kv_write import write_kv_reference
 
 NO_BLOCK = -1
 
@@ -210,16 +212,42 @@ class PagedCacheLayout:
         )
 
 
-# ---- abstract description ----------------------------------------------------------------------
-def _kv_planes(layout: PagedCacheLayout, layers: int, blocks: int, units: int, make) -> KVPlanes:
-    if layout.kv_cache_dtype == FP8_DS_MLA:
-        nope = layout.head_dim - layout.rope_dim
+# ---- planes and the abstract description ------------------------------------------------------
+def kv_planes(
+    kv_cache_dtype: str,  # "fp8_ds_mla" | "bfloat16"
+    lead: tuple[int, ...],  # leading dims, [layers, blocks, units] in the cache
+    head_dim: int,
+    rope_dim: int,
+    make: Callable[[tuple[int, ...], Any], Any] = jnp.zeros,
+) -> KVPlanes:
+    """The planes of a KV pool, each built by `make(shape, dtype)` (zeros by default): the one
+    definition of their dtypes and shapes, for the cache and for the model's paged attention."""
+    if kv_cache_dtype == FP8_DS_MLA:
+        nope = head_dim - rope_dim
         return Fp8DsMlaPlanes(
-            nope=make((layers, blocks, units, nope), jnp.float8_e4m3fn),
-            rope=make((layers, blocks, units, layout.rope_dim), jnp.bfloat16),
-            scales=make((layers, blocks, units, formats.fp8_ds_mla_scale_bytes(nope)), jnp.uint8),
+            nope=make((*lead, nope), jnp.float8_e4m3fn),
+            rope=make((*lead, rope_dim), jnp.bfloat16),
+            scales=make((*lead, formats.fp8_ds_mla_scale_bytes(nope)), jnp.uint8),
         )
-    return Bf16Rows(rows=make((layers, blocks, units, layout.head_dim), jnp.bfloat16))
+    if kv_cache_dtype == BFLOAT16:
+        return Bf16Rows(rows=make((*lead, head_dim), jnp.bfloat16))
+    raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} has no pool planes; allowed: {FP8_DS_MLA!r}, {BFLOAT16!r}")
+
+
+def indexer_planes(
+    indexer_dtype: str,  # "fp8" | "bfloat16"
+    lead: tuple[int, ...],  # leading dims, [layers, blocks, units] in the cache
+    index_head_dim: int,
+    make: Callable[[tuple[int, ...], Any], Any] = jnp.zeros,
+) -> IndexerPlanes:
+    """The planes of an indexer-key pool (e4m3 keys + one fp32 scale per key, or bf16 keys)."""
+    if indexer_dtype == "fp8":
+        return IndexerFp8Planes(
+            keys=make((*lead, index_head_dim), jnp.float8_e4m3fn), scales=make(lead, jnp.float32)
+        )
+    if indexer_dtype == BFLOAT16:
+        return IndexerBf16Rows(keys=make((*lead, index_head_dim), jnp.bfloat16))
+    raise ValueError(f"indexer_dtype {indexer_dtype!r} has no pool planes; allowed: 'fp8', {BFLOAT16!r}")
 
 
 def _describe(layout: PagedCacheLayout, make, make_table, make_state) -> PagedKVCache:
@@ -228,17 +256,17 @@ def _describe(layout: PagedCacheLayout, make, make_table, make_state) -> PagedKV
     nb_c = layout.num_compressed_blocks
     n_csa, n_hca = len(layout.csa_layers), len(layout.hca_layers)
     csa = indexer = hca = None
+
+    def kv(lead: tuple[int, ...]) -> KVPlanes:
+        return kv_planes(layout.kv_cache_dtype, lead, layout.head_dim, layout.rope_dim, make)
+
     if n_csa:
-        csa = _kv_planes(layout, n_csa, nb_c, layout.csa_units_per_block, make)
-        shape = (n_csa, nb_c, layout.csa_units_per_block)
-        if layout.indexer_dtype == "fp8":
-            indexer = IndexerFp8Planes(
-                keys=make((*shape, layout.index_head_dim), jnp.float8_e4m3fn), scales=make(shape, jnp.float32)
-            )
-        else:
-            indexer = IndexerBf16Rows(keys=make((*shape, layout.index_head_dim), jnp.bfloat16))
+        csa = kv((n_csa, nb_c, layout.csa_units_per_block))
+        indexer = indexer_planes(
+            layout.indexer_dtype, (n_csa, nb_c, layout.csa_units_per_block), layout.index_head_dim, make
+        )
     if n_hca:
-        hca = _kv_planes(layout, n_hca, nb_c, layout.hca_units_per_block, make)
+        hca = kv((n_hca, nb_c, layout.hca_units_per_block))
 
     def state(layers: int, ratio: int, dim: int, overlap: bool):
         if not layers:
@@ -249,7 +277,7 @@ def _describe(layout: PagedCacheLayout, make, make_table, make_state) -> PagedKV
 
     return PagedKVCache(
         sliding=SlidingPool(
-            kv=_kv_planes(layout, len(layout.sliding_layers), layout.num_sliding_blocks, layout.block_size, make),
+            kv=kv((len(layout.sliding_layers), layout.num_sliding_blocks, layout.block_size)),
             block_table=make_table((slots, layout.sliding_ring)),
         ),
         compressed=CompressedPools(
@@ -354,26 +382,15 @@ def _split(slots: jax.Array, blocks: int, units: int) -> tuple[jax.Array, jax.Ar
     return jnp.where(bad, blocks, slots // units), jnp.where(bad, 0, slots % units)
 
 
-def write_kv(planes: KVPlanes, layer: int | jax.Array, slots: jax.Array, kv: jax.Array) -> KVPlanes:
-    """Quantise kv [T, head_dim] into `planes` at flat `slots` [T] of pool layer `layer`; slots < 0
-    are skipped. The reference for the fused write kernels."""
-    if isinstance(planes, Fp8DsMlaPlanes):
-        _, blocks, units, _ = planes.nope.shape
-        rope_dim = planes.rope.shape[-1]
-        blk, off = _split(slots, blocks, units)
-        nope, rope, scales = formats.fp8_ds_mla_quantize(kv, rope_dim)
-        return Fp8DsMlaPlanes(
-            nope=planes.nope.at[layer, blk, off].set(nope, mode="drop"),
-            rope=planes.rope.at[layer, blk, off].set(rope, mode="drop"),
-            scales=planes.scales.at[layer, blk, off].set(scales, mode="drop"),
-        )
-    _, blocks, units, _ = planes.rows.shape
-    blk, off = _split(slots, blocks, units)
-    return Bf16Rows(rows=planes.rows.at[layer, blk, off].set(formats.bf16_rows_quantize(kv), mode="drop"))
+# The cache's reference writes are the kernels' one reference writer (pallas_kernels.kv_write):
+# write_kv(planes, rows [T, D], slots [T], layer=0), the argument order of the write kernels, for
+# KV and indexer planes alike; it returns the planes dataclass it was given.
+write_kv = write_indexer = write_kv_reference
 
 
-def read_kv(planes: KVPlanes, layer: int | jax.Array, slots: jax.Array, dtype=jnp.float32) -> jax.Array:
-    """Dequantised rows [T, head_dim] at flat `slots`; zeros where a slot is < 0."""
+def read_kv(planes: KVPlanes, slots: jax.Array, layer: int | jax.Array = 0, dtype=jnp.float32) -> jax.Array:
+    """Dequantised rows [T, head_dim] at flat `slots` [T] of pool layer `layer`; zeros where a
+    slot is < 0."""
     if isinstance(planes, Fp8DsMlaPlanes):
         _, blocks, units, _ = planes.nope.shape
         blk, off = _split(slots, blocks, units)
@@ -388,19 +405,10 @@ def read_kv(planes: KVPlanes, layer: int | jax.Array, slots: jax.Array, dtype=jn
     return jnp.where((slots >= 0)[:, None], out, jnp.zeros((), dtype))
 
 
-def write_indexer(planes: IndexerPlanes, layer: int | jax.Array, slots: jax.Array, keys: jax.Array) -> IndexerPlanes:
-    _, blocks, units, _ = planes.keys.shape
-    blk, off = _split(slots, blocks, units)
-    if isinstance(planes, IndexerFp8Planes):
-        q, scale = formats.indexer_fp8_quantize(keys)
-        return IndexerFp8Planes(
-            keys=planes.keys.at[layer, blk, off].set(q, mode="drop"),
-            scales=planes.scales.at[layer, blk, off].set(scale, mode="drop"),
-        )
-    return IndexerBf16Rows(keys=planes.keys.at[layer, blk, off].set(keys.astype(jnp.bfloat16), mode="drop"))
-
-
-def read_indexer(planes: IndexerPlanes, layer: int | jax.Array, slots: jax.Array, dtype=jnp.float32) -> jax.Array:
+def read_indexer(
+    planes: IndexerPlanes, slots: jax.Array, layer: int | jax.Array = 0, dtype=jnp.float32
+) -> jax.Array:
+    """Dequantised indexer keys [T, index_head_dim] at flat `slots` [T]; zeros where a slot is < 0."""
     _, blocks, units, _ = planes.keys.shape
     blk, off = _split(slots, blocks, units)
     blk = jnp.minimum(blk, blocks - 1)

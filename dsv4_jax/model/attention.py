@@ -8,9 +8,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dsv4_jax.config import CSA, SLIDING, DeepseekV4Config
-from dsv4_jax.model import qat
+from dsv4_jax.model import kv_rounding
 from dsv4_jax.model.attention_core import AttentionCore, dense_attention
-from dsv4_jax.model.compressor import Compressor, Indexer
+from dsv4_jax.model.compressor import Compressor
+from dsv4_jax.model.indexer import Indexer
 from dsv4_jax.model.layers import Linear, RMSNorm, rms_normalize
 from dsv4_jax.model.options import ForwardOptions
 from dsv4_jax.model.rope import apply_rope
@@ -45,36 +46,26 @@ class Attention(nnx.Module):
         options: ForwardOptions,
         core: AttentionCore = dense_attention,
     ) -> jax.Array:  # [batch, seq, hidden]
-        ab = options.ablations
         batch, seq, _ = x.shape
         q_latent = self.q_norm(self.wq_a(x))
         q = self.wq_b(q_latent).reshape(batch, seq, self.n_heads, self.head_dim)
         q = rms_normalize(q, self.eps).astype(x.dtype)  # weightless per-head RMSNorm
-        q = apply_rope(q, cos, sin, heads_axis=True, neox=ab.neox_rope)
-        kv = self.kv_norm(self.wkv(x))
-        kv = apply_rope(kv, cos, sin, neox=ab.neox_rope)  # [batch, seq, head_dim], K = V
+        q = apply_rope(q, cos, sin, heads_axis=True)
+        kv = apply_rope(self.kv_norm(self.wkv(x)), cos, sin)  # [batch, seq, head_dim], K = V
         if options.kv_cache_rounding:
-            kv = qat.kv_cache_round_trip(kv, self.rope_dim)
+            kv = kv_rounding.kv_cache_round_trip(kv, self.rope_dim)
 
         compressed = compressed_idx = None
         if self.layer_type != SLIDING:
-            compressed = self.compressor(x, cos, sin, overlap=not ab.no_csa_overlap, neox=ab.neox_rope)
+            compressed = self.compressor(x, cos, sin)
             if options.kv_cache_rounding:
-                compressed = qat.kv_cache_round_trip(compressed, self.rope_dim)
+                compressed = kv_rounding.kv_cache_round_trip(compressed, self.rope_dim)
         if self.layer_type == CSA:
-            compressed_idx = self.indexer(
-                x, q_latent, cos, sin,
-                round_keys=options.kv_cache_rounding, overlap=not ab.no_csa_overlap, neox=ab.neox_rope,
-            )
-            if ab.minus_one_as_row_zero:
-                compressed_idx = jnp.maximum(compressed_idx, 0)
+            compressed_idx = self.indexer(x, q_latent, cos, sin, round_keys=options.kv_cache_rounding)
         sinks = self.attn_sink[...].astype(jnp.float32)
-        if ab.no_sinks:
-            sinks = jnp.full_like(sinks, -jnp.inf)
         out = core(q, kv, compressed, compressed_idx, sinks, window=self.window, ratio=max(self.ratio, 1))
-        out = out.astype(x.dtype)
-        if not ab.no_inverse_rope:
-            out = apply_rope(out, cos, sin, inverse=True, heads_axis=True, neox=ab.neox_rope)
+        # K = V carries RoPE, so the output does too: rotate it back by the query's position.
+        out = apply_rope(out.astype(x.dtype), cos, sin, inverse=True, heads_axis=True)
         # Grouped output projection: group g holds heads [g*H/G, (g+1)*H/G).
         grouped = out.reshape(batch, seq, self.o_groups, -1)
         wo_a = self.wo_a.dequantized(x.dtype).reshape(self.o_groups, self.o_lora_rank, -1)

@@ -51,10 +51,9 @@ class Block(nnx.Module):
         options: ForwardOptions,
         core: AttentionCore = dense_attention,
     ) -> jax.Array:
-        transpose = not options.ablations.untransposed_comb
         x, post, comb = self._hc_pre(streams, "attn")
         out = self.attn(self.attn_norm(x), cos, sin, options, core)
-        streams = hc_post(out, streams, post, comb, transpose_comb=transpose)
+        streams = hc_post(out, streams, post, comb)
         x, post, comb = self._hc_pre(streams, "ffn")
-        out = self.ffn(self.ffn_norm(x), token_ids, bias_in_weights=options.ablations.bias_in_weights)
-        return hc_post(out, streams, post, comb, transpose_comb=transpose)
+        out = self.ffn(self.ffn_norm(x), token_ids)
+        return hc_post(out, streams, post, comb)

@@ -53,12 +53,9 @@ def hc_post(
     streams: jax.Array,  # [batch, seq, n, hidden] the sub-layer's input streams
     post: jax.Array,  # [batch, seq, n]
     comb: jax.Array,  # [batch, seq, n, n]
-    *,
-    transpose_comb: bool = True,
 ) -> jax.Array:
     """X'_k = post_k * F + sum_j comb[j, k] * X_j (note the transpose). -> [b, s, n, hidden]"""
-    mix = "bsjk,bsjd->bskd" if transpose_comb else "bskj,bsjd->bskd"
-    mixed = jnp.einsum(mix, comb.astype(jnp.float32), streams.astype(jnp.float32))  # mHC math in fp32
+    mixed = jnp.einsum("bsjk,bsjd->bskd", comb.astype(jnp.float32), streams.astype(jnp.float32))  # mHC math in fp32
     out = post.astype(jnp.float32)[..., None] * output.astype(jnp.float32)[..., None, :] + mixed
     return out.astype(streams.dtype)
 

@@ -38,7 +38,6 @@ class Linear(nnx.Module):
     """y = x @ W^T with W [out, in] in the checkpoint's format; `quantized` selects FP8 blocks."""
 
     def __init__(self, in_features: int, out_features: int, config: DeepseekV4Config, quantized: bool):
-        self.in_features, self.out_features = in_features, out_features
         self.quantized = quantized and config.quantized
         if self.quantized:
             bo, bi = config.quantization.weight_block_size

@@ -90,9 +90,7 @@ class Gate(nnx.Module):
         elif config.topk_method == "noaux_tc":
             self.bias = nnx.Param(jnp.zeros((config.n_routed_experts,), jnp.float32))
 
-    def __call__(
-        self, x: jax.Array, token_ids: jax.Array, *, bias_in_weights: bool = False
-    ) -> tuple[jax.Array, jax.Array]:
+    def __call__(self, x: jax.Array, token_ids: jax.Array) -> tuple[jax.Array, jax.Array]:
         """x [tokens, hidden], token_ids [tokens] -> (experts [tokens, k] int32, weights [tokens, k] f32)"""
         logits = jnp.einsum("td,ed->te", x.astype(jnp.float32), self.weight[...].astype(jnp.float32))
         if self.scoring == "sqrtsoftplus":
@@ -103,15 +101,24 @@ class Gate(nnx.Module):
             scores = jax.nn.softmax(logits, axis=-1)
         if self.hash_routed:
             experts = self.tid2eid[...][token_ids].astype(jnp.int32)
+            weights = jnp.take_along_axis(scores, experts, axis=-1)
         else:
-            biased = scores + self.bias[...] if hasattr(self, "bias") else scores
-            _, experts = jax.lax.top_k(biased, self.top_k)  # the bias picks experts, never weighs them
-            if bias_in_weights and hasattr(self, "bias"):
-                scores = biased  # ablation only
-        weights = jnp.take_along_axis(scores, experts, axis=-1)
+            bias = self.bias[...] if hasattr(self, "bias") else jnp.zeros((scores.shape[-1],), jnp.float32)
+            experts, weights = select_experts(scores, bias, self.top_k)
         if self.renormalize:
             weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
         return experts, weights * self.scaling
+
+
+def select_experts(
+    scores: jax.Array,  # [tokens, experts] float32 router scores
+    bias: jax.Array,  # [experts] float32 selection bias (noaux_tc; zeros without one)
+    top_k: int,
+) -> tuple[jax.Array, jax.Array]:  # (experts [tokens, k] int32, weights [tokens, k] float32)
+    """Top-k experts by score + bias; their weights are the unbiased scores (spec 5: the bias
+    balances the load by steering selection, it never weighs an expert's output)."""
+    _, experts = jax.lax.top_k(scores + bias, top_k)
+    return experts, jnp.take_along_axis(scores, experts, axis=-1)
 
 
 class MoE(nnx.Module):
@@ -123,11 +130,11 @@ class MoE(nnx.Module):
         if c.n_shared_experts:
             self.shared_experts = SharedExpert(c)
 
-    def __call__(self, x: jax.Array, token_ids: jax.Array, *, bias_in_weights: bool = False) -> jax.Array:
+    def __call__(self, x: jax.Array, token_ids: jax.Array) -> jax.Array:
         """x [batch, seq, hidden] ffn_norm output, token_ids [batch, seq] -> [batch, seq, hidden]"""
         batch, seq, hidden = x.shape
         flat = x.reshape(-1, hidden)
-        experts, weights = self.gate(flat, token_ids.reshape(-1), bias_in_weights=bias_in_weights)
+        experts, weights = self.gate(flat, token_ids.reshape(-1))
         out = self.experts(flat, experts, weights, self.limit)
         if hasattr(self, "shared_experts"):
             out = out + self.shared_experts(flat).astype(jnp.float32)

@@ -16,7 +16,8 @@ import math
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import formats
+from dsv4_jax.kv_cache.paged import KVPlanes, kv_planes
+from dsv4_jax.kv_cache.resolver import BFLOAT16, FP8_DS_MLA
 from pallas_kernels.backend import AttentionBackend, get_backend
 
 
@@ -32,16 +33,11 @@ class PagedAttentionCore:
     def backend(self) -> AttentionBackend:
         return get_backend(self.backend_name)
 
-    def _empty_pool(self, blocks: int, head_dim: int) -> tuple[jax.Array, ...]:
-        shape = (blocks, self.block_size)
-        if self.backend.kv_format == "bf16":
-            return (jnp.zeros((*shape, head_dim), jnp.bfloat16),)
-        nope = head_dim - self.rope_dim
-        return (
-            jnp.zeros((*shape, nope), jnp.float8_e4m3fn),
-            jnp.zeros((*shape, self.rope_dim), jnp.bfloat16),
-            jnp.zeros((*shape, formats.fp8_ds_mla_scale_bytes(nope)), jnp.uint8),
-        )
+    def _empty_pool(self, blocks: int, head_dim: int) -> KVPlanes:
+        """A zeroed one-layer pool [1, blocks, block_size, ...] in the backend's KV format (the xla
+        backend reads either; it gets fp8_ds_mla, the format the model's KV rounding matches)."""
+        kv_cache_dtype = BFLOAT16 if self.backend.kv_format == "bf16" else FP8_DS_MLA
+        return kv_planes(kv_cache_dtype, (1, blocks, self.block_size), head_dim, self.rope_dim)
 
     def __call__(
         self,

@@ -31,13 +31,12 @@ def inverse_frequencies(rope_dim: int, base: float, yarn: YarnScaling | None) ->
     return (freqs / yarn.factor * (1.0 - smooth) + freqs * smooth).astype(np.float32)
 
 
-def layer_frequencies(config: DeepseekV4Config, layer: int, yarn_enabled: bool = True) -> np.ndarray:
+def layer_frequencies(config: DeepseekV4Config, layer: int) -> np.ndarray:
     """Sliding layers (and MTP) use `rope_theta` without YaRN; compressed layers use
     `compress_rope_theta` with YaRN. One table per layer for q, KV, compressor and indexer."""
     if config.compress_ratio(layer) == 0:
         return inverse_frequencies(config.qk_rope_head_dim, config.rope_theta, None)
-    yarn = config.rope_scaling if yarn_enabled else None
-    return inverse_frequencies(config.qk_rope_head_dim, config.compress_rope_theta, yarn)
+    return inverse_frequencies(config.qk_rope_head_dim, config.compress_rope_theta, config.rope_scaling)
 
 
 def rope_angles(positions: jax.Array, inv_freq: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -53,10 +52,9 @@ def apply_rope(
     *,
     inverse: bool = False,
     heads_axis: bool = False,
-    neox: bool = False,
 ) -> jax.Array:
-    """Rotate the trailing rope slice of `x` as pairs (x[2i], x[2i+1]) (GPT-J style);
-    `inverse` rotates by the conjugate. `neox` (rotate-half) exists only for ablation tests."""
+    """Rotate the trailing rope slice of `x` as pairs (x[2i], x[2i+1]) (GPT-J style, not
+    NeoX's rotate-half); `inverse` rotates by the conjugate."""
     half = cos.shape[-1]
     rope_dim = 2 * half
     if heads_axis:
@@ -64,11 +62,7 @@ def apply_rope(
     if inverse:
         sin = -sin
     nope, rope = x[..., :-rope_dim], x[..., -rope_dim:].astype(jnp.float32)
-    if neox:
-        a, b = rope[..., :half], rope[..., half:]
-        rotated = jnp.concatenate([a * cos - b * sin, b * cos + a * sin], axis=-1)
-    else:
-        pairs = rope.reshape(*rope.shape[:-1], half, 2)
-        even, odd = pairs[..., 0], pairs[..., 1]
-        rotated = jnp.stack([even * cos - odd * sin, even * sin + odd * cos], axis=-1).reshape(rope.shape)
+    pairs = rope.reshape(*rope.shape[:-1], half, 2)
+    even, odd = pairs[..., 0], pairs[..., 1]
+    rotated = jnp.stack([even * cos - odd * sin, even * sin + odd * cos], axis=-1).reshape(rope.shape)
     return jnp.concatenate([nope, rotated.astype(x.dtype)], axis=-1)

@@ -135,18 +135,14 @@ class DeepseekV4(nnx.Module):
         self.mtp = nnx.List([MTPBlock(c) for _ in range(c.num_nextn_predict_layers if mtp else 0)])
 
     # ---- pieces -------------------------------------------------------------------------
-    def rope_tables(self, seq: int, options: ForwardOptions) -> tuple[tuple[jax.Array, jax.Array], ...]:
+    def rope_tables(self, seq: int) -> tuple[tuple[jax.Array, jax.Array], ...]:
         """(main table, compress table) at positions 0..seq-1, each [seq, rope/2]."""
         c = self.config
         positions = jnp.arange(seq)
         sliding_layer = c.num_hidden_layers  # the MTP layer index is always sliding
         compressed_layers = [i for i in range(c.num_hidden_layers) if c.compress_ratio(i)]
         main = layer_frequencies(c, sliding_layer)
-        compress = (
-            layer_frequencies(c, compressed_layers[0], yarn_enabled=not options.ablations.no_yarn)
-            if compressed_layers
-            else main
-        )
+        compress = layer_frequencies(c, compressed_layers[0]) if compressed_layers else main
         return rope_angles(positions, jnp.asarray(main)), rope_angles(positions, jnp.asarray(compress))
 
     def hidden_streams(
@@ -158,7 +154,7 @@ class DeepseekV4(nnx.Module):
         dtype = options.jnp_dtype
         x = self.embed(token_ids, dtype)
         streams = jnp.broadcast_to(x[:, :, None, :], (*x.shape[:2], self.config.hc_mult, x.shape[-1]))
-        tables = self.rope_tables(token_ids.shape[1], options)
+        tables = self.rope_tables(token_ids.shape[1])
         for plan, segment in zip(self.segments_plan, self.segments):
             if plan.count > 1:
                 streams = segment(streams, token_ids, tables, options, core)
@@ -197,7 +193,7 @@ class DeepseekV4(nnx.Module):
         dtype = options.jnp_dtype
         e = mtp.enorm(self.embed(next_ids, dtype))
         h = mtp.h_proj(mtp.hnorm(streams.astype(dtype))) + mtp.e_proj(e)[:, :, None, :]
-        main_table, _ = self.rope_tables(next_ids.shape[1], options)
+        main_table, _ = self.rope_tables(next_ids.shape[1])
         h = mtp(h, next_ids, *main_table, options, core)
         return self.logits_from_streams(h, mtp)
 

@@ -1,0 +1,61 @@
+"""The lightning indexer (spec 3.7): on CSA layers, scores every compressed entry for each query
+and keeps the top-k visible ones for the attention to read."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dsv4_jax.config import DeepseekV4Config
+from dsv4_jax.model import kv_rounding
+from dsv4_jax.model.compressor import Compressor
+from dsv4_jax.model.layers import Linear
+from dsv4_jax.model.rope import apply_rope
+
+
+class Indexer(nnx.Module):
+    """Scores compressed entries for each query and keeps the top-k (CSA layers only)."""
+
+    def __init__(self, config: DeepseekV4Config, ratio: int):
+        self.n_heads, self.head_dim, self.topk = config.index_n_heads, config.index_head_dim, config.index_topk
+        self.ratio = ratio
+        self.wq_b = Linear(config.q_lora_rank, self.n_heads * self.head_dim, config, quantized=True)
+        self.weights_proj = Linear(config.hidden_size, self.n_heads, config, quantized=False)
+        self.compressor = Compressor(config, ratio, self.head_dim, overlap=True)
+
+    def __call__(
+        self,
+        x: jax.Array,  # [batch, seq, hidden] attention input
+        q_latent: jax.Array,  # [batch, seq, q_lora_rank] q_norm(wq_a x)
+        cos: jax.Array,  # [seq, rope/2]
+        sin: jax.Array,
+        *,
+        round_keys: bool = False,
+    ) -> jax.Array:  # [batch, seq, min(topk, entries)] int32, -1 = nothing to read
+        batch, seq, _ = x.shape
+        keys = self.compressor(x, cos, sin)  # [batch, n, index_head_dim]
+        if round_keys:
+            keys = kv_rounding.indexer_key_round_trip(keys)
+        q = self.wq_b(q_latent).reshape(batch, seq, self.n_heads, self.head_dim)
+        q = apply_rope(q, cos, sin, heads_axis=True)
+        scores = jnp.einsum("bshd,bnd->bshn", q.astype(jnp.float32), keys.astype(jnp.float32))
+        head_weights = self.weights_proj(x, jnp.float32) * (self.head_dim**-0.5 * self.n_heads**-0.5)
+        scores = jnp.einsum("bshn,bsh->bsn", jax.nn.relu(scores), head_weights)
+        return select_visible_topk(scores, self.ratio, self.topk)
+
+
+def select_visible_topk(
+    scores: jax.Array,  # [batch, seq, entries] indexer scores of query t (position t) for entry j
+    ratio: int,
+    topk: int,
+) -> jax.Array:  # [batch, seq, min(topk, entries)] int32
+    """The top-k visible entries (j < (t + 1) // ratio) per query; picks that are not visible
+    (fewer than k visible) become -1. Equal scores go to the lowest index, so what position t
+    selects never depends on how many later entries exist (torch.topk does not promise this)."""
+    seq, n = scores.shape[-2:]
+    visible = jnp.arange(n)[None, :] < (jnp.arange(seq)[:, None] + 1) // ratio  # [seq, n]
+    scores = jnp.where(visible, scores, -jnp.inf)
+    _, idx = jax.lax.top_k(scores, min(topk, n))  # lax.top_k returns equal values lowest index first
+    picked_visible = jnp.take_along_axis(jnp.broadcast_to(visible, scores.shape), idx, axis=-1)
+    return jnp.where(picked_visible, idx, -1).astype(jnp.int32)
