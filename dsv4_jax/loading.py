@@ -206,12 +206,16 @@ def _resolve_attention(
     return kv_spec, attention_backend, kv_cache_rounding
 
 
-def _attention_core(attention_backend: str | None, config: DeepseekV4Config) -> AttentionCore:
+def _attention_core(
+    attention_backend: str | None, config: DeepseekV4Config, kv_cache_dtype: str | None
+) -> AttentionCore:
+    """The dense reference, or the paged core on `attention_backend` with pools in `kv_cache_dtype`
+    (the resolved `--kv-cache-dtype`; None: the backend's own format)."""
     if attention_backend is None:
         return dense_attention
     from dsv4_jax.model.paged_core import PagedAttentionCore
 
-    core = PagedAttentionCore(attention_backend, config.qk_rope_head_dim)
+    core = PagedAttentionCore(attention_backend, config.qk_rope_head_dim, kv_cache_dtype=kv_cache_dtype)
     core.backend  # noqa: B018  (an unknown name fails here, not at the first call)
     return core
 
@@ -243,8 +247,9 @@ def load_model(
     rounds KV as the fp8 caches store it; `stack_layers=False` runs every layer unrolled;
     `attention_backend` ("xla", "pallas_fp8_ds_mla", "pallas_bf16") runs attention through that
     KV-cache backend's kernels instead of the dense reference. `kv_cache_dtype` ("auto", "fp8",
-    "bfloat16", ... as `--kv-cache-dtype`) resolves the KV layout and backend for this device
-    with `resolve_kv_cache` (logged) and runs the model as that cache would: fp8_ds_mla rounds KV.
+    "bfloat16", "float32", ... as `--kv-cache-dtype`) resolves the KV layout and backend for this
+    device with `resolve_kv_cache` (logged) and runs the model as that cache would: fp8_ds_mla
+    rounds KV, bfloat16 stores bf16 rows, float32 (xla backend) rounds nothing.
 
     A bad directory (missing, no or invalid config.json, missing or truncated shards, tensors
     that do not fit the config) raises a ValueError or FileNotFoundError naming the file."""
@@ -259,6 +264,7 @@ def load_model(
     placer = _Placer(config, stack_layers)
     report = load_checkpoint(path, config, placer)
     module = _assemble(config, report.mtp_enabled, stack_layers, placer.placed)
-    model = CausalLM(module, options, report.mtp_enabled, _attention_core(attention_backend, config))
+    core = _attention_core(attention_backend, config, kv_spec.kv_cache_dtype if kv_spec else None)
+    model = CausalLM(module, options, report.mtp_enabled, core)
     model.kv_cache_spec = kv_spec  # what --kv-cache-dtype resolved to, or None
     return model

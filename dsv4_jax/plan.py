@@ -1,10 +1,11 @@
 """KV-cache capacity table: `python -m dsv4_jax.plan --model dsv4-flash --device-kind "NVIDIA H200"
 --num-devices 8 --kv-cache-dtype auto --max-model-len 1048576`.
 
-Compares fp8_ds_mla with bf16 rows, and tensor-parallel attention (KV replicated on every rank: V4
-has one KV head) with data-parallel attention, for the given device count. Nothing runs on a
-device: memory comes from `--device-memory-gib` or our table of device kinds, weights per device
-from `--weight-gib` or an estimate from the checkpoint shapes.
+Compares fp8_ds_mla with bf16 rows (and float32 rows, the exact reference cache, when
+`--kv-cache-dtype float32` asks for them), and tensor-parallel attention (KV replicated on every
+rank: V4 has one KV head) with data-parallel attention, for the given device count. Nothing runs
+on a device: memory comes from `--device-memory-gib` or our table of device kinds, weights per
+device from `--weight-gib` or an estimate from the checkpoint shapes.
 """
 
 from __future__ import annotations

@@ -3,9 +3,12 @@
 The KV resolver (dsv4_jax/kv_cache/resolver.py) picks a backend name; the model asks
 `get_backend(name)` for an `AttentionBackend` and calls its functions, never a kernel directly:
 
-* ``xla``: the pure-JAX references (they define the numerics; any device, either KV format);
+* ``xla``: the pure-JAX references (they define the numerics; any device, any KV format,
+  including float32 rows: the exact reference cache, where nothing is rounded);
 * ``pallas_fp8_ds_mla``: the Pallas Triton kernels over fp8_ds_mla pools;
 * ``pallas_bf16``: the same kernels over bf16-row pools.
+
+The Pallas backends refuse float32 pools (KV or indexer keys) with a ValueError naming the backend.
 
 All functions take pools as tuples of planes (or the cache's plane dataclasses, e.g.
 `Fp8DsMlaPlanes`: their fields in declaration order are the planes) and write functions return
@@ -33,6 +36,7 @@ import functools
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 
 from pallas_kernels import indexer_topk as _indexer
 from pallas_kernels import kv_write as _kv_write
@@ -50,7 +54,7 @@ _KV_FORMAT = {XLA: None, PALLAS_FP8_DS_MLA: "fp8_ds_mla", PALLAS_BF16: "bf16"}
 @dataclasses.dataclass(frozen=True)
 class AttentionBackend:
     name: str
-    kv_format: str | None  # the KV pool format the backend reads; None = either
+    kv_format: str | None  # the KV pool format the backend reads; None = any (fp8_ds_mla, bf16, float32)
     write_kv: Callable[..., Any]
     write_indexer_keys: Callable[..., Any]
     decode: Callable[..., Any]
@@ -76,7 +80,20 @@ def _like(pool: Any, planes: tuple) -> Any:
     return dataclasses.replace(pool, **dict(zip(names, planes)))
 
 
+def _refuse_float32(kv_format: str | None, pool: Any, backend: str) -> None:
+    """ValueError for a float32 pool (KV rows or indexer keys: one float32 plane) given to a
+    Pallas backend (kv_format set): only the xla backend reads them."""
+    planes = as_planes(pool)
+    if kv_format is not None and planes is not None and len(planes) == 1 and planes[0].dtype == jnp.float32:
+        reads = "bfloat16" if kv_format == "bf16" else kv_format  # as --kv-cache-dtype names it
+        raise ValueError(
+            f"attention backend {backend} cannot read float32 pools (the exact reference KV cache): use "
+            f"--attention-backend xla, or --kv-cache-dtype {reads} for {backend}"
+        )
+
+
 def _require(kv_format: str | None, pool: Any, backend: str) -> None:
+    _refuse_float32(kv_format, pool, backend)
     if kv_format is not None and pool is not None:
         got = pool_format(as_planes(pool))
         if got != kv_format:
@@ -102,6 +119,7 @@ def _make(name: str, *, device_kind: str | None, interpret: bool) -> AttentionBa
         return _like(pool, write_kv_fn(as_planes(pool), kv, slots, layer))
 
     def write_indexer_keys(pool, keys, slots, layer=0):
+        _refuse_float32(kv_format, pool, name)
         return _like(pool, write_idx_fn(as_planes(pool), keys, slots, layer))
 
     def decode(
@@ -128,6 +146,7 @@ def _make(name: str, *, device_kind: str | None, interpret: bool) -> AttentionBa
         )
 
     def indexer(q, weights, key_pool, block_table, q_start, q_lens, layer=0, *, topk, ratio):
+        _refuse_float32(kv_format, key_pool, name)
         return topk_fn(q, weights, as_planes(key_pool), block_table, q_start, q_lens, layer, topk=topk, ratio=ratio)
 
     return AttentionBackend(

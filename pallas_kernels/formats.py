@@ -1,6 +1,6 @@
 """KV-cache storage formats of DeepSeek-V4 (spec sections 3.8 and 8): pure JAX, jit-able.
 
-Three formats, each vectorised over any leading (token, block, layer...) dims:
+Four formats, each vectorised over any leading (token, block, layer...) dims:
 
 * ``fp8_ds_mla`` (main/sliding and compressed KV, head_dim = nope + rope):
   the NoPE dims as float8_e4m3fn with one UE8M0 (power-of-two) scale per 64 dims, the RoPE
@@ -9,6 +9,9 @@ Three formats, each vectorised over any leading (token, block, layer...) dims:
   byte pairs of a packed row into bf16. Bytes per token ``nope + 2*rope + scale_bytes``:
   584 at DeepSeek-V4-Flash's 448 + 64 (448 + 128 + 8).
 * plain bf16 rows (2 bytes per dim, 1024 B/token at head_dim 512).
+* plain float32 rows (4 bytes per dim, 2048 B/token at head_dim 512): the exact reference
+  format, read only by the pure-JAX references (the ``xla`` attention backend); indexer keys
+  likewise (512 B at index_head_dim 128). Nothing is rounded on the way in or out.
 * indexer key records: e4m3 ``[..., d]`` plus one fp32 power-of-two scale per key
   (132 B at index_head_dim 128).
 
@@ -95,6 +98,11 @@ def bf16_bytes_per_token(head_dim: int) -> int:
     return 2 * _check_dim("head_dim", head_dim, 1)
 
 
+def float32_bytes_per_token(head_dim: int) -> int:
+    """Plain float32 rows: 4 bytes per dim (2048 at head_dim 512)."""
+    return 4 * _check_dim("head_dim", head_dim, 1)
+
+
 def indexer_fp8_bytes_per_entry(index_head_dim: int) -> int:
     """e4m3 key bytes + one fp32 scale: 132 at index_head_dim 128."""
     return _check_dim("index_head_dim", index_head_dim, 1) + 4
@@ -103,6 +111,11 @@ def indexer_fp8_bytes_per_entry(index_head_dim: int) -> int:
 def indexer_bf16_bytes_per_entry(index_head_dim: int) -> int:
     """bf16 indexer keys: 2 bytes per dim (256 at index_head_dim 128)."""
     return 2 * _check_dim("index_head_dim", index_head_dim, 1)
+
+
+def indexer_float32_bytes_per_entry(index_head_dim: int) -> int:
+    """float32 indexer keys: 4 bytes per dim (512 at index_head_dim 128)."""
+    return 4 * _check_dim("index_head_dim", index_head_dim, 1)
 
 
 # ---- UE8M0 scales ----------------------------------------------------------------------------
@@ -196,6 +209,17 @@ def bf16_rows_dequantize(rows: jax.Array, dtype=jnp.float32) -> jax.Array:
     return rows.astype(dtype)
 
 
+# ---- plain float32 rows ----------------------------------------------------------------------
+def float32_rows_quantize(kv: jax.Array) -> jax.Array:
+    """Plain float32 rows: exact for float32, bfloat16 and float16 input (float64 is rounded to
+    float32, the only precision the model computes in)."""
+    return kv.astype(jnp.float32)
+
+
+def float32_rows_dequantize(rows: jax.Array, dtype=jnp.float32) -> jax.Array:
+    return rows.astype(dtype)
+
+
 # ---- indexer keys ----------------------------------------------------------------------------
 def indexer_fp8_quantize(keys: jax.Array) -> tuple[jax.Array, jax.Array]:
     """keys [..., d] -> (e4m3 [..., d], fp32 power-of-two scale [...]); NaN scale if non-finite."""
@@ -220,7 +244,11 @@ __all__ = [
     "fp8_ds_mla_dequantize",
     "fp8_ds_mla_quantize",
     "fp8_ds_mla_scale_bytes",
+    "float32_bytes_per_token",
+    "float32_rows_dequantize",
+    "float32_rows_quantize",
     "indexer_bf16_bytes_per_entry",
+    "indexer_float32_bytes_per_entry",
     "indexer_fp8_bytes_per_entry",
     "indexer_fp8_dequantize",
     "indexer_fp8_quantize",

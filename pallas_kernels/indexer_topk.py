@@ -20,9 +20,11 @@ the entries over programs (split-K); a merge step (a two-key sort of splits x to
 combines them.
 
 The reference materialises all scores (it is the definition, not the fast path): q rounded to
-bf16, keys dequantised exactly, fp32 at HIGHEST precision, a two-key sort. The kernel differs
-only in fp32 summation order, so near-tied scores (relative gap ~1e-6) may swap at the k-th
-place; exact ties (for example all-zero ReLU scores) are broken by index in both.
+bf16, keys dequantised exactly, fp32 at HIGHEST precision, a two-key sort. It also reads float32
+keys (the exact reference cache, which the kernel refuses): then q is not rounded either
+(paged_attention.reference_operand). The kernel differs only in fp32 summation order, so
+near-tied scores (relative gap ~1e-6) may swap at the k-th place; exact ties (for example
+all-zero ReLU scores) are broken by index in both.
 """
 
 from __future__ import annotations
@@ -36,7 +38,14 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import tuning
-from pallas_kernels.paged_attention import flatten_pool, full_block, layer_offset
+from pallas_kernels.paged_attention import (
+    FLOAT32,
+    flatten_pool,
+    full_block,
+    kernel_format,
+    layer_offset,
+    reference_operand,
+)
 
 _NO_INDEX = 2**31 - 1  # sentinel index of empty list slots: loses every tie
 _HIGHEST = lax.Precision.HIGHEST
@@ -175,18 +184,24 @@ def _indexer_topk_kernel(
 
 
 # ---- wrapper ----------------------------------------------------------------------------------
-def _key_planes(key_pool) -> tuple[tuple[jax.Array, ...], bool, int]:
-    """(planes flattened to rows, fp8?, units per block) of an indexer pool: (e4m3 keys, fp32
-    scales) or (bf16 keys,), [L, blocks, units, d] or [blocks, units, d]."""
+def _key_planes(key_pool) -> tuple[tuple[jax.Array, ...], str, int]:
+    """(planes flattened to rows, format, units per block) of an indexer pool: "fp8" (e4m3 keys,
+    fp32 scales), "bf16" (bf16 keys,) or "float32" (float32 keys,; references only), each
+    [L, blocks, units, d] or [blocks, units, d]."""
     key_pool = tuple(key_pool)
     keys = key_pool[0]
-    fp8 = len(key_pool) == 2
-    if fp8 and keys.dtype != jnp.float8_e4m3fn:
-        raise ValueError(f"fp8 indexer keys must be float8_e4m3fn, got {keys.dtype}")
-    if not fp8 and keys.dtype != jnp.bfloat16:
-        raise ValueError(f"bf16 indexer keys must be bfloat16, got {keys.dtype}")
+    if len(key_pool) == 2:
+        if keys.dtype != jnp.float8_e4m3fn:
+            raise ValueError(f"fp8 indexer keys must be float8_e4m3fn, got {keys.dtype}")
+        fmt = "fp8"
+    elif keys.dtype == jnp.float32:
+        fmt = FLOAT32
+    elif keys.dtype == jnp.bfloat16:
+        fmt = "bf16"
+    else:
+        raise ValueError(f"single-plane indexer keys must be bfloat16 or float32, got {keys.dtype}")
     flat, _, units = flatten_pool(key_pool)
-    return flat, fp8, units
+    return flat, fmt, units
 
 
 def _list_length(topk: int) -> int:
@@ -231,7 +246,8 @@ def indexer_topk(
     """
     cfg = config or tuning.kernel_config("indexer_topk", device_kind, interpret=interpret)
     info = tuning.device_info(device_kind, interpret=interpret)
-    flat, fp8, units = _key_planes(key_pool)
+    flat, fmt, units = _key_planes(key_pool)
+    fp8 = kernel_format(fmt, "indexer_topk") == "fp8"
     batch, seq, heads, d = q.shape
     if d % 16 or d & (d - 1):
         raise ValueError(f"index_head_dim ({d}) must be a power of two >= 16")
@@ -271,8 +287,9 @@ def indexer_topk(
 # ---- reference --------------------------------------------------------------------------------
 @functools.partial(jax.jit, static_argnames=("ratio",))
 def indexer_scores_reference(q, weights, key_pool, block_table, q_start, q_lens, layer=0, *, ratio: int) -> jax.Array:
-    """All scores [B, S, entries] (fp32; -inf where an entry is not visible or not there)."""
-    flat, fp8, units = _key_planes(key_pool)
+    """All scores [B, S, entries] (fp32; -inf where an entry is not visible or not there). q is
+    rounded to bf16 (the kernel's dot operand) unless the keys are float32 (`reference_operand`)."""
+    flat, fmt, units = _key_planes(key_pool)
     seq = q.shape[1]
     nb = block_table.shape[1]
     j = jnp.arange(nb * units)
@@ -280,10 +297,10 @@ def indexer_scores_reference(q, weights, key_pool, block_table, q_start, q_lens,
     exists = blk >= 0
     rows = jnp.where(exists, layer_offset(layer, key_pool) + blk * units + j % units, 0)
     keys = flat[0][rows].astype(jnp.float32)
-    if fp8:
+    if fmt == "fp8":
         keys = keys * flat[1][rows][..., None]
     keys = jnp.where(exists[..., None], keys, 0.0)
-    qf = q.astype(jnp.bfloat16).astype(jnp.float32)
+    qf = reference_operand(q, fmt)
     logits = jnp.einsum("bshd,bcd->bshc", qf, keys, precision=_HIGHEST)
     scores = jnp.sum(jnp.maximum(logits, 0.0) * weights.astype(jnp.float32)[..., None], axis=2)
     s = jnp.arange(seq)[None, :]

@@ -8,8 +8,9 @@ plus one fp32 power-of-two scale per key (or bf16 rows). Slots are flat rows of 
 values are defined in pallas_kernels/formats.py; the kernel reproduces them bit for bit.
 
 `write_kv_reference` is the one pure-JAX writer of the project (the `xla` backend, the paged
-cache's `write_kv` / `write_indexer` and the tests all use it): the same arguments as the kernel
-wrappers, `(pool, rows, slots, layer)`, for every pool format (the plane count tells them apart).
+cache and the tests all use it): the same arguments as the kernel wrappers, `(pool, rows, slots,
+layer)`, for every pool format (the plane count and dtype tell them apart), including float32
+rows (KV or indexer keys), the exact reference format that the kernel refuses.
 
 Kernel (Pallas, Triton backend): grid (ceil(T / block_k),); a program quantises block_k rows,
 64 dims at a time, and scatters them with masked stores straight into the aliased pool planes
@@ -35,7 +36,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import formats, tuning
-from pallas_kernels.paged_attention import DIM_CHUNK, chunk_width, flatten_pool, full_block
+from pallas_kernels.paged_attention import DIM_CHUNK, FLOAT32, chunk_width, flatten_pool, full_block, kernel_format
 
 
 # ---- kernel -----------------------------------------------------------------------------------
@@ -129,16 +130,20 @@ def _kv_write_kernel(
 
 # ---- wrapper ----------------------------------------------------------------------------------
 def _write_format(planes: tuple[jax.Array, ...], width: int) -> str:
-    """The format a pool stores rows of `width` dims in, told by its plane count: "fp8_ds_mla"
-    (e4m3 nope, bf16 rope, uint8 scales), "indexer_fp8" (e4m3 keys, fp32 scales) or "bf16" (rows).
-    ValueError when the rows do not fit the planes."""
-    formats_by_count = {3: "fp8_ds_mla", 2: "indexer_fp8", 1: "bf16"}
-    if len(planes) not in formats_by_count:
+    """The format a pool stores rows of `width` dims in, told by its plane count and first plane's
+    dtype: "fp8_ds_mla" (e4m3 nope, bf16 rope, uint8 scales), "indexer_fp8" (e4m3 keys, fp32
+    scales), "bf16" (bf16 rows) or "float32" (float32 rows). ValueError when the rows do not fit
+    the planes."""
+    fmt = None
+    if len(planes) in (2, 3) and planes[0].dtype == jnp.float8_e4m3fn:
+        fmt = "fp8_ds_mla" if len(planes) == 3 else "indexer_fp8"
+    elif len(planes) == 1 and planes[0].dtype in (jnp.bfloat16, jnp.float32):
+        fmt = "bf16" if planes[0].dtype == jnp.bfloat16 else FLOAT32
+    if fmt is None:
         raise ValueError(
-            "a pool is (e4m3 nope, bf16 rope, uint8 scales), (e4m3 keys, fp32 scales) or (bf16 rows,) "
-            f"planes, got {len(planes)} planes"
+            "a pool is (e4m3 nope, bf16 rope, uint8 scales), (e4m3 keys, fp32 scales), (bf16 rows,) or "
+            f"(float32 rows,) planes, got {[(p.shape, str(p.dtype)) for p in planes]}"
         )
-    fmt = formats_by_count[len(planes)]
     pool_width = planes[0].shape[-1] + (planes[1].shape[-1] if fmt == "fp8_ds_mla" else 0)
     if pool_width != width:
         raise ValueError(f"rows of {width} dims do not fit this {fmt} pool, whose rows have {pool_width} dims")
@@ -200,7 +205,7 @@ def write_kv(
     """Quantise `kv` into the pool's format and scatter it to `slots`; returns the new planes
     (the pool is updated in place when the caller donates it)."""
     pool = tuple(pool)
-    fmt = _write_format(pool, kv.shape[-1])
+    fmt = kernel_format(_write_format(pool, kv.shape[-1]), "kv_write")
     if fmt == "indexer_fp8":
         raise ValueError("write_kv got an indexer key pool (2 planes); indexer keys go through write_indexer_keys")
     cfg = config or tuning.kernel_config("kv_write", device_kind, interpret=interpret)
@@ -220,7 +225,7 @@ def write_indexer_keys(
 ) -> tuple[jax.Array, ...]:
     """Quantise indexer keys (one power-of-two scale per key) and scatter them to `slots`."""
     pool = tuple(pool)
-    fmt = _write_format(pool, keys.shape[-1])
+    fmt = kernel_format(_write_format(pool, keys.shape[-1]), "kv_write")
     if fmt == "fp8_ds_mla":
         raise ValueError("write_indexer_keys got an fp8_ds_mla KV pool (3 planes); KV rows go through write_kv")
     cfg = config or tuning.kernel_config("kv_write", device_kind, interpret=interpret)
@@ -236,14 +241,17 @@ def write_kv_reference(
     layer: int | jax.Array = 0,
 ) -> Any:
     """Pure-JAX definition of `write_kv` and `write_indexer_keys`: quantise `rows` into the pool's
-    format with formats.py (`_write_format` tells it from the plane count), then scatter. Returns
-    the pool with the same structure (a tuple, or e.g. the cache's `Fp8DsMlaPlanes`)."""
+    format with formats.py (`_write_format` tells it from the plane count and dtype; float32 rows
+    are stored exactly), then scatter. Returns the pool with the same structure (a tuple, or e.g.
+    the cache's `Fp8DsMlaPlanes`)."""
     planes, structure = jax.tree.flatten(pool)
     fmt = _write_format(planes, rows.shape[-1])
     if fmt == "fp8_ds_mla":
         values = formats.fp8_ds_mla_quantize(rows, planes[1].shape[-1])
     elif fmt == "indexer_fp8":
         values = formats.indexer_fp8_quantize(rows)
+    elif fmt == FLOAT32:
+        values = (formats.float32_rows_quantize(rows),)
     else:
         values = (formats.bf16_rows_quantize(rows),)
     flat, blocks, units = flatten_pool(planes)

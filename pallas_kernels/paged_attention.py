@@ -5,7 +5,9 @@ as kernel operands with their BlockSpecs), and `paged_attention_reference`, the 
 attention over the paged cache whose numerics both kernels' references are defined by.
 
 Pools are tuples of planes with leading dims [layers, blocks, units] (or [blocks, units]):
-fp8_ds_mla = (e4m3 nope, bf16 rope, uint8 UE8M0 scales) or bf16 rows, see formats.py.
+fp8_ds_mla = (e4m3 nope, bf16 rope, uint8 UE8M0 scales) or bf16 rows, see formats.py; the
+references also read float32 rows, the exact format no kernel reads (`reference_operand` is
+the references' one rounding rule).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from jax.experimental import pallas as pl
 from pallas_kernels import formats
 
 DIM_CHUNK = formats.FP8_DS_MLA_QUANT_BLOCK  # 64: one UE8M0 scale per chunk of NoPE dims
+FLOAT32 = "float32"  # the pool format of exact float32 rows (KV or indexer keys): references only
 _HIGHEST = lax.Precision.HIGHEST
 
 
@@ -60,16 +63,46 @@ def chunk_offsets(chunks) -> list[int]:
 
 # ---- pools ------------------------------------------------------------------------------------
 def pool_format(planes) -> str:
-    """"fp8_ds_mla" (three planes) or "bf16" (one plane of rows)."""
+    """"fp8_ds_mla" (three planes), "bf16" (one plane of bf16 rows) or "float32" (one plane of
+    float32 rows, read only by the references)."""
     planes = tuple(planes)
     if len(planes) == 3 and planes[0].dtype == jnp.float8_e4m3fn:
         return "fp8_ds_mla"
     if len(planes) == 1 and planes[0].dtype == jnp.bfloat16:
         return "bf16"
+    if len(planes) == 1 and planes[0].dtype == jnp.float32:
+        return FLOAT32
     raise ValueError(
-        "a KV pool is (e4m3 nope, bf16 rope, uint8 scales) planes or (bf16 rows,), got "
+        "a KV pool is (e4m3 nope, bf16 rope, uint8 scales) planes, (bf16 rows,) or (float32 rows,), got "
         f"{[(p.shape, str(p.dtype)) for p in planes]}"
     )
+
+
+def kernel_format(fmt: str, kernel: str) -> str:
+    """`fmt`, the format of the pool a Pallas kernel was given; ValueError for float32 pools,
+    which only the references (the xla attention backend) read."""
+    if fmt == FLOAT32:
+        raise ValueError(
+            f"the {kernel} Pallas kernel reads fp8 or bf16 pools, not float32 ones (the exact reference "
+            "format): use --attention-backend xla for a float32 KV cache, or --kv-cache-dtype fp8_ds_mla or "
+            "bfloat16 for the Pallas kernels"
+        )
+    return fmt
+
+
+def reference_operand(x: jax.Array, fmt: str) -> jax.Array:
+    """The references' one rounding rule, for the values the kernels feed their bf16 dots as they
+    are given (q, the chunk's own window rows, indexer queries): as float32, rounded to bf16 first
+    unless the pool being read (format `fmt`) is float32, the exact format where nothing is
+    rounded. Pool rows need no rule: each format dequantises exactly.
+
+    The rounding is `reduce_precision` to bf16's 8 exponent and 7 mantissa bits (round to nearest
+    even, as a cast): XLA may drop a float32 -> bf16 -> float32 cast pair inside a fusion (its
+    default `xla_allow_excess_precision`), and then the bf16 references would silently not round."""
+    x = x.astype(jnp.float32)
+    if fmt == FLOAT32:
+        return x
+    return lax.reduce_precision(x, exponent_bits=8, mantissa_bits=7)
 
 
 def flatten_pool(planes) -> tuple[tuple[jax.Array, ...], int, int]:
@@ -310,8 +343,11 @@ def _gather_rows_reference(planes, block_table, keys, *, ring: bool, layer=0):
     blk = jnp.take_along_axis(block_table, page.reshape(batch, -1), axis=1).reshape(keys.shape)
     exists = inside & (blk >= 0)
     rows = jnp.where(exists, jnp.asarray(layer, jnp.int32) * (blocks * units) + blk * units + safe % units, 0)
-    if len(flat) == 3:
+    fmt = pool_format(planes)
+    if fmt == "fp8_ds_mla":
         out = formats.fp8_ds_mla_dequantize(flat[0][rows], flat[1][rows], flat[2][rows], jnp.float32)
+    elif fmt == FLOAT32:
+        out = formats.float32_rows_dequantize(flat[0][rows], jnp.float32)
     else:
         out = formats.bf16_rows_dequantize(flat[0][rows], jnp.float32)
     return out, exists
@@ -322,17 +358,20 @@ def paged_attention_reference(
     topk_indices, layer, compressed_layer, *, window, ratio, chunk_kv=None, chunk_start=None,
 ):
     """Attention of queries q [B, S, H, D] at absolute `positions` [B, S] (rows with q_valid False
-    give 0) over the paged cache: fp32, HIGHEST precision, q rounded to bf16. With `chunk_kv`
-    [B, S, D], window keys at positions >= `chunk_start` [B] come from it (rounded to bf16)."""
+    give 0) over the paged cache: fp32, HIGHEST precision. With `chunk_kv` [B, S, D], window keys
+    at positions >= `chunk_start` [B] come from it. q and `chunk_kv` are rounded to bf16, as the
+    kernels' dot operands, unless the pools are float32: then nothing is rounded
+    (`reference_operand`)."""
     batch, seq, heads, head_dim = q.shape
     scale = head_dim**-0.5
-    qf = q.astype(jnp.bfloat16).astype(jnp.float32)
+    fmt = pool_format(window_pool)
+    qf = reference_operand(q, fmt)
     kpos = positions[..., None] - window + 1 + jnp.arange(window)  # [B, S, W]
     kw, exists = _gather_rows_reference(window_pool, window_block_table, kpos, ring=True, layer=layer)
     if chunk_kv is not None:
         rel = kpos - chunk_start.astype(jnp.int32)[:, None, None]  # [B, S, W]
         own = rel >= 0
-        chunk = chunk_kv.astype(jnp.bfloat16).astype(jnp.float32)
+        chunk = reference_operand(chunk_kv, fmt)
         rows = chunk[jnp.arange(batch)[:, None, None], jnp.clip(rel, 0, chunk_kv.shape[1] - 1)]  # [B, S, W, D]
         kw = jnp.where(own[..., None], rows, kw)
         exists = exists | own

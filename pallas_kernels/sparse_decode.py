@@ -26,7 +26,8 @@ P @ V the same way. A merge step (plain JAX) combines the splits and the sink.
 The reference (`sparse_decode_reference`) defines the numerics: q rounded to bf16 (the kernel's
 dot operand), keys dequantised exactly, everything else fp32 at HIGHEST precision. The kernel
 differs only by rounding the probabilities to bf16 for the P @ V dot (|error| <= 2**-9 *
-max|k| per output element) and by fp32 summation order.
+max|k| per output element) and by fp32 summation order. Over float32 pools (the exact reference
+cache, which the kernel refuses) the reference rounds nothing, q included.
 
 The building blocks shared with sparse_prefill.py live in paged_attention.py.
 """
@@ -48,6 +49,7 @@ from pallas_kernels.paged_attention import (
     chunk_offsets,
     entry_rows,
     full_block,
+    kernel_format,
     key_chunk,
     online_softmax_step,
     pad_heads,
@@ -185,7 +187,7 @@ def sparse_decode(
       config / num_splits: launch parameters (default: tuning table for `device_kind`).
       interpret: run the kernel in the Pallas interpreter (CPU).
     """
-    fmt = check_shapes(q, window_pool, compressed_pool, topk_indices, ratio)
+    fmt = kernel_format(check_shapes(q, window_pool, compressed_pool, topk_indices, ratio), "sparse_decode")
     mode = attention_mode(compressed_pool, topk_indices)
     cfg = config or tuning.kernel_config("sparse_decode", device_kind, interpret=interpret)
     info = tuning.device_info(device_kind, interpret=interpret)
@@ -262,7 +264,8 @@ def sparse_decode_reference(
     q, window_pool, window_block_table, seq_lens, sinks, compressed_pool=None, compressed_block_table=None,
     topk_indices=None, layer=0, compressed_layer=0, *, window: int, ratio: int = 0,
 ) -> jax.Array:
-    """Pure-JAX definition of `sparse_decode` (same arguments, no launch parameters): [B, H, D] fp32."""
+    """Pure-JAX definition of `sparse_decode` (same arguments, no launch parameters): [B, H, D] fp32.
+    Also reads float32 pools, exactly: then q is not rounded to bf16 (paged_attention.reference_operand)."""
     check_shapes(q, window_pool, compressed_pool, topk_indices, ratio)
     positions = (seq_lens.astype(jnp.int32) - 1)[:, None]
     idx = None if topk_indices is None else topk_indices.astype(jnp.int32)[:, None]

@@ -41,6 +41,7 @@ from pallas_kernels.paged_attention import (
     chunk_offsets,
     entry_rows,
     full_block,
+    kernel_format,
     key_chunk,
     online_softmax_step,
     pad_heads,
@@ -198,7 +199,7 @@ def sparse_prefill(
     a chunk longer than the sliding ring can hold still sees its own rows; pass the rows as the
     cache stores them (fp8_ds_mla round trip or bf16) to match a read from the pool exactly.
     """
-    fmt = check_shapes(q, window_pool, compressed_pool, topk_indices, ratio)
+    fmt = kernel_format(check_shapes(q, window_pool, compressed_pool, topk_indices, ratio), "sparse_prefill")
     mode = attention_mode(compressed_pool, topk_indices)
     name = "sparse_prefill_csa" if mode == "csa" else "sparse_prefill"
     cfg = config or tuning.kernel_config(name, device_kind, interpret=interpret)
@@ -265,7 +266,9 @@ def sparse_prefill_reference(
     q, window_pool, window_block_table, q_start, q_lens, sinks, compressed_pool=None, compressed_block_table=None,
     topk_indices=None, layer=0, compressed_layer=0, window_kv=None, *, window: int, ratio: int = 0,
 ) -> jax.Array:
-    """Pure-JAX definition of `sparse_prefill` (same arguments, no launch parameters): [B, S, H, D] fp32."""
+    """Pure-JAX definition of `sparse_prefill` (same arguments, no launch parameters): [B, S, H, D] fp32.
+    q and `window_kv` are rounded to bf16 as the kernel's dot operands, except over float32 pools
+    (the exact reference cache): there nothing is rounded (paged_attention.reference_operand)."""
     check_shapes(q, window_pool, compressed_pool, topk_indices, ratio)
     seq = q.shape[1]
     s = jnp.arange(seq)[None, :]

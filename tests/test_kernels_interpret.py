@@ -26,6 +26,9 @@ Tolerances (derived from the formats, stated once here):
   Exact ties (all-zero scores) must be broken by the lowest index in both. The same bound holds
   between the reference and the model's indexer (both fp32, only the summation order differs),
   once the model's fp8 keys take the QAT round trip, which equals the stored keys exactly.
+* references over float32 pools vs a float64 numpy computation: nothing is rounded (q off the
+  bf16 grid), only fp32 summation differs: attention 1e-6 * max|K|; indexer scores
+  (d + heads) * 2**-24 * sum_h |w_h| sum_d |q_hd k_d|.
 """
 
 from __future__ import annotations
@@ -81,7 +84,7 @@ def _nan_planes(fmt: str, blocks: int, units: int) -> list[np.ndarray]:
     if fmt == "fp8_ds_mla":
         nope = np.full((*lead, HEAD_DIM - ROPE), 0x7F, np.uint8).view(jnp.float8_e4m3fn)  # e4m3 NaN
         return [nope, np.full((*lead, ROPE), np.nan, jnp.bfloat16), np.full((*lead, 8), 0xFF, np.uint8)]
-    return [np.full((*lead, HEAD_DIM), np.nan, jnp.bfloat16)]
+    return [np.full((*lead, HEAD_DIM), np.nan, np.float32 if fmt == "float32" else jnp.bfloat16)]
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -89,7 +92,7 @@ def _quantize(fmt: str, x):
     if fmt == "fp8_ds_mla":
         planes = formats.fp8_ds_mla_quantize(x, ROPE)
         return planes, formats.fp8_ds_mla_dequantize(*planes)
-    rows = x.astype(jnp.bfloat16)
+    rows = x.astype(jnp.float32 if fmt == "float32" else jnp.bfloat16)
     return (rows,), rows.astype(jnp.float32)
 
 
@@ -139,6 +142,7 @@ def make_cache(fmt: str, seed: int, lens: tuple[int, ...], pool_len: tuple[int, 
         np.full((LAYERS, c_blocks, UNITS // CSA), np.nan, np.float32),
     ]
     ipool_bf16 = [np.full((LAYERS, c_blocks, UNITS // CSA, INDEX_DIM), np.nan, jnp.bfloat16)]
+    ipool_f32 = [np.full((LAYERS, c_blocks, UNITS // CSA, INDEX_DIM), np.nan, np.float32)]
     for b, n in enumerate(lens):
         end = n if pool_len is None else pool_len[b]
         if end > 0:  # the ring holds the last RING pages of positions < end
@@ -154,13 +158,15 @@ def make_cache(fmt: str, seed: int, lens: tuple[int, ...], pool_len: tuple[int, 
         u = UNITS // CSA
         _store(ipool, cbt[b, j // u] * u + j % u, [ik_q[b, j], ik_s[b, j]])
         _store(ipool_bf16, cbt[b, j // u] * u + j % u, [ikeys[b, j].astype(jnp.bfloat16)])
+        _store(ipool_f32, cbt[b, j // u] * u + j % u, [ikeys[b, j]])
     return dict(
         wpool=tuple(jnp.asarray(p) for p in wpool), wbt=jnp.asarray(wbt),
         cpool=tuple(jnp.asarray(p) for p in cpool), hpool=tuple(jnp.asarray(p) for p in hpool),
         cbt=jnp.asarray(cbt), ipool=tuple(jnp.asarray(p) for p in ipool),
-        ipool_bf16=tuple(jnp.asarray(p) for p in ipool_bf16),
-        # the same values, contiguous, as the cache stores them (for dense_attention)
-        kv=kv_values, csa=csa_values, hca=hca_values, kmax=float(np.abs(kv_values).max()),
+        ipool_bf16=tuple(jnp.asarray(p) for p in ipool_bf16), ipool_f32=tuple(jnp.asarray(p) for p in ipool_f32),
+        # the same values, contiguous, as the cache stores them (for dense_attention); indexer
+        # keys as the float32 pool stores them
+        kv=kv_values, csa=csa_values, hca=hca_values, kmax=float(np.abs(kv_values).max()), ikeys=ikeys,
     )
 
 
@@ -509,6 +515,131 @@ def test_indexer_reference_matches_model_indexer(key_fmt):
     # near-ties are rare: almost every row is the same list, in the same order
     same_rows = np.all(model == want, axis=-1)
     assert same_rows.mean() >= 0.95, same_rows.mean()
+
+
+# ---- float32 pools: the references round nothing ----------------------------------------------
+def _attention_f64(c, b: int, pos: int, q: np.ndarray, sinks: np.ndarray, mode: str, picks: np.ndarray):
+    """float64 attention of the queries q [H, D] of sequence b at position `pos`: its window rows,
+    all visible HCA entries or its visible CSA picks, and the per-head sink, from the contiguous
+    values the float32 pools hold exactly (spec 3.4, written independently of the references)."""
+    keys = [c["kv"][b, max(0, pos - WINDOW + 1) : pos + 1]]
+    if mode == "hca":
+        keys.append(c["hca"][b, : (pos + 1) // HCA])
+    elif mode == "csa":
+        keys.append(c["csa"][b, picks[(picks >= 0) & (picks < (pos + 1) // CSA)]])
+    k = np.concatenate(keys).astype(np.float64)
+    logits = q.astype(np.float64) @ k.T * HEAD_DIM**-0.5  # [H, keys]
+    sink = sinks.astype(np.float64)
+    m = np.maximum(logits.max(-1), sink)
+    p = np.exp(logits - m[:, None])
+    return (p @ k) / (p.sum(-1) + np.exp(sink - m))[:, None]
+
+
+F32_TOL = 1e-6  # x max|K|: fp32 at HIGHEST precision against float64 (rounding q to bf16 moves it ~1e-3)
+
+
+@pytest.mark.parametrize("kind,mode,seed", [("decode", "csa", 51), ("prefill", "hca", 52)])
+def test_float32_pools_attention_references_round_nothing(kind, mode, seed):
+    """Over float32 pools (the exact reference cache) the attention references equal a float64
+    computation: q, the pool rows and the chunk's own rows (`window_kv`) are all used unrounded.
+    q is float32 off the bf16 grid, so rounding it (or the chunk rows) would show."""
+    rng = np.random.default_rng(seed)
+    sinks = rng.standard_normal(HEADS).astype(np.float32)
+    ratio = {"csa": CSA, "hca": HCA}[mode]
+    if kind == "decode":
+        lens = np.array([int(n) for n in rng.integers(1, MAX_LEN + 1, BATCH - 1)] + [0])
+        c = make_cache("float32", seed, tuple(int(n) for n in lens))
+        q = (rng.standard_normal((BATCH, HEADS, HEAD_DIM)) * 0.25).astype(np.float32)
+        picks = _random_picks(rng, lens, (BATCH, TOPK))
+        got = np.asarray(sparse_decode_reference(
+            jnp.asarray(q), c["wpool"], c["wbt"], jnp.asarray(lens), jnp.asarray(sinks),
+            *_compressed_args(c, mode, picks), window=WINDOW, ratio=ratio,
+        ))
+        want = np.zeros_like(got, np.float64)
+        for b in np.flatnonzero(lens):
+            want[b] = _attention_f64(c, b, lens[b] - 1, q[b], sinks, mode, picks[b])
+    else:  # a chunk of 12 tokens whose own rows come from window_kv; the ring holds earlier ones
+        seq, batch = 12, 3
+        q_lens = np.array([seq, 7, 3], np.int32)
+        q_start = rng.integers(0, MAX_LEN - seq + 1, batch).astype(np.int32)
+        c = make_cache("float32", seed, tuple(int(n) for n in q_start + q_lens), tuple(int(s) for s in q_start))
+        q = (rng.standard_normal((batch, seq, HEADS, HEAD_DIM)) * 0.25).astype(np.float32)
+        window_kv = np.stack([c["kv"][b, q_start[b] : q_start[b] + seq] for b in range(batch)])
+        got = np.asarray(sparse_prefill_reference(
+            jnp.asarray(q), c["wpool"], c["wbt"], jnp.asarray(q_start), jnp.asarray(q_lens), jnp.asarray(sinks),
+            *_compressed_args(c, mode, None), jnp.asarray(window_kv), window=WINDOW, ratio=ratio,
+        ))
+        want = np.zeros_like(got, np.float64)
+        for b in range(batch):
+            for s_ in range(q_lens[b]):
+                want[b, s_] = _attention_f64(c, b, q_start[b] + s_, q[b, s_], sinks, mode, np.zeros(0, int))
+    np.testing.assert_allclose(got, want, rtol=0, atol=F32_TOL * c["kmax"])
+
+
+def test_float32_indexer_reference_rounds_nothing():
+    """Over float32 keys the indexer reference's scores equal float64 scores within fp32
+    summation (q float32 off the bf16 grid, unrounded), and its top-k is the float64 top-k."""
+    rng = np.random.default_rng(53)
+    batch, seq = 3, 6
+    q_start = rng.integers(0, MAX_LEN - seq + 1, batch).astype(np.int32)
+    q_lens = np.array([seq, seq, 2], np.int32)
+    c = make_cache("float32", 53, tuple(int(n) for n in q_start + seq))
+    q = rng.standard_normal((batch, seq, INDEX_HEADS, INDEX_DIM)).astype(np.float32)
+    w = rng.standard_normal((batch, seq, INDEX_HEADS)).astype(np.float32)
+    args = (jnp.asarray(q), jnp.asarray(w), c["ipool_f32"], c["cbt"], jnp.asarray(q_start), jnp.asarray(q_lens), LAYER)
+    scores = np.asarray(indexer_scores_reference(*args, ratio=CSA))
+    got = np.asarray(indexer_topk_reference(*args, topk=TOPK, ratio=CSA))
+
+    entries = scores.shape[-1]
+    want = np.full(scores.shape, -np.inf)
+    mag = np.zeros(scores.shape)  # sum_h |w_h| sum_d |q_hd k_d|: the scale of a score's fp32 error
+    for b in range(batch):
+        for s_ in range(q_lens[b]):
+            n = min((q_start[b] + s_ + 1) // CSA, entries)
+            k = c["ikeys"][b, :n].astype(np.float64)
+            qk = q[b, s_].astype(np.float64) @ k.T  # [heads, n]
+            want[b, s_, :n] = np.maximum(qk, 0).T @ w[b, s_].astype(np.float64)
+            mag[b, s_, :n] = np.abs(w[b, s_]).astype(np.float64) @ (np.abs(q[b, s_]).astype(np.float64) @ np.abs(k).T)
+    visible = np.isfinite(want)
+    np.testing.assert_array_equal(np.isfinite(scores), visible)
+    # fp32 summation over d products then h heads: |error| <= (d + heads) 2**-24 mag (~5e-6 mag);
+    # q rounded to bf16 would move a score by ~1e-4 mag.
+    err = np.abs(scores[visible] - want[visible])
+    assert (err <= (INDEX_DIM + INDEX_HEADS) * 2.0**-24 * mag[visible]).all(), (err / mag[visible]).max()
+    order = np.argsort(-want, axis=-1, kind="stable")[..., :TOPK]  # score desc, index asc
+    want_top = np.where(np.take_along_axis(visible, order, -1), order, -1)
+    _assert_same_selection(got, want_top, want, (INDEX_DIM + INDEX_HEADS) * 2.0**-23 * mag.max(-1))
+
+
+def test_pallas_backends_refuse_float32_pools():
+    # numpy operands: every error comes before or while tracing, so nothing is compiled
+    f32_kv = (np.zeros((1, 2, UNITS, HEAD_DIM), np.float32),)
+    f32_keys = (np.zeros((1, 2, UNITS // CSA, INDEX_DIM), np.float32),)
+    table, lens = np.zeros((1, 2), np.int32), np.ones((1,), np.int32)
+    q, sinks = np.zeros((1, HEADS, HEAD_DIM), np.float32), np.zeros((HEADS,), np.float32)
+    rows, slots = np.zeros((2, HEAD_DIM), np.float32), np.zeros((2,), np.int32)
+    for name in ("pallas_fp8_ds_mla", "pallas_bf16"):
+        be = backend.get_backend(name, interpret=True)
+        calls = [
+            lambda: be.decode(q, f32_kv, table, lens, sinks, window=WINDOW),
+            lambda: be.prefill(q[:, None], f32_kv, table, lens - 1, lens, sinks, window=WINDOW),
+            lambda: be.write_kv(f32_kv, rows, slots),
+            lambda: be.write_indexer_keys(f32_keys, rows[:, :INDEX_DIM], slots),
+            lambda: be.indexer_topk(q[:, None, :, :INDEX_DIM], sinks[None, None], f32_keys, table, lens - 1, lens,
+                                    topk=TOPK, ratio=CSA),
+        ]
+        for call in calls:
+            with pytest.raises(ValueError, match=f"attention backend {name} cannot read float32 pools.*"
+                                                 "--attention-backend xla"):
+                call()
+    # the kernels themselves refuse them too (at trace time: nothing is compiled)
+    with pytest.raises(ValueError, match="sparse_decode Pallas kernel reads fp8 or bf16 pools"):
+        sparse_decode(q, f32_kv, table, lens, sinks, window=WINDOW, config=DECODE_CFG, interpret=True)
+    with pytest.raises(ValueError, match="indexer_topk Pallas kernel reads fp8 or bf16 pools"):
+        indexer_topk(q[:, None, :, :INDEX_DIM], sinks[None, None], f32_keys, table, lens - 1, lens, topk=TOPK,
+                     ratio=CSA, config=INDEXER_CFG, interpret=True)
+    with pytest.raises(ValueError, match="kv_write Pallas kernel reads fp8 or bf16 pools"):
+        write_kv(f32_kv, rows, slots, config=WRITE_CFG, interpret=True)
 
 
 # ---- backend registry and tuning table ----------------------------------------------------------

@@ -44,8 +44,11 @@ def test_byte_counts():
     assert F.bf16_bytes_per_token(512) == 1024
     assert F.indexer_fp8_bytes_per_entry(128) == 132
     assert F.indexer_bf16_bytes_per_entry(128) == 256
+    assert F.float32_bytes_per_token(512) == 2048 and F.float32_bytes_per_token(96) == 384
+    assert F.indexer_float32_bytes_per_entry(128) == 512
     for bad in (lambda: F.fp8_ds_mla_bytes_per_token(64, 128), lambda: F.bf16_bytes_per_token(0),
-                lambda: F.fp8_ds_mla_scale_bytes(-1)):
+                lambda: F.fp8_ds_mla_scale_bytes(-1), lambda: F.float32_bytes_per_token(0),
+                lambda: F.indexer_float32_bytes_per_entry(-4)):
         with pytest.raises(ValueError):
             bad()
 
@@ -142,6 +145,18 @@ def test_bf16_rows():
     rows = F.bf16_rows_quantize(x)
     assert rows.dtype == jnp.bfloat16
     np.testing.assert_array_equal(F.bf16_rows_dequantize(rows, jnp.float32), x.astype(jnp.bfloat16).astype(jnp.float32))
+
+
+def test_float32_rows_are_exact():
+    # every float32 bit pattern class survives: normals, subnormals, -0.0, +-inf, NaN, the extremes
+    x = np.random.default_rng(3).normal(size=(2, HEAD)).astype(np.float32)
+    x[1, :8] = [0.0, -0.0, np.inf, -np.inf, np.nan, 1e-45, np.finfo(np.float32).max, -np.finfo(np.float32).tiny]
+    rows = F.float32_rows_quantize(jnp.asarray(x))
+    assert rows.dtype == jnp.float32
+    np.testing.assert_array_equal(bits(rows), bits(x))
+    np.testing.assert_array_equal(bits(F.float32_rows_dequantize(rows)), bits(x))
+    b16 = jnp.asarray(x, jnp.bfloat16)  # bf16 input widens exactly
+    np.testing.assert_array_equal(bits(F.float32_rows_quantize(b16)), bits(np.asarray(b16).astype(np.float32)))
 
 
 # ---- special values ---------------------------------------------------------------------------------

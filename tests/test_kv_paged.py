@@ -13,8 +13,10 @@ from jax.sharding import Mesh, PartitionSpec as P
 from dsv4_jax.kv_cache import (
     NO_BLOCK,
     Bf16Rows,
+    Float32Rows,
     Fp8DsMlaPlanes,
     IndexerBf16Rows,
+    IndexerFloat32Rows,
     IndexerFp8Planes,
     PagedCacheLayout,
     abstract_paged_cache,
@@ -28,8 +30,7 @@ from dsv4_jax.kv_cache import (
     reset_slots_donated,
     resolve_kv_cache,
     sliding_slots,
-    write_indexer,
-    write_kv,
+    write_kv_reference,
 )
 from dsv4_jax.kv_cache.paged import indexer_planes, kv_planes
 from dsv4_jax.model import kv_rounding
@@ -38,6 +39,7 @@ from dsv4_jax.presets import get_config
 TINY = get_config("dsv4-tiny-test")  # head 96 (64 nope + 32 rope), window 8, layers: sliding, CSA, HCA, CSA
 FP8 = resolve_kv_cache("fp8", "cpu", None, config=TINY)
 BF16 = resolve_kv_cache("auto", "cpu", None, config=TINY)
+FP32 = resolve_kv_cache("float32", "cpu", None, config=TINY)
 
 
 def layout(spec, slots=2, max_model_len=512):
@@ -66,6 +68,16 @@ def test_abstract_description_matches_the_plan():
     bf16 = abstract_paged_cache(layout(BF16)[0])
     assert isinstance(bf16.sliding.kv, Bf16Rows) and bf16.sliding.kv.rows.shape == (4, 4, 128, 96)
     assert isinstance(bf16.compressed.indexer, IndexerBf16Rows)
+
+    lay32, plan32 = layout(FP32)
+    assert (lay32.kv_cache_dtype, lay32.indexer_dtype) == ("float32", "float32")
+    f32 = abstract_paged_cache(lay32)
+    for planes in (f32.sliding.kv, f32.compressed.csa, f32.compressed.hca):
+        assert isinstance(planes, Float32Rows) and planes.rows.dtype == jnp.float32
+    assert f32.sliding.kv.rows.shape == (4, 4, 128, 96) and f32.compressed.hca.rows.shape == (1, 10, 1, 96)
+    assert isinstance(f32.compressed.indexer, IndexerFloat32Rows)
+    assert f32.compressed.indexer.keys.shape == (2, 10, 32, 64) and f32.compressed.indexer.keys.dtype == jnp.float32
+    assert cache_nbytes(f32) - tables == plan32.kv_budget_bytes  # 4 x head_dim / 4 x index_head_dim per unit
 
 
 def test_materialised_in_one_jit_with_shardings_and_donated():
@@ -122,7 +134,7 @@ def test_slot_arithmetic():
                                   [4 * 32, 4 * 32 + 31, 9 * 32, -1, -1])
 
 
-@pytest.mark.parametrize("spec", [FP8, BF16], ids=["fp8_ds_mla", "bf16"])
+@pytest.mark.parametrize("spec", [FP8, BF16, FP32], ids=["fp8_ds_mla", "bf16", "float32"])
 def test_write_read_round_trip(spec):
     lay, _ = layout(spec)
     cache = init_paged_cache(lay)
@@ -133,8 +145,8 @@ def test_write_read_round_trip(spec):
 
     @jax.jit
     def step(csa, indexer):
-        csa = write_kv(csa, kv, slots, 1)
-        indexer = write_indexer(indexer, keys, slots, 1)
+        csa = write_kv_reference(csa, kv, slots, 1)
+        indexer = write_kv_reference(indexer, keys, slots, 1)
         return csa, indexer, read_kv(csa, slots, 1), read_indexer(indexer, slots, 1)
 
     csa, indexer, back, back_keys = step(cache.compressed.csa, cache.compressed.indexer)
@@ -144,9 +156,11 @@ def test_write_read_round_trip(spec):
         want, want_keys = jax.jit(
             lambda a, b: (kv_rounding.kv_cache_round_trip(a, 32), kv_rounding.indexer_key_round_trip(b))
         )(kv, keys)
-    else:
+    elif spec is BF16:
         want = kv.astype(jnp.bfloat16).astype(jnp.float32)
         want_keys = keys.astype(jnp.bfloat16).astype(jnp.float32)
+    else:  # float32 rows and keys are stored and read exactly
+        want, want_keys = kv, keys
     np.testing.assert_array_equal(np.asarray(back)[valid], np.asarray(want)[valid])
     np.testing.assert_array_equal(np.asarray(back_keys)[valid], np.asarray(want_keys)[valid])
     assert not np.asarray(back)[~valid].any()
@@ -155,7 +169,9 @@ def test_write_read_round_trip(spec):
 
 
 def test_pool_planes_name_the_unknown_dtype():
-    with pytest.raises(ValueError, match="kv_cache_dtype 'fp8' has no pool planes; allowed: 'fp8_ds_mla', 'bfloat16'"):
+    with pytest.raises(ValueError, match="kv_cache_dtype 'fp8' has no pool planes; allowed: 'fp8_ds_mla', "
+                                         "'bfloat16', 'float32'"):
         kv_planes("fp8", (1, 2, 4), 96, 32)
-    with pytest.raises(ValueError, match="indexer_dtype 'int8' has no pool planes; allowed: 'fp8', 'bfloat16'"):
+    with pytest.raises(ValueError, match="indexer_dtype 'int8' has no pool planes; allowed: 'fp8', 'bfloat16', "
+                                         "'float32'"):
         indexer_planes("int8", (1, 2, 4), 64)

@@ -25,6 +25,7 @@ FLASH = get_config("dsv4-flash")
 FP8 = resolve_kv_cache("auto")  # H200: fp8_ds_mla, fp8 indexer
 BF16 = resolve_kv_cache("bfloat16")  # H200 with bf16 rows: indexer keys stay fp8 (132 B)
 BF16_A100 = resolve_kv_cache("auto", "NVIDIA A100-SXM4-80GB", "8.0")  # bf16 rows and bf16 indexer keys
+FP32 = resolve_kv_cache("float32")  # H200: exact float32 rows and float32 indexer keys, on xla
 L = 1 << 20  # --max-model-len 1048576
 
 # DeepSeek-V4-Flash by hand (spec 1.1 / 1.3 / 8.1), 43 main layers, MTP not served, block 256:
@@ -56,7 +57,21 @@ FLASH_BF16 = {
 }
 
 
-@pytest.mark.parametrize("spec,want,total", [(FP8, FLASH_FP8, 4_062_343_168), (BF16, FLASH_BF16, 6_566_330_368)])
+# float32 rows (4 x 512 = 2048 B per token/entry; indexer keys 4 x 128 = 512 B):
+#   sliding   43 * 512 * 2048     =     45,088,768  (exact 43 * 128 * 2048 = 11,272,192)
+#   csa       21 * 262,144 * 2048 = 11,274,289,152
+#   indexer   21 * 262,144 * 512  =  2,818,572,288
+#   hca       20 * 8,192 * 2048   =    335,544,320
+#   state as above; total, block-rounded 14,485,700,608
+FLASH_FP32 = {
+    "sliding": (45_088_768, 11_272_192), "csa": (11_274_289_152,) * 2, "indexer": (2_818_572_288,) * 2,
+    "hca": (335_544_320,) * 2, "csa_state": (1_720_320,) * 2, "hca_state": (10_485_760,) * 2,
+}
+
+
+@pytest.mark.parametrize("spec,want,total", [
+    (FP8, FLASH_FP8, 4_062_343_168), (BF16, FLASH_BF16, 6_566_330_368), (FP32, FLASH_FP32, 14_485_700_608),
+])
 def test_flash_bytes_per_sequence_at_1m(spec, want, total):
     pools = pool_usage(FLASH, spec, L, 256)
     got = {p.name: (p.bytes_per_seq, p.bytes_per_seq_exact) for p in pools}
@@ -98,6 +113,13 @@ def test_capacity_from_memory_tp_vs_dp():
     assert tp.num_seq_slots == 18 and tp.num_blocks == {"sliding": 36, "compressed": 75_797}
     bf16 = plan_capacity(FLASH, BF16, max_model_len=L, device_memory_bytes=100 * GiB, weight_bytes=20 * GiB)
     assert bf16.max_seqs_per_rank == 75_161_927_680 // 6_566_330_368 == 11
+    # float32: 75,161,927,680 // 14,485,700,608 = 5 sequences; a slot holds 45,088,768 + 12,206,080 B of
+    # window and state, a compressed block 21*64*2048 + 21*64*512 + 20*2*2048 = 3,522,560 B:
+    # (75,161,927,680 - 5 * 57,294,848) // 3,522,560 = 21,255 blocks.
+    fp32 = plan_capacity(FLASH, FP32, max_model_len=L, device_memory_bytes=100 * GiB, weight_bytes=20 * GiB)
+    assert fp32.num_seq_slots == fp32.max_seqs_per_rank == 5
+    assert fp32.num_blocks == {"sliding": 10, "compressed": 21_255}
+    assert sum(p.bytes_per_block for p in fp32.pools if p.name in ("csa", "indexer", "hca")) == 3_522_560
 
 
 def test_capacity_with_max_num_seqs():
@@ -183,6 +205,20 @@ def test_plan_cli(capsys):
     assert plan_cli.main(["--device-kind", "NVIDIA A100-SXM4-80GB", "--num-devices", "8"]) == 0
     out = capsys.readouterr().out
     assert "bfloat16*" in out and "fp8_ds_mla (xla, emulated)" in out
+
+
+def test_plan_cli_float32(capsys):
+    argv = ["--device-kind", "NVIDIA H200", "--num-devices", "8", "--kv-cache-dtype", "float32"]
+    assert plan_cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "--kv-cache-dtype float32 -> float32 on xla" in out
+    assert "13,814.6 (13,782.4)" in out  # float32 MiB per 1M-token sequence (14,485,700,608 B)
+    assert "3,874.2 (3,865.0)" in out and "6,262.1 (6,246.0)" in out  # compared with fp8_ds_mla and bf16 rows
+    assert len([line for line in out.splitlines() if line.startswith("float32*")]) == 2
+    with pytest.raises(SystemExit) as exit_:
+        run_main(plan_cli.main, argv + ["--attention-backend", "pallas_fp8_ds_mla"], prog="python -m dsv4_jax.plan")
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "--attention-backend xla" in err and len(err.strip().splitlines()) == 1
 
 
 MiB = 1024**2

@@ -44,7 +44,10 @@ DEVICES = {
     "cpu": [("cpu", None)],
     "tpu": [("TPU v5 lite", None)],
 }
-REQUEST_COLUMNS = {"auto": ("auto",), "fp8": ("fp8", "fp8_e4m3", "fp8_ds_mla"), "bf16": ("bfloat16", "bf16")}
+REQUEST_COLUMNS = {
+    "auto": ("auto",), "fp8": ("fp8", "fp8_e4m3", "fp8_ds_mla"), "bf16": ("bfloat16", "bf16"),
+    "float32": ("float32", "fp32"),
+}
 
 
 def policy_rows() -> list[tuple[str, str | None, str, str]]:
@@ -52,10 +55,11 @@ def policy_rows() -> list[tuple[str, str | None, str, str]]:
     text = (REPO / "docs" / "kv_cache.md").read_text()
     table = text.split("<!-- policy-table -->")[1].split("<!-- /policy-table -->")[0].strip().splitlines()
     header = [c.strip() for c in table[0].strip("|").split("|")]
-    assert header[2:] == ["`auto`", "`fp8`, `fp8_e4m3`, `fp8_ds_mla`", "`bfloat16`, `bf16`"]
+    assert header[2:] == ["`auto`", "`fp8`, `fp8_e4m3`, `fp8_ds_mla`", "`bfloat16`, `bf16`", "`float32`, `fp32`"]
     rows = []
     for line in table[2:]:
         cls, backend, *cells = [c.strip() for c in line.strip("|").split("|")]
+        assert len(cells) == len(REQUEST_COLUMNS), line
         for column, cell in zip(REQUEST_COLUMNS, cells):
             for request in REQUEST_COLUMNS[column]:
                 rows.append((cls, None if backend == "unset" else backend, request, cell))
@@ -128,6 +132,32 @@ def test_mismatched_backend_errors_say_what_to_pass():
         resolve_kv_cache("bf16", attention_backend="pallas_fp8_ds_mla")
     with pytest.raises(ValueError, match="--kv-cache-dtype bfloat16.*--attention-backend pallas_fp8_ds_mla"):
         resolve_kv_cache("fp8_e4m3", attention_backend="pallas_bf16")
+
+
+@pytest.mark.parametrize("backend", ["pallas_fp8_ds_mla", "pallas_bf16"])
+@pytest.mark.parametrize("kind,cc", [("NVIDIA H200", "9.0"), ("cpu", None)])
+def test_float32_with_a_pallas_backend_says_what_to_pass(backend, kind, cc):
+    with pytest.raises(ValueError) as err:
+        resolve_kv_cache("float32", kind, cc, backend)
+    message = str(err.value)
+    for part in ("--kv-cache-dtype float32", f"--attention-backend {backend}", "pass --attention-backend xla",
+                 "fp8_ds_mla, bfloat16"):
+        assert part in message, message
+
+
+def test_float32_is_the_exact_reference_cache_on_xla():
+    # 4 x head_dim per KV row and 4 x index_head_dim per indexer key: Flash 4*512 and 4*128.
+    spec = resolve_kv_cache("FP32", "NVIDIA H200")
+    assert (spec.kv_cache_dtype, spec.indexer_dtype, spec.attention_backend) == ("float32", "float32", "xla")
+    p = spec.pool_bytes
+    assert (spec.bytes_per_token, p.sliding_per_token, p.csa_per_entry, p.hca_per_entry) == (2048,) * 4
+    assert p.indexer_per_entry == 512 and (p.csa_state_per_seq, p.hca_state_per_seq) == (65536, 524288)
+    assert not spec.emulated and "float32" in spec.summary() and "--kv-cache-dtype fp32" in spec.warnings[0]
+    tiny = resolve_kv_cache("float32", "cpu", None, config="dsv4-tiny-test")  # head_dim 96, index_head_dim 64
+    assert (tiny.bytes_per_token, tiny.pool_bytes.indexer_per_entry, tiny.warnings) == (4 * 96, 4 * 64, ())
+    # auto never picks it, on any device class
+    for kind in ("NVIDIA H200", "NVIDIA A10", "Tesla T4", "cpu", "TPU v5 lite"):
+        assert resolve_kv_cache("auto", kind, None).kv_cache_dtype != "float32", kind
 
 
 @pytest.mark.parametrize("bad", ["fp16", "FP8_E5M2", "", 8, "auto,fp8"])

@@ -1,6 +1,8 @@
 """DeepSeek-V4 KV cache: storage formats, dtype/backend resolver, capacity planner, paged state.
 
-See docs/kv_cache.md for the resolution policy and the pool layout.
+See docs/kv_cache.md for the resolution policy and the pool layout. `write_kv_reference` is the
+kernels' one reference writer (pallas_kernels.kv_write): `write_kv_reference(planes, rows [T, D],
+slots [T], layer=0)` for KV and indexer planes alike, returning the planes dataclass it was given.
 """
 
 from pallas_kernels.formats import (
@@ -8,15 +10,20 @@ from pallas_kernels.formats import (
     bf16_bytes_per_token,
     bf16_rows_dequantize,
     bf16_rows_quantize,
+    float32_bytes_per_token,
+    float32_rows_dequantize,
+    float32_rows_quantize,
     fp8_ds_mla_bytes_per_token,
     fp8_ds_mla_dequantize,
     fp8_ds_mla_quantize,
     fp8_ds_mla_scale_bytes,
     indexer_bf16_bytes_per_entry,
+    indexer_float32_bytes_per_entry,
     indexer_fp8_bytes_per_entry,
     indexer_fp8_dequantize,
     indexer_fp8_quantize,
 )
+from pallas_kernels.kv_write import write_kv_reference
 from dsv4_jax.kv_cache.resolver import (
     ACCEPTED_REQUESTS,
     ATTENTION_BACKENDS,
@@ -48,8 +55,10 @@ from dsv4_jax.kv_cache.paged import (
     Bf16Rows,
     CompressedPools,
     CompressorState,
+    Float32Rows,
     Fp8DsMlaPlanes,
     IndexerBf16Rows,
+    IndexerFloat32Rows,
     IndexerFp8Planes,
     PagedCacheLayout,
     PagedKVCache,
@@ -65,8 +74,74 @@ from dsv4_jax.kv_cache.paged import (
     reset_slots,
     reset_slots_donated,
     sliding_slots,
-    write_indexer,
-    write_kv,
 )
 
-__all__ = [name for name in dir() if not name.startswith("_")]
+__all__ = [
+    # formats (pallas_kernels.formats)
+    "FP8_DS_MLA_QUANT_BLOCK",
+    "bf16_bytes_per_token",
+    "bf16_rows_dequantize",
+    "bf16_rows_quantize",
+    "float32_bytes_per_token",
+    "float32_rows_dequantize",
+    "float32_rows_quantize",
+    "fp8_ds_mla_bytes_per_token",
+    "fp8_ds_mla_dequantize",
+    "fp8_ds_mla_quantize",
+    "fp8_ds_mla_scale_bytes",
+    "indexer_bf16_bytes_per_entry",
+    "indexer_float32_bytes_per_entry",
+    "indexer_fp8_bytes_per_entry",
+    "indexer_fp8_dequantize",
+    "indexer_fp8_quantize",
+    # the reference writer (pallas_kernels.kv_write)
+    "write_kv_reference",
+    # resolver
+    "ACCEPTED_REQUESTS",
+    "ATTENTION_BACKENDS",
+    "DEFAULT_COMPUTE_CAPABILITY",
+    "FP8_DS_MLA_LOG",
+    "KV_CACHE_DTYPES",
+    "KVCacheSpec",
+    "PoolBytes",
+    "classify_device",
+    "lookup_compute_capability",
+    "parse_compute_capability",
+    "resolve_for_device",
+    "resolve_kv_cache",
+    # planner
+    "CapacityPlan",
+    "MeshShape",
+    "PoolUsage",
+    "estimate_weight_bytes_per_device",
+    "live_device_memory",
+    "max_model_len_that_fits",
+    "nominal_device_memory",
+    "plan_capacity",
+    "pool_usage",
+    "weight_bytes_breakdown",
+    # paged state
+    "NO_BLOCK",
+    "Bf16Rows",
+    "CompressedPools",
+    "CompressorState",
+    "Float32Rows",
+    "Fp8DsMlaPlanes",
+    "IndexerBf16Rows",
+    "IndexerFloat32Rows",
+    "IndexerFp8Planes",
+    "PagedCacheLayout",
+    "PagedKVCache",
+    "SlidingPool",
+    "abstract_paged_cache",
+    "cache_nbytes",
+    "compressed_slots",
+    "init_paged_cache",
+    "paged_cache_shardings",
+    "partition_specs",
+    "read_indexer",
+    "read_kv",
+    "reset_slots",
+    "reset_slots_donated",
+    "sliding_slots",
+]

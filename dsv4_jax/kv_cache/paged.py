@@ -20,10 +20,11 @@ Layout (every plane is `[layers of the pool, blocks, units per block, ...]`):
 * ``state``: fp32 compressor state, one fixed slot per sequence (kv rows, and score rows that
   start at -inf), for the CSA main and indexer compressors and the HCA compressor.
 
-KV planes are `Fp8DsMlaPlanes` (e4m3 nope, bf16 rope, uint8 UE8M0 scales) or `Bf16Rows`; indexer
-planes are `IndexerFp8Planes` (e4m3 keys, fp32 scale) or `IndexerBf16Rows`; `kv_planes` and
-`indexer_planes` are the one definition of their dtypes and shapes. Block tables hold
-`NO_BLOCK` (-1) where no block is assigned. With data-parallel attention the block axis of every
+KV planes are `Fp8DsMlaPlanes` (e4m3 nope, bf16 rope, uint8 UE8M0 scales), `Bf16Rows` or
+`Float32Rows` (the exact reference cache, xla backend only); indexer planes are
+`IndexerFp8Planes` (e4m3 keys, fp32 scale), `IndexerBf16Rows` or `IndexerFloat32Rows`;
+`kv_planes` and `indexer_planes` are the one definition of their dtypes and shapes. Block
+tables hold `NO_BLOCK` (-1) where no block is assigned. With data-parallel attention the block axis of every
 plane, and the slot axis of block tables and state, are sharded over the data axis: each rank
 owns its blocks and sequence slots, and block ids in its tables are local to it.
 """
@@ -47,9 +48,8 @@ from dsv4_jax.kv_cache.planner import (
     layer_groups,
     sliding_blocks_per_seq,
 )
-from dsv4_jax.kv_cache.resolver import BFLOAT16, FP8_DS_MLA, KVCacheSpec
+from dsv4_jax.kv_cache.resolver import BFLOAT16, FLOAT32, FP8_DS_MLA, KVCacheSpec
 from pallas_kernels import formats
-from pallas_kernels.kv_write import write_kv_reference
 
 NO_BLOCK = -1
 
@@ -74,6 +74,11 @@ class Bf16Rows:
 
 
 @_pytree
+class Float32Rows:
+    rows: Any  # [L, blocks, units, head_dim] float32
+
+
+@_pytree
 class IndexerFp8Planes:
     keys: Any  # [L, blocks, units, index_head_dim] float8_e4m3fn
     scales: Any  # [L, blocks, units] float32 (powers of two)
@@ -84,8 +89,13 @@ class IndexerBf16Rows:
     keys: Any  # [L, blocks, units, index_head_dim] bfloat16
 
 
-KVPlanes = Union[Fp8DsMlaPlanes, Bf16Rows]
-IndexerPlanes = Union[IndexerFp8Planes, IndexerBf16Rows]
+@_pytree
+class IndexerFloat32Rows:
+    keys: Any  # [L, blocks, units, index_head_dim] float32
+
+
+KVPlanes = Union[Fp8DsMlaPlanes, Bf16Rows, Float32Rows]
+IndexerPlanes = Union[IndexerFp8Planes, IndexerBf16Rows, IndexerFloat32Rows]
 
 
 @_pytree
@@ -214,7 +224,7 @@ class PagedCacheLayout:
 
 # ---- planes and the abstract description ------------------------------------------------------
 def kv_planes(
-    kv_cache_dtype: str,  # "fp8_ds_mla" | "bfloat16"
+    kv_cache_dtype: str,  # "fp8_ds_mla" | "bfloat16" | "float32"
     lead: tuple[int, ...],  # leading dims, [layers, blocks, units] in the cache
     head_dim: int,
     rope_dim: int,
@@ -231,23 +241,29 @@ def kv_planes(
         )
     if kv_cache_dtype == BFLOAT16:
         return Bf16Rows(rows=make((*lead, head_dim), jnp.bfloat16))
-    raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} has no pool planes; allowed: {FP8_DS_MLA!r}, {BFLOAT16!r}")
+    if kv_cache_dtype == FLOAT32:
+        return Float32Rows(rows=make((*lead, head_dim), jnp.float32))
+    raise ValueError(
+        f"kv_cache_dtype {kv_cache_dtype!r} has no pool planes; allowed: {FP8_DS_MLA!r}, {BFLOAT16!r}, {FLOAT32!r}"
+    )
 
 
 def indexer_planes(
-    indexer_dtype: str,  # "fp8" | "bfloat16"
+    indexer_dtype: str,  # "fp8" | "bfloat16" | "float32"
     lead: tuple[int, ...],  # leading dims, [layers, blocks, units] in the cache
     index_head_dim: int,
     make: Callable[[tuple[int, ...], Any], Any] = jnp.zeros,
 ) -> IndexerPlanes:
-    """The planes of an indexer-key pool (e4m3 keys + one fp32 scale per key, or bf16 keys)."""
+    """The planes of an indexer-key pool (e4m3 keys + one fp32 scale per key, bf16 or float32 keys)."""
     if indexer_dtype == "fp8":
         return IndexerFp8Planes(
             keys=make((*lead, index_head_dim), jnp.float8_e4m3fn), scales=make(lead, jnp.float32)
         )
     if indexer_dtype == BFLOAT16:
         return IndexerBf16Rows(keys=make((*lead, index_head_dim), jnp.bfloat16))
-    raise ValueError(f"indexer_dtype {indexer_dtype!r} has no pool planes; allowed: 'fp8', {BFLOAT16!r}")
+    if indexer_dtype == FLOAT32:
+        return IndexerFloat32Rows(keys=make((*lead, index_head_dim), jnp.float32))
+    raise ValueError(f"indexer_dtype {indexer_dtype!r} has no pool planes; allowed: 'fp8', {BFLOAT16!r}, {FLOAT32!r}")
 
 
 def _describe(layout: PagedCacheLayout, make, make_table, make_state) -> PagedKVCache:
@@ -382,12 +398,6 @@ def _split(slots: jax.Array, blocks: int, units: int) -> tuple[jax.Array, jax.Ar
     return jnp.where(bad, blocks, slots // units), jnp.where(bad, 0, slots % units)
 
 
-# The cache's reference writes are the kernels' one reference writer (pallas_kernels.kv_write):
-# write_kv(planes, rows [T, D], slots [T], layer=0), the argument order of the write kernels, for
-# KV and indexer planes alike; it returns the planes dataclass it was given.
-write_kv = write_indexer = write_kv_reference
-
-
 def read_kv(planes: KVPlanes, slots: jax.Array, layer: int | jax.Array = 0, dtype=jnp.float32) -> jax.Array:
     """Dequantised rows [T, head_dim] at flat `slots` [T] of pool layer `layer`; zeros where a
     slot is < 0."""
@@ -401,14 +411,19 @@ def read_kv(planes: KVPlanes, slots: jax.Array, layer: int | jax.Array = 0, dtyp
     else:
         _, blocks, units, _ = planes.rows.shape
         blk, off = _split(slots, blocks, units)
-        out = formats.bf16_rows_dequantize(planes.rows[layer, jnp.minimum(blk, blocks - 1), off], dtype)
+        rows = planes.rows[layer, jnp.minimum(blk, blocks - 1), off]
+        if isinstance(planes, Float32Rows):
+            out = formats.float32_rows_dequantize(rows, dtype)
+        else:
+            out = formats.bf16_rows_dequantize(rows, dtype)
     return jnp.where((slots >= 0)[:, None], out, jnp.zeros((), dtype))
 
 
 def read_indexer(
     planes: IndexerPlanes, slots: jax.Array, layer: int | jax.Array = 0, dtype=jnp.float32
 ) -> jax.Array:
-    """Dequantised indexer keys [T, index_head_dim] at flat `slots` [T]; zeros where a slot is < 0."""
+    """Dequantised indexer keys [T, index_head_dim] at flat `slots` [T] (bf16 and float32 keys read
+    exactly); zeros where a slot is < 0."""
     _, blocks, units, _ = planes.keys.shape
     blk, off = _split(slots, blocks, units)
     blk = jnp.minimum(blk, blocks - 1)

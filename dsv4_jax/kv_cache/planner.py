@@ -10,6 +10,10 @@ block (a multiple of 128, so a block holds whole CSA (r=4) and HCA (r=128) entri
 * ``csa_state`` / ``hca_state``: fp32 compressor state (main + indexer compressor on CSA layers),
   one fixed slot per sequence (not paged by tokens).
 
+Bytes per unit come from the resolved spec (`KVCacheSpec.pool_bytes`): per KV token/entry 584
+(fp8_ds_mla), 2 x head_dim (bfloat16) or 4 x head_dim (float32, the exact reference cache); per
+indexer key index_head_dim + 4 (fp8), 2 x or 4 x index_head_dim.
+
 Mesh: DeepSeek-V4 has one KV head, so tensor-parallel attention replicates the whole KV cache on
 every rank of a TP group, while data-parallel attention gives each rank its own sequences. The
 number of concurrent sequences is therefore `data_parallel * sequences per rank`, whatever the TP

@@ -1,7 +1,9 @@
 """KV-cache dtype and attention-backend resolution (spec section 8; policy in docs/kv_cache.md).
 
 `resolve_kv_cache` never fails on `auto`: it picks the format the device can run fast, says why
-in `KVCacheSpec.reason`, and logs the choice. Explicit requests the device or the chosen backend
+in `KVCacheSpec.reason`, and logs the choice. `float32` (the exact reference cache: nothing
+rounded, 4 x head_dim bytes per token) is only ever an explicit request, served by the xla
+backend on any device. Explicit requests the device or the chosen backend
 cannot serve are `ValueError`s that name the flag to change (`--kv-cache-dtype`,
 `--attention-backend`) and the way out. Nothing here touches a device unless
 `compute_capability` is None (or left at its default) and the device kind is missing from our own
@@ -22,8 +24,10 @@ from pallas_kernels import devices
 from pallas_kernels.backend import PALLAS_BF16, PALLAS_FP8_DS_MLA, XLA  # the kernel registry's names
 from pallas_kernels.formats import (
     bf16_bytes_per_token,
+    float32_bytes_per_token,
     fp8_ds_mla_bytes_per_token,
     indexer_bf16_bytes_per_entry,
+    indexer_float32_bytes_per_entry,
     indexer_fp8_bytes_per_entry,
 )
 
@@ -36,14 +40,16 @@ FP8_DS_MLA_LOG = "Using DeepSeek's fp8_ds_mla KV cache format."
 
 FP8_DS_MLA = "fp8_ds_mla"
 BFLOAT16 = "bfloat16"
-KV_CACHE_DTYPES = (FP8_DS_MLA, BFLOAT16)
+FLOAT32 = "float32"  # the exact reference cache (xla backend only); also the indexer dtype it implies
+KV_CACHE_DTYPES = (FP8_DS_MLA, BFLOAT16, FLOAT32)
 
 ATTENTION_BACKENDS = (PALLAS_FP8_DS_MLA, PALLAS_BF16, XLA)
 
 AUTO = "auto"
 FP8_REQUESTS = ("fp8", "fp8_e4m3", "fp8_ds_mla")
 BF16_REQUESTS = ("bfloat16", "bf16")
-ACCEPTED_REQUESTS = (AUTO, *FP8_REQUESTS, *BF16_REQUESTS)
+FLOAT32_REQUESTS = ("float32", "fp32")
+ACCEPTED_REQUESTS = (AUTO, *FP8_REQUESTS, *BF16_REQUESTS, *FLOAT32_REQUESTS)
 
 # Device classes of the policy table in docs/kv_cache.md.
 FP8_GPU = "fp8_gpu"  # compute capability >= 8.9: Ada, Hopper, Blackwell (SM100/103/120/121)
@@ -86,9 +92,9 @@ class KVCacheSpec:
     """What the server stores and runs: the resolved KV format, backend and pool sizes."""
 
     requested: str  # the request as given (lower case), e.g. "auto"
-    kv_cache_dtype: str  # "fp8_ds_mla" | "bfloat16"
+    kv_cache_dtype: str  # "fp8_ds_mla" | "bfloat16" | "float32"
     attention_backend: str  # "pallas_fp8_ds_mla" | "pallas_bf16" | "xla"
-    indexer_dtype: str  # "fp8" | "bfloat16"
+    indexer_dtype: str  # "fp8" | "bfloat16" | "float32"
     device_kind: str
     device_class: str  # one of DEVICE_CLASSES
     compute_capability: str | None  # "9.0"; None on CPU/TPU
@@ -232,12 +238,18 @@ def compressor_state_bytes(ratio: int, head_dim: int, overlap: bool) -> int:
 
 
 def pool_bytes(config: DeepseekV4Config, kv_cache_dtype: str, indexer_dtype: str) -> PoolBytes:
+    """Bytes per unit of every pool: KV rows 584 (fp8_ds_mla), 2 x or 4 x head_dim (bfloat16,
+    float32); indexer keys index_head_dim + 4 (fp8), 2 x or 4 x index_head_dim (bfloat16, float32)."""
     if kv_cache_dtype == FP8_DS_MLA:
         per_token = fp8_ds_mla_bytes_per_token(config.head_dim, config.qk_rope_head_dim)
+    elif kv_cache_dtype == FLOAT32:
+        per_token = float32_bytes_per_token(config.head_dim)
     else:
         per_token = bf16_bytes_per_token(config.head_dim)
     if indexer_dtype == "fp8":
         indexer = indexer_fp8_bytes_per_entry(config.index_head_dim)
+    elif indexer_dtype == FLOAT32:
+        indexer = indexer_float32_bytes_per_entry(config.index_head_dim)
     else:
         indexer = indexer_bf16_bytes_per_entry(config.index_head_dim)
     ratios = [config.compress_ratio(i) for i in range(config.num_hidden_layers)]
@@ -263,7 +275,8 @@ def _normalise_request(requested: Any) -> str:
         return requested.strip().lower()
     raise ValueError(
         f"--kv-cache-dtype {requested!r} is not supported for DeepSeek-V4; accepted values: "
-        f"{', '.join(ACCEPTED_REQUESTS)} (auto picks fp8_ds_mla where the GPU has fp8, else bfloat16)"
+        f"{', '.join(ACCEPTED_REQUESTS)} (auto picks fp8_ds_mla where the GPU has fp8, else bfloat16; float32 is "
+        "the exact reference cache on the xla backend)"
     )
 
 
@@ -333,11 +346,18 @@ def _kv_dtype(device_class: str, request: str, backend: str) -> str:
                 + ("pallas_fp8_ds_mla for fp8_ds_mla" if device_class in (FP8_GPU, CPU) else "xla to emulate fp8")
             )
         return BFLOAT16
-    return FP8_DS_MLA if request in FP8_REQUESTS else BFLOAT16  # XLA: bf16 unless fp8 was asked for
+    if request in FLOAT32_REQUESTS:
+        return FLOAT32
+    return FP8_DS_MLA if request in FP8_REQUESTS else BFLOAT16  # XLA: bf16 unless fp8 or float32 was asked for
 
 
 def _reason(device_class: str, request: str, backend: str, dtype: str, where: str) -> str:
     """The one line saying why this format and backend."""
+    if dtype == FLOAT32:
+        return (
+            f"--kv-cache-dtype {request}: the exact float32 reference cache (nothing rounded, 4 x head_dim bytes "
+            f"per token) on {where}, read only by the xla backend"
+        )
     if device_class == FP8_GPU and backend == PALLAS_FP8_DS_MLA:
         return f"{where} has fp8 (compute capability >= 8.9), so the KV cache is fp8_ds_mla"
     if device_class == FP8_GPU and backend == PALLAS_BF16 and request in BF16_REQUESTS:
@@ -360,7 +380,7 @@ def _reason(device_class: str, request: str, backend: str, dtype: str, where: st
     )
 
 
-def _warnings(device_class: str, backend: str, dtype: str, where: str) -> tuple[str, ...]:
+def _warnings(device_class: str, request: str, backend: str, dtype: str, where: str) -> tuple[str, ...]:
     """Warnings for a GPU whose attention runs as plain XLA ops."""
     if device_class == LEGACY_GPU:
         return (
@@ -368,8 +388,9 @@ def _warnings(device_class: str, backend: str, dtype: str, where: str) -> tuple[
             f"without Pallas kernels",
         )
     if device_class in (FP8_GPU, BF16_GPU) and backend == XLA:
+        cause = f"--kv-cache-dtype {request}" if dtype == FLOAT32 else "--attention-backend xla"
         return (
-            f"--attention-backend xla on {where} runs attention as plain XLA ops (slow)"
+            f"{cause} on {where} runs attention as plain XLA ops (slow)"
             + ("; fp8_ds_mla is dequantised in XLA" if dtype == FP8_DS_MLA else ""),
         )
     return ()
@@ -381,12 +402,20 @@ def _policy(
     """(kv dtype, backend, reason, warnings); raises ValueError for impossible combinations.
 
     This is the table of docs/kv_cache.md (tests/test_kv_resolver.py checks the two agree)."""
+    if request in FLOAT32_REQUESTS:
+        if backend not in (None, XLA):
+            raise ValueError(
+                f"--kv-cache-dtype {request} (the exact float32 reference cache) runs only on the xla backend, but "
+                f"--attention-backend {backend} was given; pass --attention-backend xla (or leave it unset), or "
+                f"--kv-cache-dtype auto (or fp8_ds_mla, bfloat16) for the Pallas kernels"
+            )
+        backend = XLA
     _refuse_impossible_backend(device_class, backend, where)
     if backend is None:
         backend = _default_backend(device_class, request, where)
     dtype = _kv_dtype(device_class, request, backend)
     return dtype, backend, _reason(device_class, request, backend, dtype, where), _warnings(
-        device_class, backend, dtype, where
+        device_class, request, backend, dtype, where
     )
 
 
@@ -400,7 +429,8 @@ def resolve_kv_cache(
     """Resolve `--kv-cache-dtype` (and `--attention-backend`) for a device (policy: docs/kv_cache.md).
 
     Args:
-      requested: auto, fp8, fp8_e4m3, fp8_ds_mla, bfloat16 or bf16 (None means auto).
+      requested: auto, fp8, fp8_e4m3, fp8_ds_mla, bfloat16, bf16, float32 or fp32 (None means auto;
+        float32 always resolves to the xla backend).
       device_kind: `jax.Device.device_kind`, e.g. "NVIDIA H200", "NVIDIA GeForce RTX 5090", "cpu".
       compute_capability: e.g. "9.0". None reads it from our device-kind table or a live JAX device.
         The default equals "9.0" (the default H200's) but is a sentinel: for a kind our table
@@ -445,7 +475,10 @@ def _resolve(
     dtype, backend, reason, warnings = _policy(device_class, request, backend, where)
 
     cfg = get_config("dsv4-flash" if config is None else config)
-    indexer_dtype = "fp8" if device_class == FP8_GPU or dtype == FP8_DS_MLA else "bfloat16"
+    if dtype == FLOAT32:
+        indexer_dtype = FLOAT32  # the exact reference rounds nothing, indexer keys included
+    else:
+        indexer_dtype = "fp8" if device_class == FP8_GPU or dtype == FP8_DS_MLA else "bfloat16"
     pools = pool_bytes(cfg, dtype, indexer_dtype)
     spec = KVCacheSpec(
         requested=request,

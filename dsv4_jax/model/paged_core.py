@@ -3,9 +3,11 @@ same kernels the engine uses (`pallas_kernels.backend`: `xla`, `pallas_fp8_ds_ml
 
 The sequence's own K=V rows go to the prefill kernel directly (`window_kv`, as the cache stores
 them), and its compressed entries are written into a paged pool with the backend's `write_kv`
-(quantising to fp8_ds_mla or bf16 rows) and read back by the kernel through a block table. With
-`kv_cache_rounding` on, the model's KV is already on the fp8 grid, so the fp8_ds_mla backend must
-reproduce the dense reference up to the kernel's bf16 dot operands.
+(quantising to fp8_ds_mla or bf16 rows, or storing float32 rows exactly) and read back by the
+kernel through a block table. With `kv_cache_rounding` on, the model's KV is already on the fp8
+grid, so the fp8_ds_mla backend must reproduce the dense reference up to the kernel's bf16 dot
+operands; with float32 pools (xla backend) nothing is rounded, so it reproduces the dense
+reference up to fp32 summation order.
 """
 
 from __future__ import annotations
@@ -28,15 +30,17 @@ class PagedAttentionCore:
     backend_name: str
     rope_dim: int
     block_size: int = 16  # compressed entries per pool block
+    kv_cache_dtype: str | None = None  # the resolved KVCacheSpec.kv_cache_dtype; None: the backend's format
 
     @property
     def backend(self) -> AttentionBackend:
         return get_backend(self.backend_name)
 
     def _empty_pool(self, blocks: int, head_dim: int) -> KVPlanes:
-        """A zeroed one-layer pool [1, blocks, block_size, ...] in the backend's KV format (the xla
-        backend reads either; it gets fp8_ds_mla, the format the model's KV rounding matches)."""
-        kv_cache_dtype = BFLOAT16 if self.backend.kv_format == "bf16" else FP8_DS_MLA
+        """A zeroed one-layer pool [1, blocks, block_size, ...] in `kv_cache_dtype`, else in the
+        backend's KV format (the xla backend reads any; it gets fp8_ds_mla, the format the model's
+        KV rounding matches)."""
+        kv_cache_dtype = self.kv_cache_dtype or (BFLOAT16 if self.backend.kv_format == "bf16" else FP8_DS_MLA)
         return kv_planes(kv_cache_dtype, (1, blocks, self.block_size), head_dim, self.rope_dim)
 
     def __call__(
