@@ -119,7 +119,7 @@ def _no_yarn(patch):  # compressed layers' RoPE without the YaRN blend
 
 
 def _no_csa_overlap(patch):  # each CSA entry pools only its own window, through the second half
-    patch(compressor, "overlapping_windows", lambda kv, score, d: (kv[..., d:], score[..., d:]))
+    patch(compressor, "overlapping_windows", lambda kv, score, d: (kv[:, 1:, :, d:], score[:, 1:, :, d:]))
 
 
 def _bias_in_weights(patch):  # the selection bias also weighs the chosen experts

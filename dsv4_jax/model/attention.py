@@ -3,13 +3,18 @@ a sliding window, and on compressed layers a compressor (+ lightning indexer on 
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from dsv4_jax.config import CSA, SLIDING, DeepseekV4Config
 from dsv4_jax.model import kv_rounding
+from dsv4_jax.kv_cache.paged import PagedKVCache
+from dsv4_jax.kv_cache.resolver import FP8_DS_MLA
 from dsv4_jax.model.attention_core import AttentionCore, dense_attention
+from dsv4_jax.model.cache_step import CacheStep, LayerPlace, StepSequences, entry_slots, kept_rows, store_rows, window_slots
 from dsv4_jax.model.compressor import Compressor
 from dsv4_jax.model.indexer import Indexer
 from dsv4_jax.model.layers import Linear, RMSNorm, rms_normalize
@@ -38,6 +43,30 @@ class Attention(nnx.Module):
         if layer_type == CSA:
             self.indexer = Indexer(c, ratio)
 
+    # ---- pieces shared by the whole-sequence forward and the cached step ------------------------
+    def queries_and_kv(
+        self, x: jax.Array, cos: jax.Array, sin: jax.Array
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:  # q_latent [b, s, q_lora], q [b, s, H, D], kv [b, s, D]
+        batch, seq, _ = x.shape
+        q_latent = self.q_norm(self.wq_a(x))
+        q = self.wq_b(q_latent).reshape(batch, seq, self.n_heads, self.head_dim)
+        q = rms_normalize(q, self.eps).astype(x.dtype)  # weightless per-head RMSNorm
+        q = apply_rope(q, cos, sin, heads_axis=True)
+        kv = apply_rope(self.kv_norm(self.wkv(x)), cos, sin)  # K = V
+        return q_latent, q, kv
+
+    def output(self, out: jax.Array, cos: jax.Array, sin: jax.Array, dtype: jnp.dtype) -> jax.Array:
+        """Attention output [b, s, H, D] -> [b, s, hidden]."""
+        batch, seq = out.shape[:2]
+        # K = V carries RoPE, so the output does too: rotate it back by the query's position.
+        out = apply_rope(out.astype(dtype), cos, sin, inverse=True, heads_axis=True)
+        # Grouped output projection: group g holds heads [g*H/G, (g+1)*H/G).
+        grouped = out.reshape(batch, seq, self.o_groups, -1)
+        wo_a = self.wo_a.dequantized(dtype).reshape(self.o_groups, self.o_lora_rank, -1)
+        z = jnp.einsum("bsgi,gri->bsgr", grouped, wo_a).reshape(batch, seq, -1)
+        return self.wo_b(z)
+
+    # ---- whole sequence ------------------------------------------------------------------------
     def __call__(
         self,
         x: jax.Array,  # [batch, seq, hidden] attn_norm output
@@ -46,15 +75,9 @@ class Attention(nnx.Module):
         options: ForwardOptions,
         core: AttentionCore = dense_attention,
     ) -> jax.Array:  # [batch, seq, hidden]
-        batch, seq, _ = x.shape
-        q_latent = self.q_norm(self.wq_a(x))
-        q = self.wq_b(q_latent).reshape(batch, seq, self.n_heads, self.head_dim)
-        q = rms_normalize(q, self.eps).astype(x.dtype)  # weightless per-head RMSNorm
-        q = apply_rope(q, cos, sin, heads_axis=True)
-        kv = apply_rope(self.kv_norm(self.wkv(x)), cos, sin)  # [batch, seq, head_dim], K = V
+        q_latent, q, kv = self.queries_and_kv(x, cos, sin)
         if options.kv_cache_rounding:
             kv = kv_rounding.kv_cache_round_trip(kv, self.rope_dim)
-
         compressed = compressed_idx = None
         if self.layer_type != SLIDING:
             compressed = self.compressor(x, cos, sin)
@@ -64,10 +87,71 @@ class Attention(nnx.Module):
             compressed_idx = self.indexer(x, q_latent, cos, sin, round_keys=options.kv_cache_rounding)
         sinks = self.attn_sink[...].astype(jnp.float32)
         out = core(q, kv, compressed, compressed_idx, sinks, window=self.window, ratio=max(self.ratio, 1))
-        # K = V carries RoPE, so the output does too: rotate it back by the query's position.
-        out = apply_rope(out.astype(x.dtype), cos, sin, inverse=True, heads_axis=True)
-        # Grouped output projection: group g holds heads [g*H/G, (g+1)*H/G).
-        grouped = out.reshape(batch, seq, self.o_groups, -1)
-        wo_a = self.wo_a.dequantized(x.dtype).reshape(self.o_groups, self.o_lora_rank, -1)
-        z = jnp.einsum("bsgi,gri->bsgr", grouped, wo_a).reshape(batch, seq, -1)
-        return self.wo_b(z)
+        return self.output(out, cos, sin, x.dtype)
+
+    # ---- one step over the paged cache -----------------------------------------------------------
+    def step(
+        self,
+        x: jax.Array,  # [batch, S, hidden] attn_norm output of each row's chunk
+        rotation: tuple[jax.Array, jax.Array, jax.Array],  # cos, sin [batch, S, rope/2]; inv_freq [rope/2]
+        cache: PagedKVCache,
+        ctx: CacheStep,
+        seqs: StepSequences,
+        place: LayerPlace,
+    ) -> tuple[jax.Array, PagedKVCache]:  # [batch, S, hidden], the cache with this layer's writes
+        """The layer on the cache: advance the compressors from their kept rows and write the
+        entries they complete (before anything reads them), pick CSA entries with the backend's
+        indexer, attend, and only then write the window rows later steps read."""
+        cos, sin, inv_freq = rotation
+        layout, backend = ctx.layout, ctx.backend
+        q_latent, q, kv = self.queries_and_kv(x, cos, sin)
+        # The chunk's own rows reach the kernel as the pool would return them.
+        stored_kv = kv_rounding.kv_cache_round_trip(kv, self.rope_dim) if layout.kv_cache_dtype == FP8_DS_MLA else kv
+        pool = table = picks = None
+        if self.layer_type != SLIDING:
+            name = "csa" if self.layer_type == CSA else "hca"
+            units = layout.csa_units_per_block if name == "csa" else layout.hca_units_per_block
+            entries, windows, cache = self._compress(self.compressor, f"{name}_state", x, inv_freq, cache, seqs, place)
+            slots = entry_slots(seqs.compressed_table, windows, units)
+            pool = backend.write_kv(getattr(cache.compressed, name), entries.reshape(-1, self.head_dim), slots, place.compressed)
+            cache = _replace_pool(cache, name, pool)
+            table = seqs.compressed_table
+        if self.layer_type == CSA:
+            idx = self.indexer
+            keys, _, cache = self._compress(idx.compressor, "csa_indexer_state", x, inv_freq, cache, seqs, place)
+            key_pool = backend.write_indexer_keys(cache.compressed.indexer, keys.reshape(-1, idx.head_dim), slots, place.compressed)
+            cache = _replace_pool(cache, "indexer", key_pool)
+            picks = backend.indexer_topk(
+                idx.queries(q_latent, cos, sin), idx.head_weights(x), key_pool, table, seqs.start, seqs.lens,
+                place.compressed, topk=idx.topk, ratio=self.ratio,
+            )
+        sinks = self.attn_sink[...].astype(jnp.float32)
+        sliding = cache.sliding.kv
+        ratio = self.ratio if pool is not None else 0
+        if x.shape[1] == 1:  # decode: the new row goes into the ring first, the kernel reads it there
+            sliding = backend.write_kv(sliding, stored_kv.reshape(-1, self.head_dim), window_slots(seqs, layout.block_size, 1), place.sliding)
+            out = backend.decode(
+                q[:, 0], sliding, seqs.sliding_table, seqs.start + seqs.lens, sinks, pool, table,
+                None if picks is None else picks[:, 0], place.sliding, place.compressed, window=self.window, ratio=ratio,
+            )[:, None]
+        else:  # a chunk: its own rows come in through window_kv; the ring is written afterwards
+            out = backend.prefill(
+                q, sliding, seqs.sliding_table, seqs.start, seqs.lens, sinks, pool, table, picks,
+                place.sliding, place.compressed, window_kv=stored_kv, window=self.window, ratio=ratio,
+            )
+            slots = window_slots(seqs, layout.block_size, self.window)
+            sliding = backend.write_kv(sliding, stored_kv.reshape(-1, self.head_dim), slots, place.sliding)
+        cache = dataclasses.replace(cache, sliding=dataclasses.replace(cache.sliding, kv=sliding))
+        return self.output(out, cos, sin, x.dtype), cache
+
+    def _compress(self, compressor, state_name, x, inv_freq, cache, seqs, place):
+        """Advance `compressor` over the chunk from the rows it kept; store the rows to keep."""
+        state = getattr(cache, state_name)
+        kept = kept_rows(state, place.compressed, seqs)
+        entries, windows, kept = compressor.step(x, seqs.positions, seqs.lens, inv_freq, kept)
+        cache = dataclasses.replace(cache, **{state_name: store_rows(state, place.compressed, seqs.slots, kept)})
+        return entries, windows, cache
+
+
+def _replace_pool(cache: PagedKVCache, name: str, planes) -> PagedKVCache:
+    return dataclasses.replace(cache, compressed=dataclasses.replace(cache.compressed, **{name: planes}))

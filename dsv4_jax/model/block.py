@@ -8,7 +8,9 @@ from flax import nnx
 
 from dsv4_jax.config import DeepseekV4Config
 from dsv4_jax.model.attention import Attention
+from dsv4_jax.kv_cache.paged import PagedKVCache
 from dsv4_jax.model.attention_core import AttentionCore, dense_attention
+from dsv4_jax.model.cache_step import CacheStep, LayerPlace, StepSequences
 from dsv4_jax.model.hyper_connection import hc_post, hc_pre
 from dsv4_jax.model.layers import RMSNorm
 from dsv4_jax.model.moe import MoE
@@ -53,7 +55,23 @@ class Block(nnx.Module):
     ) -> jax.Array:
         x, post, comb = self._hc_pre(streams, "attn")
         out = self.attn(self.attn_norm(x), cos, sin, options, core)
-        streams = hc_post(out, streams, post, comb)
+        return self._ffn(hc_post(out, streams, post, comb), token_ids)
+
+    def step(
+        self,
+        streams: jax.Array,  # [batch, S, hc_mult, hidden]
+        token_ids: jax.Array,  # [batch, S]
+        rotation: tuple[jax.Array, jax.Array, jax.Array],  # cos, sin [batch, S, rope/2], inv_freq
+        cache: PagedKVCache,
+        ctx: CacheStep,
+        seqs: StepSequences,
+        place: LayerPlace,
+    ) -> tuple[jax.Array, PagedKVCache]:
+        """The block on the paged cache (`Attention.step`); the MoE half is the same as above."""
+        x, post, comb = self._hc_pre(streams, "attn")
+        out, cache = self.attn.step(self.attn_norm(x), rotation, cache, ctx, seqs, place)
+        return self._ffn(hc_post(out, streams, post, comb), token_ids), cache
+
+    def _ffn(self, streams: jax.Array, token_ids: jax.Array) -> jax.Array:
         x, post, comb = self._hc_pre(streams, "ffn")
-        out = self.ffn(self.ffn_norm(x), token_ids)
-        return hc_post(out, streams, post, comb)
+        return hc_post(self.ffn(self.ffn_norm(x), token_ids), streams, post, comb)

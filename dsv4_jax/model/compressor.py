@@ -3,9 +3,15 @@
 A compressor pools every `ratio` tokens into one entry with a per-channel softmax gate. On
 CSA layers the windows overlap: each token projects to 2x the width, the first half feeding
 the next window's entry and the second half its own, so entry j pools 2 * ratio rows.
+
+One mechanism serves the whole-sequence forward and the cached steps: `pool_windows` advances a
+compressor over a chunk of tokens from the rows it kept (spec 3.6's kv_state / score_state).
+The whole sequence is the chunk at position 0 with nothing kept.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -13,23 +19,102 @@ from flax import nnx
 
 from dsv4_jax.config import DeepseekV4Config
 from dsv4_jax.model.layers import Linear, RMSNorm
-from dsv4_jax.model.rope import apply_rope
+from dsv4_jax.model.rope import apply_rope, rope_angles
+
+
+def _pytree(cls):
+    """Frozen dataclass registered as a pytree whose fields are all children."""
+    cls = dataclasses.dataclass(frozen=True)(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    return jax.tree_util.register_dataclass(cls, data_fields=names, meta_fields=[])
+
+
+@_pytree
+class CompressorRows:
+    """What a compressor keeps between chunks, per sequence: the token rows of its last c
+    windows, `[batch, c * ratio, c * head_dim]` fp32, where c = 2 with overlap (the previous
+    complete window, then the current partial one) and 1 without. Row (c - 1) * r + t % r holds
+    token t of the current window (as the official kv_state). Rows not filled hold kv 0 and
+    score -inf, so the softmax gives them no weight."""
+
+    kv: jax.Array
+    score: jax.Array
+
+    @classmethod
+    def empty(cls, batch: int, ratio: int, head_dim: int, overlap: bool) -> "CompressorRows":
+        c = 2 if overlap else 1
+        shape = (batch, c * ratio, c * head_dim)
+        return cls(jnp.zeros(shape, jnp.float32), jnp.full(shape, -jnp.inf, jnp.float32))
+
+
+@_pytree
+class PooledWindows:
+    """The windows a chunk completes: pooled rows (before norm and RoPE) and their entry ids."""
+
+    pooled: jax.Array  # [batch, E, head_dim] float32, zeros where not valid
+    entry_ids: jax.Array  # [batch, E] int32: entry j pools positions [j * ratio, (j + 1) * ratio)
+    valid: jax.Array  # [batch, E] bool: the window completed inside this chunk
 
 
 def overlapping_windows(
-    kv: jax.Array,  # [batch, n, ratio, 2 * head_dim] each token's 2x-wide projection
-    score: jax.Array,  # [batch, n, ratio, 2 * head_dim] gate logits (ape added)
+    kv: jax.Array,  # [batch, windows, ratio, 2 * head_dim] each token's 2x-wide projection
+    score: jax.Array,  # [batch, windows, ratio, 2 * head_dim] gate logits (ape added)
     head_dim: int,
-) -> tuple[jax.Array, jax.Array]:  # each [batch, n, 2 * ratio, head_dim]
-    """The rows CSA entry j pools: window j - 1 through the first half of the projection, then
-    window j through the second half. Window 0 has no predecessor: zero rows with -inf scores,
-    so the softmax gives them no weight."""
-    pad = ((0, 0), (1, 0), (0, 0), (0, 0))
-    prev_kv = jnp.pad(kv[:, :-1, :, :head_dim], pad)
-    prev_score = jnp.pad(score[:, :-1, :, :head_dim], pad, constant_values=-jnp.inf)
-    kv = jnp.concatenate([prev_kv, kv[..., head_dim:]], axis=2)
-    score = jnp.concatenate([prev_score, score[..., head_dim:]], axis=2)
+) -> tuple[jax.Array, jax.Array]:  # each [batch, windows - 1, 2 * ratio, head_dim]
+    """The rows a CSA entry pools, for windows 1.. of a timeline: window w - 1 through the
+    first half of the projection, then window w through the second half."""
+    kv = jnp.concatenate([kv[:, :-1, :, :head_dim], kv[:, 1:, :, head_dim:]], axis=2)
+    score = jnp.concatenate([score[:, :-1, :, :head_dim], score[:, 1:, :, head_dim:]], axis=2)
     return kv, score
+
+
+def pool_windows(
+    kv_rows: jax.Array,  # [batch, S, c * head_dim] fp32 projections of the chunk's tokens
+    score_rows: jax.Array,  # [batch, S, c * head_dim] fp32 gate logits, ape added
+    kept: CompressorRows,  # the rows kept before the chunk
+    start: jax.Array,  # [batch] int32: position of the chunk's first token
+    lens: jax.Array,  # [batch] int32: real tokens of the chunk (0: a padding row)
+    *,
+    ratio: int,
+    overlap: bool,
+) -> tuple[PooledWindows, CompressorRows]:
+    """Advance a compressor over a chunk: the entries of every window the chunk completes, and
+    the rows to keep for the next chunk.
+
+    The kept rows and the chunk are laid on one timeline of whole windows that starts at the
+    first kept window, so an entry is computed exactly as on the full sequence however the
+    sequence was cut into chunks (window 0 of a sequence sees empty predecessor rows). A chunk of
+    S tokens completes at most E = ceil(S / ratio) windows; candidate e is entry start // r + e.
+    """
+    r, c = ratio, 2 if overlap else 1
+    batch, seq, width = kv_rows.shape
+    n_out = -(-seq // r)
+    length = (c + n_out) * r  # the kept windows, then room for the chunk at any offset
+    real = (jnp.arange(seq)[None, :] < lens[:, None])[..., None]
+    kv_rows = jnp.where(real, kv_rows, 0.0)
+    score_rows = jnp.where(real, score_rows, -jnp.inf)
+    at = (c - 1) * r + start % r  # timeline row i is position (start // r - (c - 1)) * r + i
+
+    def lay(kept_rows, rows, fill, offset):
+        line = jnp.concatenate([kept_rows, jnp.full((length - c * r, width), fill, jnp.float32)])
+        return jax.lax.dynamic_update_slice(line, rows, (offset, 0))
+
+    kv_line = jax.vmap(lambda k, x, o: lay(k, x, 0.0, o))(kept.kv, kv_rows, at)
+    score_line = jax.vmap(lambda k, x, o: lay(k, x, -jnp.inf, o))(kept.score, score_rows, at)
+    kv_win = kv_line.reshape(batch, c + n_out, r, width)
+    score_win = score_line.reshape(batch, c + n_out, r, width)
+    if overlap:
+        kv_win, score_win = overlapping_windows(kv_win, score_win, width // 2)
+    # Candidates are timeline windows c - 1 ..; the last one can never complete in the chunk.
+    kv_win, score_win = kv_win[:, :n_out], score_win[:, :n_out]
+    weights = jax.nn.softmax(score_win, axis=2)  # per channel over the pooled rows
+    pooled = jnp.sum(kv_win * weights, axis=2)
+    entry_ids = (start // r)[:, None] + jnp.arange(n_out, dtype=jnp.int32)[None, :]
+    valid = (entry_ids + 1) * r <= (start + lens)[:, None]
+    windows = PooledWindows(jnp.where(valid[..., None], pooled, 0.0), entry_ids.astype(jnp.int32), valid)
+    done = ((start + lens) // r - start // r) * r  # rows of the windows completed: drop them
+    keep = jax.vmap(lambda line, offset: jax.lax.dynamic_slice(line, (offset, 0), (c * r, width)))
+    return windows, CompressorRows(keep(kv_line, done), keep(score_line, done))
 
 
 class Compressor(nnx.Module):
@@ -41,25 +126,53 @@ class Compressor(nnx.Module):
         self.ape = nnx.Param(jnp.zeros((ratio, width), jnp.float32))
         self.norm = RMSNorm(head_dim, config.rms_norm_eps)
 
+    def project(
+        self,
+        x: jax.Array,  # [batch, S, hidden]
+        positions: jax.Array,  # [batch or 1, S] int32 absolute positions
+    ) -> tuple[jax.Array, jax.Array]:  # kv, score rows, each [batch, S, c * head_dim] fp32
+        x32 = x.astype(jnp.float32)  # the official compressor runs in fp32
+        kv = self.wkv(x32, jnp.float32)
+        score = self.wgate(x32, jnp.float32) + self.ape[...].astype(jnp.float32)[positions % self.ratio]
+        return kv, score
+
+    def finish(
+        self,
+        pooled: jax.Array,  # [batch, E, head_dim] fp32
+        cos: jax.Array,  # [..., E, rope/2] angles of the entries' positions (entry j: j * ratio)
+        sin: jax.Array,
+        dtype: jnp.dtype,
+    ) -> jax.Array:  # [batch, E, head_dim] entries, normalised and rotated, in `dtype`
+        return apply_rope(self.norm(pooled.astype(dtype)), cos, sin)
+
     def __call__(
         self,
         x: jax.Array,  # [batch, seq, hidden]
         cos: jax.Array,  # [seq, rope/2] angles of token positions (entry j uses position j * ratio)
         sin: jax.Array,
     ) -> jax.Array:  # [batch, seq // ratio, head_dim]
-        """Entries of all complete windows, normalised and rotated, in x.dtype."""
+        """Entries of all complete windows of a whole sequence, in x.dtype."""
         batch, seq, _ = x.shape
-        r, d = self.ratio, self.head_dim
-        n = seq // r
+        r, n = self.ratio, seq // self.ratio
         if n == 0:
-            return jnp.zeros((batch, 0, d), x.dtype)
-        x32 = x[:, : n * r].astype(jnp.float32)  # the official compressor runs in fp32
-        kv = self.wkv(x32, jnp.float32).reshape(batch, n, r, -1)
-        score = self.wgate(x32, jnp.float32).reshape(batch, n, r, -1) + self.ape[...].astype(jnp.float32)
-        if self.overlap:
-            kv, score = overlapping_windows(kv, score, d)
-        weights = jax.nn.softmax(score, axis=2)  # per channel over the pooled rows
-        pooled = jnp.sum(kv * weights, axis=2).astype(x.dtype)  # [batch, n, d]
-        pooled = self.norm(pooled)
-        entry_cos, entry_sin = cos[: n * r : r], sin[: n * r : r]
-        return apply_rope(pooled, entry_cos, entry_sin)
+            return jnp.zeros((batch, 0, self.head_dim), x.dtype)
+        kv, score = self.project(x, jnp.arange(seq)[None, :])
+        nothing = CompressorRows.empty(batch, r, self.head_dim, self.overlap)
+        start, lens = jnp.zeros((batch,), jnp.int32), jnp.full((batch,), seq, jnp.int32)
+        windows, _ = pool_windows(kv, score, nothing, start, lens, ratio=r, overlap=self.overlap)
+        return self.finish(windows.pooled[:, :n], cos[: n * r : r], sin[: n * r : r], x.dtype)
+
+    def step(
+        self,
+        x: jax.Array,  # [batch, S, hidden] a chunk of each sequence
+        positions: jax.Array,  # [batch, S] int32
+        lens: jax.Array,  # [batch] int32 real tokens per row
+        inv_freq: jax.Array,  # [rope/2] this layer's RoPE frequencies
+        kept: CompressorRows,
+    ) -> tuple[jax.Array, PooledWindows, CompressorRows]:  # entries [batch, E, head_dim] in x.dtype
+        """The entries the chunk completes, rotated at their own positions j * ratio (which may
+        lie in an earlier chunk), and the rows to keep."""
+        kv, score = self.project(x, positions)
+        windows, kept = pool_windows(kv, score, kept, positions[:, 0], lens, ratio=self.ratio, overlap=self.overlap)
+        cos, sin = rope_angles(windows.entry_ids * self.ratio, inv_freq)
+        return self.finish(windows.pooled, cos, sin, x.dtype), windows, kept

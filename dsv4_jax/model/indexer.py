@@ -24,6 +24,17 @@ class Indexer(nnx.Module):
         self.weights_proj = Linear(config.hidden_size, self.n_heads, config, quantized=False)
         self.compressor = Compressor(config, ratio, self.head_dim, overlap=True)
 
+    def queries(self, q_latent: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+        """q_latent [batch, seq, q_lora_rank] (the main attention's q_norm output) -> rotated
+        indexer queries [batch, seq, heads, head_dim]."""
+        batch, seq, _ = q_latent.shape
+        q = self.wq_b(q_latent).reshape(batch, seq, self.n_heads, self.head_dim)
+        return apply_rope(q, cos, sin, heads_axis=True)
+
+    def head_weights(self, x: jax.Array) -> jax.Array:
+        """Per-head score weights [batch, seq, heads] fp32, softmax scale and 1/sqrt(heads) folded in."""
+        return self.weights_proj(x, jnp.float32) * (self.head_dim**-0.5 * self.n_heads**-0.5)
+
     def __call__(
         self,
         x: jax.Array,  # [batch, seq, hidden] attention input
@@ -33,15 +44,12 @@ class Indexer(nnx.Module):
         *,
         round_keys: bool = False,
     ) -> jax.Array:  # [batch, seq, min(topk, entries)] int32, -1 = nothing to read
-        batch, seq, _ = x.shape
         keys = self.compressor(x, cos, sin)  # [batch, n, index_head_dim]
         if round_keys:
             keys = kv_rounding.indexer_key_round_trip(keys)
-        q = self.wq_b(q_latent).reshape(batch, seq, self.n_heads, self.head_dim)
-        q = apply_rope(q, cos, sin, heads_axis=True)
+        q = self.queries(q_latent, cos, sin)
         scores = jnp.einsum("bshd,bnd->bshn", q.astype(jnp.float32), keys.astype(jnp.float32))
-        head_weights = self.weights_proj(x, jnp.float32) * (self.head_dim**-0.5 * self.n_heads**-0.5)
-        scores = jnp.einsum("bshn,bsh->bsn", jax.nn.relu(scores), head_weights)
+        scores = jnp.einsum("bshn,bsh->bsn", jax.nn.relu(scores), self.head_weights(x))
         return select_visible_topk(scores, self.ratio, self.topk)
 
 

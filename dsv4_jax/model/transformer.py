@@ -15,7 +15,9 @@ import numpy as np
 from flax import nnx
 
 from dsv4_jax.config import SLIDING, DeepseekV4Config
+from dsv4_jax.kv_cache.paged import PagedKVCache
 from dsv4_jax.model.attention_core import AttentionCore, dense_attention
+from dsv4_jax.model.cache_step import CacheStep, StepSequences
 from dsv4_jax.model.block import Block
 from dsv4_jax.model.hyper_connection import hc_head
 from dsv4_jax.model.layers import Embedding, Linear, RMSNorm
@@ -96,6 +98,20 @@ class BlockStack(nnx.Module):
 
         return run(streams, self.units)
 
+    def step(self, streams, token_ids, rotations, cache, ctx, seqs, places):
+        """`Block.step` of every layer; the cache is the scan carry and each layer's pool
+        indices come in as xs (`places[position]`: int32 [count]), so no pool is copied."""
+        kinds = self.segment.kinds
+
+        @nnx.scan(in_axes=(nnx.Carry, 0, 0), out_axes=nnx.Carry)
+        def run(carry, unit, unit_places):
+            x, cache = carry
+            for block, kind, place in zip(unit, kinds, unit_places):
+                x, cache = block.step(x, token_ids, rotations[kind.layer_type != SLIDING], cache, ctx, seqs, place)
+            return x, cache
+
+        return run((streams, cache), self.units, places)
+
 
 class MTPBlock(Block):
     """The multi-token-prediction block: a sliding, top-k routed block whose input mixes the
@@ -135,15 +151,19 @@ class DeepseekV4(nnx.Module):
         self.mtp = nnx.List([MTPBlock(c) for _ in range(c.num_nextn_predict_layers if mtp else 0)])
 
     # ---- pieces -------------------------------------------------------------------------
-    def rope_tables(self, seq: int) -> tuple[tuple[jax.Array, jax.Array], ...]:
-        """(main table, compress table) at positions 0..seq-1, each [seq, rope/2]."""
+    def rope_frequencies(self) -> tuple[jax.Array, jax.Array]:
+        """(sliding layers', compressed layers') inverse frequencies, each [rope/2]."""
         c = self.config
-        positions = jnp.arange(seq)
         sliding_layer = c.num_hidden_layers  # the MTP layer index is always sliding
         compressed_layers = [i for i in range(c.num_hidden_layers) if c.compress_ratio(i)]
         main = layer_frequencies(c, sliding_layer)
         compress = layer_frequencies(c, compressed_layers[0]) if compressed_layers else main
-        return rope_angles(positions, jnp.asarray(main)), rope_angles(positions, jnp.asarray(compress))
+        return jnp.asarray(main), jnp.asarray(compress)
+
+    def rope_tables(self, seq: int) -> tuple[tuple[jax.Array, jax.Array], ...]:
+        """(main table, compress table) at positions 0..seq-1, each [seq, rope/2]."""
+        positions = jnp.arange(seq)
+        return tuple(rope_angles(positions, inv_freq) for inv_freq in self.rope_frequencies())
 
     def hidden_streams(
         self,
@@ -162,6 +182,30 @@ class DeepseekV4(nnx.Module):
                 cos, sin = tables[plan.kinds[0].layer_type != SLIDING]
                 streams = segment(streams, token_ids, cos, sin, options, core)
         return streams
+
+    def step(
+        self,
+        token_ids: jax.Array,  # [batch, S] int32 (padding: any valid id)
+        seqs: StepSequences,
+        cache: PagedKVCache,
+        options: ForwardOptions,
+        ctx: CacheStep,
+    ) -> tuple[jax.Array, PagedKVCache]:  # streams before hc_head [batch, S, hc_mult, hidden]
+        """One step over the paged cache: each row's chunk at its own positions, reading what
+        earlier steps wrote and writing what later steps read (see `Attention.step`)."""
+        x = self.embed(token_ids, options.jnp_dtype)
+        streams = jnp.broadcast_to(x[:, :, None, :], (*x.shape[:2], self.config.hc_mult, x.shape[-1]))
+        rotations = tuple((*rope_angles(seqs.positions, f), f) for f in self.rope_frequencies())
+        for plan, segment in zip(self.segments_plan, self.segments):
+            if plan.count > 1:
+                layers = np.array([[plan.layer(k, p) for k in range(plan.count)] for p in range(plan.period)])
+                places = tuple(ctx.places(row) for row in layers)
+                streams, cache = segment.step(streams, token_ids, rotations, cache, ctx, seqs, places)
+            else:
+                rotation = rotations[plan.kinds[0].layer_type != SLIDING]
+                place = ctx.places(np.array(plan.first))
+                streams, cache = segment.step(streams, token_ids, rotation, cache, ctx, seqs, place)
+        return streams, cache
 
     def logits_from_streams(self, streams: jax.Array, owner: "DeepseekV4 | MTPBlock") -> jax.Array:
         c = self.config

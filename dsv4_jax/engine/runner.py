@@ -1,0 +1,214 @@
+"""The model runner: the device side of the engine.
+
+It owns the weights (the model split once into graph and state), the paged KV cache and the
+jitted step functions. A step runs one group of rows `[B, S]`: each row a chunk of one sequence
+at its own positions (S = 1 is a decode step). Shapes come from a short bucket list, so each
+step function compiles once per bucket at warm-up and never again: rows are padded to the
+bucket's B (padding rows read and write nothing) and tokens to its S. Decode-only steps use the
+decode buckets and never pay for prefill padding; decode tokens that share a step with prefill
+chunks ride along as rows of one real token.
+
+The host builds each step's arrays in numpy and sends them with one `device_put`; decode token
+ids may instead come straight from the previous step's device output. The cache is donated to
+every step, so XLA updates it in place (warm-up checks that the donation took effect).
+
+Imports: only what the GPU machine has (jax, flax, numpy and this repository).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import time
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dsv4_jax.engine.compiles import CompileCounter
+from dsv4_jax.kv_cache.paged import PagedCacheLayout, PagedKVCache, init_paged_cache, kv_planes
+from dsv4_jax.model.cache_step import CacheStep, StepSequences
+from pallas_kernels.backend import XLA, get_backend
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepBuckets:
+    """Padded step shapes: prefill (rows, tokens per row) pairs and decode row counts."""
+
+    prefill: tuple[tuple[int, int], ...] = ((4, 64), (8, 256))
+    decode: tuple[int, ...] = (8, 32)
+
+    def __post_init__(self) -> None:
+        for rows, tokens in self.prefill:
+            if not (isinstance(rows, int) and isinstance(tokens, int) and rows >= 1 and tokens >= 2):
+                raise ValueError(f"prefill buckets are (rows >= 1, tokens >= 2) pairs, got {(rows, tokens)!r}")
+        if not self.prefill or not self.decode or any(not isinstance(b, int) or b < 1 for b in self.decode):
+            raise ValueError(f"need at least one prefill and one decode bucket, got {self!r}")
+        object.__setattr__(self, "prefill", tuple(sorted(self.prefill, key=lambda b: (b[0] * b[1], b))))
+        object.__setattr__(self, "decode", tuple(sorted(self.decode)))
+
+    def pick(self, rows: int, longest: int) -> tuple[int, int]:
+        """The smallest bucket (B, S) holding `rows` rows of up to `longest` tokens."""
+        if longest == 1:
+            for b in self.decode:
+                if b >= rows:
+                    return b, 1
+        for b, s in self.prefill:
+            if b >= rows and s >= longest:
+                return b, s
+        raise ValueError(
+            f"a step of {rows} rows with up to {longest} tokens fits no bucket (prefill {self.prefill}, "
+            f"decode {self.decode}): the scheduler must split it"
+        )
+
+    @property
+    def all(self) -> tuple[tuple[int, int], ...]:
+        return (*self.prefill, *((b, 1) for b in self.decode))
+
+
+@dataclasses.dataclass(frozen=True)
+class StepRow:
+    """One row of a step: a chunk of one sequence."""
+
+    slot: int  # the sequence's slot (its sliding ring and compressor state)
+    start: int  # position of the chunk's first token
+    token_ids: Sequence[int]  # the chunk (one token for a decode)
+    compressed_blocks: Sequence[int]  # the sequence's compressed block ids, in order
+
+
+@dataclasses.dataclass(frozen=True)
+class StepOutput:
+    logits: jax.Array  # [B, vocab] float32: each row's last real token (padding rows: garbage)
+    streams: jax.Array  # [B, S, hc_mult, hidden] before hc_head, for prompt logprobs and MTP
+    rows: int  # real rows (the first `rows` of B)
+    bucket: tuple[int, int]
+
+
+def _step(graphdef, options, ctx, state, cache, token_ids, seqs):
+    model = nnx.merge(graphdef, state)
+    streams, cache = model.step(token_ids, seqs, cache, options, ctx)
+    last = jnp.maximum(seqs.lens - 1, 0)
+    final = jnp.take_along_axis(streams, last[:, None, None, None], axis=1)  # [B, 1, hc, hidden]
+    return model.logits_from_streams(final, model)[:, 0], streams, cache
+
+
+def _head(graphdef, state, streams):
+    model = nnx.merge(graphdef, state)
+    return model.logits_from_streams(streams, model)
+
+
+class ModelRunner:
+    """Runs steps of a loaded model (`dsv4_jax.load_model`) over a paged cache of `layout`."""
+
+    def __init__(
+        self,
+        model,  # dsv4_jax.loading.CausalLM
+        layout: PagedCacheLayout,
+        *,
+        attention_backend: str = XLA,
+        buckets: StepBuckets = StepBuckets(),
+    ):
+        self.config = model.config
+        self.layout = layout
+        self.buckets = buckets
+        self.backend = get_backend(attention_backend)
+        self.graphdef, self.state = model.graphdef, model.state
+        self.ctx = CacheStep(layout, self.backend)
+        self.cache: PagedKVCache = init_paged_cache(layout)
+        self.compiles = CompileCounter()
+        self.warm = False
+        # One jitted function each, compiled once per bucket shape; the cache is donated.
+        self._step = jax.jit(functools.partial(_step, self.graphdef, model.options, self.ctx), donate_argnums=1)
+        self._head = jax.jit(functools.partial(_head, self.graphdef))
+
+    # ---- host batches -------------------------------------------------------------------------
+    def build(self, rows: Sequence[StepRow]) -> tuple[tuple[int, int], np.ndarray, StepSequences]:
+        """Host arrays of a step (numpy): the bucket, token ids [B, S] and the row arrays."""
+        if not rows:
+            raise ValueError("a step needs at least one row")
+        lay = self.layout
+        longest = max(len(r.token_ids) for r in rows)
+        b, s = self.buckets.pick(len(rows), longest)
+        tokens = np.zeros((b, s), np.int32)
+        positions = np.tile(np.arange(s, dtype=np.int32), (b, 1))
+        lens = np.zeros(b, np.int32)
+        slots = np.full(b, -1, np.int32)
+        sliding = np.full((b, lay.sliding_ring), -1, np.int32)
+        compressed = np.full((b, lay.max_blocks_per_seq), -1, np.int32)
+        for i, row in enumerate(rows):
+            n = len(row.token_ids)
+            if n == 0:
+                raise ValueError(f"row {i} (slot {row.slot}) has no tokens")
+            if not 0 <= row.slot < lay.num_seq_slots:
+                raise ValueError(f"row {i}: slot {row.slot} is outside [0, {lay.num_seq_slots})")
+            if len(row.compressed_blocks) > lay.max_blocks_per_seq:
+                raise ValueError(f"row {i}: {len(row.compressed_blocks)} blocks exceed {lay.max_blocks_per_seq} per sequence")
+            tokens[i, :n] = row.token_ids
+            positions[i] += row.start
+            lens[i], slots[i] = n, row.slot
+            sliding[i] = row.slot * lay.sliding_ring + np.arange(lay.sliding_ring)
+            compressed[i, : len(row.compressed_blocks)] = row.compressed_blocks
+        return (b, s), tokens, StepSequences(positions, lens, slots, sliding, compressed)
+
+    # ---- device -------------------------------------------------------------------------------
+    def step(self, rows: Sequence[StepRow], token_ids: jax.Array | None = None) -> StepOutput:
+        """Run one step. `token_ids` ([B, S] on the device, e.g. the previous step's samples)
+        replaces the rows' own ids when given."""
+        bucket, tokens, seqs = self.build(rows)
+        tokens_dev, seqs_dev = jax.device_put((tokens, seqs))  # one transfer for the whole batch
+        if token_ids is not None:
+            if tuple(token_ids.shape) != bucket:
+                raise ValueError(f"token_ids has shape {tuple(token_ids.shape)}, the step's bucket is {bucket}")
+            tokens_dev = token_ids.astype(jnp.int32)
+        logits, streams, self.cache = self._step(self.state, self.cache, tokens_dev, seqs_dev)
+        return StepOutput(logits, streams, len(rows), bucket)
+
+    def all_logits(self, output: StepOutput) -> jax.Array:
+        """Logits at every position of a step's rows, [B, S, vocab] (prompt logprobs): a separate
+        head call, so ordinary steps compute the head for the last position only."""
+        return self._head(self.state, output.streams)
+
+    def warmup(self, progress: Callable[[int, int, tuple[int, int], float], None] | None = None) -> int:
+        """Compile every bucket (steps of padding rows only: they change nothing). Returns the
+        number of compiles it took; `progress(i, n, bucket, seconds)` is called after each."""
+        self.compiles.reset()
+        self._touch_interpreter()
+        buckets = self.buckets.all
+        for i, (b, s) in enumerate(buckets):
+            t0 = time.perf_counter()
+            before = jax.tree.leaves(self.cache)[0]
+            seqs = StepSequences(
+                np.tile(np.arange(s, dtype=np.int32), (b, 1)), np.zeros(b, np.int32), np.full(b, -1, np.int32),
+                np.full((b, self.layout.sliding_ring), -1, np.int32),
+                np.full((b, self.layout.max_blocks_per_seq), -1, np.int32),
+            )
+            out = self._step(self.state, self.cache, *jax.device_put((np.zeros((b, s), np.int32), seqs)))
+            self.cache = out[2]
+            jax.block_until_ready(out)
+            if s > 1:  # prompt logprobs come from prefill steps
+                jax.block_until_ready(self.all_logits(StepOutput(*out[:2], 0, (b, s))))
+            if not before.is_deleted():
+                raise RuntimeError("the KV cache was not donated to the step: every step would copy it")
+            seconds = time.perf_counter() - t0
+            logger.info("warm-up %d/%d: bucket %d x %d compiled in %.1fs", i + 1, len(buckets), b, s, seconds)
+            if progress is not None:
+                progress(i + 1, len(buckets), (b, s), seconds)
+        self.warm = True
+        compiled = self.compiles.compiles
+        self.compiles.reset()  # from here on, `compiles.compiles` counts what steps compile: 0
+        return compiled
+
+    def _touch_interpreter(self) -> None:
+        """Interpret-mode Pallas changes JAX's trace context the first time its interpreter is
+        imported, which would make the second call of a step recompile: run one kernel first."""
+        if self.backend.name == XLA or jax.default_backend() != "cpu":
+            return
+        lay = self.layout
+        pool = kv_planes(lay.kv_cache_dtype, (1, 16), lay.head_dim, lay.rope_dim)
+        rows = jnp.zeros((16, lay.head_dim), jnp.float32)
+        jax.block_until_ready(self.backend.write_kv(pool, rows, jnp.arange(16, dtype=jnp.int32)))

@@ -1,0 +1,104 @@
+"""What a cached step of the model reads and writes, besides the weights.
+
+A step runs one group of sequences, `[batch, S]` tokens: each row is a chunk of one sequence at
+its own absolute positions (S = 1: one decode token per row; S > 1: prefill chunks, where decode
+tokens may ride along as rows of one real token). Padding rows have `lens` 0 and slot -1: they
+read nothing and every write of theirs is dropped.
+
+`StepSequences` carries the per-row arrays, `LayerPlace` the pool-layer indices of one model
+layer (dynamic under `nnx.scan`), and `CacheStep` the static part: the cache layout and the
+attention backend whose kernels read and write the pools.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dsv4_jax.kv_cache.paged import CompressorState, PagedCacheLayout, compressed_slots, sliding_slots
+from dsv4_jax.model.compressor import CompressorRows, PooledWindows
+from pallas_kernels.backend import AttentionBackend
+
+
+def _pytree(cls):
+    cls = dataclasses.dataclass(frozen=True)(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    return jax.tree_util.register_dataclass(cls, data_fields=names, meta_fields=[])
+
+
+@_pytree
+class StepSequences:
+    positions: jax.Array  # [batch, S] int32: start + s (padding rows: 0 + s)
+    lens: jax.Array  # [batch] int32: real tokens per row
+    slots: jax.Array  # [batch] int32: sequence slot (compressor state), -1 for padding rows
+    sliding_table: jax.Array  # [batch, ring] int32: the row's sliding ring, -1 = no block
+    compressed_table: jax.Array  # [batch, max_blocks] int32: compressed block ids, -1 = none
+
+    @property
+    def start(self) -> jax.Array:  # [batch] position of each row's first token
+        return self.positions[:, 0]
+
+
+@_pytree
+class LayerPlace:
+    """Where one model layer sits on each pool's layer axis (int32 scalars; 0 where unused)."""
+
+    sliding: Any
+    compressed: Any  # on the CSA pools for CSA layers, on the HCA pool for HCA layers
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheStep:
+    layout: PagedCacheLayout
+    backend: AttentionBackend
+
+    def places(self, layers: np.ndarray) -> LayerPlace:
+        """Pool-layer indices of model layers `layers` (any int array shape) as int32 arrays."""
+        lay = self.layout
+
+        def index(layer: int) -> tuple[int, int]:
+            where = lay.layer_index(int(layer))
+            return where["sliding"], where.get("csa", where.get("hca", 0))
+
+        pairs = np.array([index(layer) for layer in np.ravel(layers)], np.int32).reshape(*np.shape(layers), 2)
+        return LayerPlace(sliding=jnp.asarray(pairs[..., 0]), compressed=jnp.asarray(pairs[..., 1]))
+
+
+# ---- compressor state slots ----------------------------------------------------------------------
+def kept_rows(state: CompressorState, layer: jax.Array, seqs: StepSequences) -> CompressorRows:
+    """The rows each sequence's compressor kept ([batch, c*r, c*d]). A row at position 0 starts
+    a sequence: it gets empty rows whatever the slot held before (a slot is reused without being
+    cleared), and so do padding rows."""
+    safe = jnp.maximum(seqs.slots, 0)
+    kv, score = state.kv[layer, safe], state.score[layer, safe]
+    pad = ((seqs.slots < 0) | (seqs.start == 0))[:, None, None]
+    return CompressorRows(jnp.where(pad, 0.0, kv), jnp.where(pad, -jnp.inf, score))
+
+
+def store_rows(state: CompressorState, layer: jax.Array, slots: jax.Array, rows: CompressorRows) -> CompressorState:
+    target = jnp.where(slots < 0, state.kv.shape[1], slots)  # padding rows: dropped
+    return CompressorState(
+        kv=state.kv.at[layer, target].set(rows.kv, mode="drop"),
+        score=state.score.at[layer, target].set(rows.score, mode="drop"),
+    )
+
+
+# ---- flat pool slots -----------------------------------------------------------------------------
+def entry_slots(table: jax.Array, windows: PooledWindows, units_per_block: int) -> jax.Array:
+    """Flat slots [batch * E] of the entries a chunk completed; -1 where none was completed."""
+    slots = jax.vmap(compressed_slots, in_axes=(0, 0, None))(table, windows.entry_ids, units_per_block)
+    return jnp.where(windows.valid, slots, -1).reshape(-1)
+
+
+def window_slots(seqs: StepSequences, block_size: int, keep_last: int) -> jax.Array:
+    """Flat sliding-ring slots [batch * S] of the rows a later step reads: the last `keep_last`
+    real tokens of each row (a ring holds ceil(window / block) + 1 blocks, so writing more could
+    overwrite a row before it is read, or write one slot twice in an undefined order)."""
+    s = jnp.arange(seqs.positions.shape[1])[None, :]
+    wanted = (s < seqs.lens[:, None]) & (s >= seqs.lens[:, None] - keep_last)
+    slots = jax.vmap(sliding_slots, in_axes=(0, 0, None))(seqs.sliding_table, seqs.positions, block_size)
+    return jnp.where(wanted, slots, -1).reshape(-1)

@@ -1,0 +1,205 @@
+"""The model on the paged KV cache, one step at a time, against the full-sequence forward.
+
+One runner config crosses every boundary within a few hundred tokens: sliding window 4, CSA
+ratio 4 with index_topk 2, HCA ratio 16, blocks of 128 positions (a ring of 2 blocks). With a
+float32 cache nothing is rounded, so chunked prefill and decode must give the full forward's
+logits at every position up to float32 reordering (1e-5 x max |logits|).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import dsv4_jax
+from dsv4_jax.engine.runner import ModelRunner, StepBuckets, StepRow
+from dsv4_jax.kv_cache.paged import PagedCacheLayout
+from dsv4_jax.kv_cache.resolver import resolve_kv_cache
+from dsv4_jax.presets import get_config
+from dsv4_jax.testing import write_random_checkpoint
+
+CONFIG = get_config("dsv4-tiny-test").replace(sliding_window=4, compress_ratios=(0, 4, 16, 4, 0), index_topk=2)
+BLOCK = 128
+RING = 2  # ceil(window / block) + 1
+BUCKETS = StepBuckets(prefill=((2, 16), (2, 272)), decode=(1, 2))
+EXACT = 1e-5  # float32 cache: max |cached - full| / max |full|
+
+
+def _layout(config, kv_cache_dtype: str, slots: int = 4, max_model_len: int = 512) -> PagedCacheLayout:
+    spec = resolve_kv_cache(kv_cache_dtype, device_kind="cpu", config=config)
+    return PagedCacheLayout.build(config, spec, max_model_len=max_model_len, num_seq_slots=slots, block_size=BLOCK)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return write_random_checkpoint(tmp_path_factory.mktemp("runner") / "ckpt", CONFIG, seed=3)
+
+
+@pytest.fixture(scope="module")
+def model(checkpoint):
+    return dsv4_jax.load_model(checkpoint)
+
+
+@pytest.fixture(scope="module")
+def runner(model):
+    runner = ModelRunner(model, _layout(CONFIG, "float32"), buckets=BUCKETS)
+    assert runner.warmup() > 0
+    return runner
+
+
+class Sequence:
+    """A sequence fed to the runner chunk by chunk; collects its logits at every position."""
+
+    def __init__(self, ids, slot, blocks, plan):
+        self.ids, self.slot, self.blocks, self.plan = list(ids), slot, blocks, list(plan)
+        self.pos, self.logits = 0, []
+
+    @property
+    def done(self):
+        return self.pos >= len(self.ids)
+
+    def next_row(self):
+        n = min(self.plan.pop(0) if self.plan else 1, len(self.ids) - self.pos)
+        return StepRow(self.slot, self.pos, self.ids[self.pos : self.pos + n], self.blocks)
+
+
+def run_steps(runner, sequences):
+    """Steps until every sequence is done; each step takes one row from every live sequence."""
+    while not all(s.done for s in sequences):
+        live = [s for s in sequences if not s.done]
+        rows = [s.next_row() for s in live]
+        out = runner.step(rows)
+        prefill = out.bucket[1] > 1
+        every = np.asarray(runner.all_logits(out)) if prefill else np.asarray(out.logits)[:, None]
+        for i, (s, row) in enumerate(zip(live, rows)):
+            s.logits.append(every[i, : len(row.token_ids)])
+            s.pos += len(row.token_ids)
+    return [np.concatenate(s.logits) for s in sequences]
+
+
+def relative_error(got, want):
+    return float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
+
+
+def test_float32_chunked_prefill_and_decode_equal_the_full_forward(model, runner):
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, CONFIG.vocab_size, size=(3, 300)).astype(np.int32)
+    full = np.asarray(model(ids))  # causal: a shorter sequence's logits are a prefix of its row
+    runner.compiles.reset()  # count what the workload compiles, not the reference forward
+    # A: chunks ending inside compression windows, longer than the window, then ring x block +
+    # window tokens (260) after a 33-token prefix, then decode steps. B: a 16-token chunk, then
+    # decode rows riding in prefill steps, then decode steps. C: reuses A's slot and blocks.
+    a = Sequence(ids[0], slot=1, blocks=[0, 1, 2, 3], plan=[3, 5, 16, 9, 260])
+    b = Sequence(ids[1, :47], slot=2, blocks=[4, 5], plan=[16, 1, 1, 7, 15])
+    got_a, got_b = run_steps(runner, [a, b])
+    c = Sequence(ids[2, :24], slot=1, blocks=[3, 2], plan=[16, 5])
+    (got_c,) = run_steps(runner, [c])
+    for got, want in ((got_a, full[0]), (got_b, full[1, :47]), (got_c, full[2, :24])):
+        assert got.shape == want.shape
+        assert relative_error(got, want) <= EXACT
+    # The workload crossed every bucket, window and compression boundary: nothing compiled.
+    assert runner.compiles.compiles == 0
+
+
+def test_a_step_donates_the_cache(runner):
+    before = jax.tree.leaves(runner.cache)
+    runner.step([StepRow(0, 0, [1, 2, 3], [6])])
+    assert all(leaf.is_deleted() for leaf in before)
+
+
+def test_rows_that_fit_no_bucket_or_slot_are_refused(runner):
+    with pytest.raises(ValueError, match="fits no bucket"):
+        runner.build([StepRow(0, 0, list(range(300)), [0])])
+    with pytest.raises(ValueError, match="slot 9 is outside"):
+        runner.build([StepRow(9, 0, [1], [0])])
+    with pytest.raises(ValueError, match="has no tokens"):
+        runner.build([StepRow(0, 0, [], [0])])
+
+
+# ---- poisoning -------------------------------------------------------------------------------------
+def _copy(cache):  # through the host: no XLA op, so nothing compiles
+    return jax.tree.map(lambda x: jnp.asarray(np.array(x)), cache)
+
+
+def _poison(cache, pool_path, index, value=np.nan):
+    """The cache with pool `pool_path` (e.g. ("sliding", "kv")) rows[index] set to `value`."""
+    parent = cache
+    for name in pool_path[:-1]:
+        parent = getattr(parent, name)
+    rows = np.array(getattr(parent, pool_path[-1]).rows)
+    rows[index] = value
+    poisoned = dataclasses.replace(getattr(parent, pool_path[-1]), rows=jnp.asarray(rows))
+    if pool_path[0] == "sliding":
+        return dataclasses.replace(cache, sliding=dataclasses.replace(cache.sliding, kv=poisoned))
+    return dataclasses.replace(cache, compressed=dataclasses.replace(cache.compressed, **{pool_path[1]: poisoned}))
+
+
+def test_poisoned_rows_matter_exactly_when_a_step_reads_them(runner):
+    rng = np.random.default_rng(1)
+    slot, blocks, other_blocks = 3, [7], [8]
+    ids = rng.integers(0, CONFIG.vocab_size, size=70).astype(np.int32)
+    seq = Sequence(ids[:69], slot=slot, blocks=blocks, plan=[16] * 5)
+    other = Sequence(rng.integers(0, CONFIG.vocab_size, size=40), slot=0, blocks=other_blocks, plan=[16] * 3)
+    run_steps(runner, [seq, other])
+    saved = _copy(runner.cache)
+    lay = runner.layout
+
+    def decode(cache):
+        runner.cache = _copy(cache)
+        return np.asarray(runner.step([StepRow(slot, 69, [int(ids[69])], blocks)]).logits)[0]
+
+    clean = decode(saved)
+    assert np.all(np.isfinite(clean))
+    ring_row = lambda pos: (slot * RING + (pos // BLOCK) % RING, pos % BLOCK)  # noqa: E731
+    # Read rows: the newest window row (every layer reads it), an HCA entry.
+    for layer in range(len(lay.sliding_layers)):
+        assert not np.array_equal(decode(_poison(saved, ("sliding", "kv"), (layer, *ring_row(68)))), clean)
+    assert not np.array_equal(decode(_poison(saved, ("compressed", "hca"), (0, blocks[0], 0))), clean)
+    # Unread rows: positions that left the window (still in the ring), another sequence's blocks.
+    stale = _poison(saved, ("sliding", "kv"), (slice(None), *ring_row(60)))
+    stale = _poison(stale, ("sliding", "kv"), (slice(None), slot * RING + 1))  # a ring block not reached yet
+    stale = _poison(stale, ("sliding", "kv"), (slice(None), slice(0, RING)))  # slot 0's ring
+    stale = _poison(stale, ("compressed", "csa"), (slice(None), other_blocks[0]))
+    stale = _poison(stale, ("compressed", "hca"), (slice(None), other_blocks[0]))
+    np.testing.assert_array_equal(decode(stale), clean)
+    # CSA entries: only the indexer's picks are read (index_topk 2 per layer): poisoning any other
+    # entry changes nothing, poisoning a pick changes the logits.
+    entries = 70 // CONFIG.csa_compress_ratio
+    changed = 0
+    for layer in range(len(lay.csa_layers)):
+        for j in range(entries):
+            got = decode(_poison(saved, ("compressed", "csa"), (layer, blocks[0], j)))
+            if not np.array_equal(got, clean):
+                changed += 1
+    assert 1 <= changed <= CONFIG.index_topk * len(lay.csa_layers)
+    runner.cache = saved
+
+
+# ---- the golden flash-like fixture ---------------------------------------------------------------
+def test_greedy_generation_follows_the_full_forward_on_hc4_flash_like(golden_dir):
+    model = dsv4_jax.load_model(golden_dir / "hc4_flash_like" / "checkpoint")
+    runner = ModelRunner(model, _layout(model.config, "float32", slots=1, max_model_len=128),
+                         buckets=StepBuckets(prefill=((1, 16),), decode=(1,)))
+    runner.warmup()
+    prompt = [int(t) for t in np.load(golden_dir / "hc4_flash_like" / "input_ids_short.npy")[0]]
+    tokens = list(prompt)
+    out = runner.step([StepRow(0, 0, prompt, [0])])
+    for _ in range(24):
+        tokens.append(int(np.argmax(np.asarray(out.logits)[0])))
+        out = runner.step([StepRow(0, len(tokens) - 1, [tokens[-1]], [0])])
+    assert runner.compiles.compiles == 0
+    generated = tokens[len(prompt) :]
+    assert len(set(generated)) >= 4, generated  # a random tiny model must not just repeat a token
+    full = np.asarray(model(np.array([tokens], np.int32)))[0]  # (after the compile check)
+    checked = 0
+    for i, token in enumerate(generated):
+        row = full[len(prompt) - 1 + i]
+        top2 = np.sort(row)[-2:]
+        if top2[1] - top2[0] > 1e-3:
+            assert token == int(np.argmax(row)), i
+            checked += 1
+    assert checked >= len(generated) - 2
