@@ -207,15 +207,18 @@ def _resolve_attention(
 
 
 def _attention_core(
-    attention_backend: str | None, config: DeepseekV4Config, kv_cache_dtype: str | None
+    attention_backend: str | None, config: DeepseekV4Config, kv_spec: KVCacheSpec | None
 ) -> AttentionCore:
-    """The dense reference, or the paged core on `attention_backend` with pools in `kv_cache_dtype`
-    (the resolved `--kv-cache-dtype`; None: the backend's own format)."""
+    """The dense reference, or the paged core on `attention_backend` with pools as the resolved
+    `--kv-cache-dtype` spec says (None: the backend's own format)."""
     if attention_backend is None:
         return dense_attention
     from dsv4_jax.model.paged_core import PagedAttentionCore
 
-    core = PagedAttentionCore(attention_backend, config.qk_rope_head_dim, kv_cache_dtype=kv_cache_dtype)
+    core = PagedAttentionCore(
+        attention_backend, config.qk_rope_head_dim, kv_cache_dtype=kv_spec.kv_cache_dtype if kv_spec else None,
+        indexer_dtype=kv_spec.indexer_dtype if kv_spec else None,
+    )
     core.backend  # noqa: B018  (an unknown name fails here, not at the first call)
     return core
 
@@ -264,7 +267,7 @@ def load_model(
     placer = _Placer(config, stack_layers)
     report = load_checkpoint(path, config, placer)
     module = _assemble(config, report.mtp_enabled, stack_layers, placer.placed)
-    core = _attention_core(attention_backend, config, kv_spec.kv_cache_dtype if kv_spec else None)
+    core = _attention_core(attention_backend, config, kv_spec)
     model = CausalLM(module, options, report.mtp_enabled, core)
     model.kv_cache_spec = kv_spec  # what --kv-cache-dtype resolved to, or None
     return model

@@ -203,3 +203,46 @@ def test_greedy_generation_follows_the_full_forward_on_hc4_flash_like(golden_dir
             assert token == int(np.argmax(row)), i
             checked += 1
     assert checked >= len(generated) - 2
+
+
+# ---- rounded caches ------------------------------------------------------------------------------
+# Hash routing everywhere and index_topk >= every entry: bf16 / fp8 rounding can then flip neither
+# a router nor an indexer choice, so the cached path can also be held against the dense forward.
+ROUNDED = CONFIG.replace(num_hash_layers=CONFIG.num_hidden_layers, index_topk=16)
+
+
+@pytest.fixture(scope="module")
+def rounded_checkpoint(tmp_path_factory):
+    return write_random_checkpoint(tmp_path_factory.mktemp("rounded") / "ckpt", ROUNDED, seed=5)
+
+
+# The cached path and the full forward compute KV with different matmul shapes, so their float32
+# values differ by ~1e-7; where a value straddles a rounding boundary of the cache format the two
+# land one ulp of the format apart. Such flips are rare and each moves one element of one row, so
+# the logits move far less than one bf16 ulp at their scale (measured: bf16 1.6e-4, fp8 3.8e-4).
+SAME_BACKEND = 2.0**-8
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["bfloat16", "fp8_ds_mla"])
+def test_rounded_caches_equal_the_full_forward_through_the_same_backend(rounded_checkpoint, kv_cache_dtype, capsys):
+    fp8 = kv_cache_dtype == "fp8_ds_mla"
+    # The dense float32 forward with the official QAT rounding of KV to the fp8 grid (spec 3.8)
+    # where the cache is fp8: the numerics an fp8 cache is meant to reproduce.
+    dense = dsv4_jax.load_model(rounded_checkpoint, kv_cache_rounding=fp8)
+    reference = dsv4_jax.load_model(rounded_checkpoint, attention_backend="xla", kv_cache_dtype=kv_cache_dtype)
+    runner = ModelRunner(dense, _layout(ROUNDED, kv_cache_dtype, slots=2, max_model_len=128),
+                         buckets=StepBuckets(prefill=((2, 16),), decode=(2,)))
+    runner.warmup()
+    ids = np.random.default_rng(2).integers(0, ROUNDED.vocab_size, size=(2, 40)).astype(np.int32)
+    assert 40 // ROUNDED.csa_compress_ratio <= ROUNDED.index_topk and 40 // 16 >= 2  # HCA entries too
+    seqs = [Sequence(ids[i], slot=i, blocks=[i], plan=[16, 7 + i, 16]) for i in range(2)]
+    got = np.stack(run_steps(runner, seqs))
+    same_backend = relative_error(got, np.asarray(reference(ids)))
+    error = relative_error(got, np.asarray(dense(ids)))
+    with capsys.disabled():
+        print(f"\n{kv_cache_dtype} cache: vs the full forward on the same backend {same_backend:.2e}, "
+              f"vs the dense float32 forward {error:.2e} (x max|logits|)")
+    assert same_backend <= SAME_BACKEND
+    # Against the dense forward the cache's bf16 rows and bf16 attention operands show: a few bf16
+    # ulps at the logits' scale.
+    assert error <= 4 * 2.0**-8

@@ -84,7 +84,9 @@ class Attention(nnx.Module):
             if options.kv_cache_rounding:
                 compressed = kv_rounding.kv_cache_round_trip(compressed, self.rope_dim)
         if self.layer_type == CSA:
-            compressed_idx = self.indexer(x, q_latent, cos, sin, round_keys=options.kv_cache_rounding)
+            # A core that reads a KV cache picks entries as the cache does (its `select_entries`).
+            select = getattr(core, "select_entries", None)
+            compressed_idx = self.indexer(x, q_latent, cos, sin, round_keys=options.kv_cache_rounding, select=select)
         sinks = self.attn_sink[...].astype(jnp.float32)
         out = core(q, kv, compressed, compressed_idx, sinks, window=self.window, ratio=max(self.ratio, 1))
         return self.output(out, cos, sin, x.dtype)

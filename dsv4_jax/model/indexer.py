@@ -3,6 +3,8 @@ and keeps the top-k visible ones for the attention to read."""
 
 from __future__ import annotations
 
+from typing import Callable
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -43,13 +45,19 @@ class Indexer(nnx.Module):
         sin: jax.Array,
         *,
         round_keys: bool = False,
-    ) -> jax.Array:  # [batch, seq, min(topk, entries)] int32, -1 = nothing to read
+        select: Callable[..., jax.Array] | None = None,
+    ) -> jax.Array:  # [batch, seq, k] int32, -1 = nothing to read (k = min(topk, entries) here)
+        """Top-k entries per query of a whole sequence. `select(q, weights, keys, topk=, ratio=)`
+        replaces the dense selection when attention reads a KV cache: it stores the keys as the
+        cache does (rounding them itself) and picks with the cache's indexer kernel."""
         keys = self.compressor(x, cos, sin)  # [batch, n, index_head_dim]
+        q, weights = self.queries(q_latent, cos, sin), self.head_weights(x)
+        if select is not None:
+            return select(q, weights, keys, topk=self.topk, ratio=self.ratio)
         if round_keys:
             keys = kv_rounding.indexer_key_round_trip(keys)
-        q = self.queries(q_latent, cos, sin)
         scores = jnp.einsum("bshd,bnd->bshn", q.astype(jnp.float32), keys.astype(jnp.float32))
-        scores = jnp.einsum("bshn,bsh->bsn", jax.nn.relu(scores), self.head_weights(x))
+        scores = jnp.einsum("bshn,bsh->bsn", jax.nn.relu(scores), weights)
         return select_visible_topk(scores, self.ratio, self.topk)
 
 

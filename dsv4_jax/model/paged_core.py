@@ -18,7 +18,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from dsv4_jax.kv_cache.paged import KVPlanes, kv_planes
+from dsv4_jax.kv_cache.paged import KVPlanes, indexer_planes, kv_planes
 from dsv4_jax.kv_cache.resolver import BFLOAT16, FP8_DS_MLA
 from pallas_kernels.backend import AttentionBackend, get_backend
 
@@ -31,6 +31,7 @@ class PagedAttentionCore:
     rope_dim: int
     block_size: int = 16  # compressed entries per pool block
     kv_cache_dtype: str | None = None  # the resolved KVCacheSpec.kv_cache_dtype; None: the backend's format
+    indexer_dtype: str | None = None  # the resolved KVCacheSpec.indexer_dtype; None: follows the KV format
 
     @property
     def backend(self) -> AttentionBackend:
@@ -40,8 +41,45 @@ class PagedAttentionCore:
         """A zeroed one-layer pool [1, blocks, block_size, ...] in `kv_cache_dtype`, else in the
         backend's KV format (the xla backend reads any; it gets fp8_ds_mla, the format the model's
         KV rounding matches)."""
-        kv_cache_dtype = self.kv_cache_dtype or (BFLOAT16 if self.backend.kv_format == "bf16" else FP8_DS_MLA)
-        return kv_planes(kv_cache_dtype, (1, blocks, self.block_size), head_dim, self.rope_dim)
+        return kv_planes(self._kv_dtype, (1, blocks, self.block_size), head_dim, self.rope_dim)
+
+    @property
+    def _kv_dtype(self) -> str:
+        return self.kv_cache_dtype or (BFLOAT16 if self.backend.kv_format == "bf16" else FP8_DS_MLA)
+
+    @property
+    def _indexer_dtype(self) -> str:
+        return self.indexer_dtype or {FP8_DS_MLA: "fp8"}.get(self._kv_dtype, self._kv_dtype)
+
+    @staticmethod
+    def _paged(batch: int, entries: int, block_size: int) -> tuple[int, jax.Array, jax.Array]:
+        """Blocks per sequence, block table [batch, per_seq] and the entries' flat slots [batch * entries]."""
+        per_seq = math.ceil(entries / block_size)
+        table = jnp.arange(batch * per_seq, dtype=jnp.int32).reshape(batch, per_seq)
+        slots = (jnp.arange(batch)[:, None] * per_seq * block_size + jnp.arange(entries)).reshape(-1)
+        return per_seq, table, slots.astype(jnp.int32)
+
+    def select_entries(
+        self,
+        q: jax.Array,  # [batch, seq, index_heads, index_head_dim] rotated indexer queries
+        weights: jax.Array,  # [batch, seq, index_heads] fp32 head weights
+        keys: jax.Array,  # [batch, entries, index_head_dim] indexer keys (not rounded)
+        *,
+        topk: int,
+        ratio: int,
+    ) -> jax.Array:  # [batch, seq, topk] int32, -1 = none
+        """The CSA entries each query reads, picked as the cache picks them: the keys are stored
+        in an indexer pool of `indexer_dtype` with the backend's `write_indexer_keys` (which
+        rounds them as the cache does) and ranked by its `indexer_topk`."""
+        batch, seq = q.shape[:2]
+        entries, dim = keys.shape[1:]
+        if entries == 0:
+            return jnp.full((batch, seq, topk), -1, jnp.int32)
+        per_seq, table, slots = self._paged(batch, entries, self.block_size)
+        pool = indexer_planes(self._indexer_dtype, (1, batch * per_seq, self.block_size), dim)
+        pool = self.backend.write_indexer_keys(pool, keys.reshape(batch * entries, dim), slots)
+        starts, lens = jnp.zeros((batch,), jnp.int32), jnp.full((batch,), seq, jnp.int32)
+        return self.backend.indexer_topk(q, weights, pool, table, starts, lens, topk=topk, ratio=ratio)
 
     def __call__(
         self,
@@ -64,11 +102,9 @@ class PagedAttentionCore:
         pool = table = None
         if compressed_kv is not None and compressed_kv.shape[1] > 0:
             entries = compressed_kv.shape[1]
-            per_seq = math.ceil(entries / self.block_size)
+            per_seq, table, slots = self._paged(batch, entries, self.block_size)
             pool = self._empty_pool(batch * per_seq, head_dim)
-            table = jnp.arange(batch * per_seq, dtype=jnp.int32).reshape(batch, per_seq)
-            slots = (jnp.arange(batch)[:, None] * per_seq * self.block_size + jnp.arange(entries)).reshape(-1)
-            pool = backend.write_kv(pool, compressed_kv.reshape(batch * entries, head_dim), slots.astype(jnp.int32))
+            pool = backend.write_kv(pool, compressed_kv.reshape(batch * entries, head_dim), slots)
         else:
             compressed_idx = None
         return backend.prefill(
