@@ -54,7 +54,7 @@ ALLOWED_TOP_LEVEL = frozenset(sys.stdlib_module_names) | {
     "jax", "jaxlib", "numpy", "ml_dtypes", "safetensors", "flax",  # runtime packages
     "dsv4_jax", "pallas_kernels",  # this repository
 }
-CHECKED_DIRS = ("dsv4_jax/model", "dsv4_jax/kv_cache", "dsv4_jax/chat", "pallas_kernels", "benchmarks")
+CHECKED_DIRS = ("dsv4_jax/model", "dsv4_jax/kv_cache", "dsv4_jax/chat", "dsv4_jax/engine", "pallas_kernels", "benchmarks")
 CHECKED_FILES = tuple(
     f"dsv4_jax/{name}.py"
     for name in ("config", "presets", "weights", "checkpoint", "loading", "testing", "builtin", "plan")

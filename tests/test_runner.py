@@ -246,3 +246,19 @@ def test_rounded_caches_equal_the_full_forward_through_the_same_backend(rounded_
     # Against the dense forward the cache's bf16 rows and bf16 attention operands show: a few bf16
     # ulps at the logits' scale.
     assert error <= 4 * 2.0**-8
+
+
+def test_decode_token_ids_can_come_from_the_previous_steps_device_output(runner):
+    """The engine overlaps host and device work by feeding sampled ids back without a host trip."""
+    prompt = [5, 6, 7, 8, 9]
+    snapshot = _copy(runner.cache)
+    first = runner.step([StepRow(0, 0, prompt, [9])])
+    sampled = jnp.argmax(first.logits, axis=-1).astype(jnp.int32)[:1, None]  # [B=1, S=1] on the device
+    on_device = np.asarray(runner.step([StepRow(0, 5, [0], [9])], token_ids=sampled).logits)[0]
+    runner.cache = snapshot
+    first = runner.step([StepRow(0, 0, prompt, [9])])
+    token = int(np.argmax(np.asarray(first.logits)[0]))
+    from_host = np.asarray(runner.step([StepRow(0, 5, [token], [9])]).logits)[0]
+    np.testing.assert_array_equal(on_device, from_host)
+    with pytest.raises(ValueError, match="bucket"):
+        runner.step([StepRow(0, 6, [0], [9])], token_ids=jnp.zeros((2, 1), jnp.int32))

@@ -1,0 +1,54 @@
+"""A request as the scheduler sees it: its tokens, how far its KV is computed, and what it holds
+in the cache (a sequence slot and compressed blocks). Plain Python: no jax here."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import time
+from typing import Any
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # not started, or preempted (its KV is recomputed from scratch)
+    RUNNING = "running"  # holds a slot and blocks
+    FINISHED_STOPPED = "stop"  # EOS, a stop token or a stop string
+    FINISHED_LENGTH = "length"  # max_tokens or max_model_len reached
+    FINISHED_ABORTED = "abort"  # the caller aborted it
+
+    @property
+    def finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
+
+    @property
+    def finish_reason(self) -> str | None:
+        """OpenAI's finish_reason: "stop", "length", "abort" (None while not finished)."""
+        return self.value if self.finished else None
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    max_tokens: int  # completion tokens this request may produce
+    sampling_params: Any = None  # the engine's; the scheduler never reads it
+    arrival_time: float = dataclasses.field(default_factory=time.monotonic)
+    output_token_ids: list[int] = dataclasses.field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0  # leading tokens whose KV is in the cache
+    slot: int | None = None  # sequence slot: its sliding ring and compressor state
+    compressed_blocks: list[int] = dataclasses.field(default_factory=list)  # block k: positions [k*bs, (k+1)*bs)
+    dp_rank: int = 0  # the data-parallel rank whose pools hold it
+    num_preemptions: int = 0
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return [*self.prompt_token_ids, *self.output_token_ids]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
