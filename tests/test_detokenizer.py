@@ -1,0 +1,68 @@
+"""Incremental detokenization against the real V4 tokenizer: whole characters only, stop strings
+never shown (not even in part), the same text as decoding everything at once."""
+
+from __future__ import annotations
+
+import pytest
+
+from dsv4_jax.engine.detokenizer import REPLACEMENT, IncrementalDetokenizer
+from dsv4_jax.tokenizer import load_tokenizer
+
+TEXTS = [
+    "Hello, world! Plain ASCII with  two spaces.",
+    "混合文本：深度求索 DeepSeek-V4 和 emoji 🚀🧪, café naïve Ωmega.",
+    "def f(x):\n    return x ** 2  # 平方\n",
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer()
+
+
+def feed(detok, ids):
+    pieces = [detok.add(i) for i in ids]
+    return pieces, detok.finish()
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_pieces_are_whole_characters_and_add_up_to_the_full_decode(tokenizer, text):
+    prompt = tokenizer.encode("User: say something.", add_special_tokens=False).ids
+    ids = tokenizer.encode(text, add_special_tokens=False).ids
+    if "🚀" in text:  # this text does put one character's bytes in several tokens
+        assert any(REPLACEMENT in tokenizer.decode([i]) for i in ids)
+    pieces, tail = feed(IncrementalDetokenizer(tokenizer, prompt), ids)
+    assert all(REPLACEMENT not in p for p in pieces)
+    assert "".join(pieces) + tail == tokenizer.decode(ids)
+
+
+def test_a_stop_string_ends_the_text_and_never_leaks_even_in_part(tokenizer):
+    text = "The answer is 42. STOP HERE and nothing after."
+    ids = tokenizer.encode(text, add_special_tokens=False).ids
+    detok = IncrementalDetokenizer(tokenizer, [], stop=["STOP HERE", "never"])
+    shown = ""
+    for i in ids:
+        shown += detok.add(i)
+        assert "S" not in shown[len("The answer is 42. ") - 1 :]  # no prefix of the stop string shown
+        if detok.stopped_by:
+            break
+    shown += detok.finish()
+    assert detok.stopped_by == "STOP HERE"
+    assert shown == "The answer is 42. " == detok.text
+
+
+def test_include_stop_str_in_output_and_the_earliest_stop_wins(tokenizer):
+    ids = tokenizer.encode("abc END xyz STOP", add_special_tokens=False).ids
+    detok = IncrementalDetokenizer(tokenizer, [], stop=["STOP", "END"], include_stop_str_in_output=True)
+    pieces, tail = feed(detok, ids)
+    assert "".join(pieces) + tail == "abc END" and detok.stopped_by == "END"
+    assert detok.add(ids[0]) == ""  # nothing after the stop
+
+
+def test_special_tokens_are_skipped_or_kept(tokenizer):
+    eos = tokenizer.token_to_id("<｜end▁of▁sentence｜>")
+    ids = [*tokenizer.encode("Done.", add_special_tokens=False).ids, eos]
+    skipped, tail = feed(IncrementalDetokenizer(tokenizer, []), ids)
+    assert "".join(skipped) + tail == "Done."
+    kept, tail = feed(IncrementalDetokenizer(tokenizer, [], skip_special_tokens=False), ids)
+    assert "".join(kept) + tail == "Done.<｜end▁of▁sentence｜>"
