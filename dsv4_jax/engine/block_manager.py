@@ -1,0 +1,142 @@
+"""The cache's allocators for one data-parallel rank: sequence slots and compressed blocks.
+
+A slot owns a fixed sliding ring (the runner derives its block ids from the slot) and a
+compressor-state row, so the slot allocator is also the sliding-block allocator. Compressed blocks
+are `block_size` positions each (one id covers the CSA, HCA and indexer pools together); a
+sequence that has written positions [0, n) holds exactly ceil(n / block_size) of them, in order.
+Blocks carry reference counts so that a later prefix cache can share them; today every block has
+at most one holder. Plain Python: no jax here.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+
+from dsv4_jax.engine.request import Request
+
+
+class BlockManager:
+    """Free lists and reference counts of one rank's slots and compressed blocks."""
+
+    def __init__(
+        self,
+        num_seq_slots: int,
+        num_compressed_blocks: int,
+        block_size: int,
+        max_blocks_per_seq: int,
+        usable_blocks_cap: int | None = None,  # test-only: fewer usable blocks, same pool sizes
+    ):
+        for name, value in (
+            ("num_seq_slots", num_seq_slots), ("num_compressed_blocks", num_compressed_blocks),
+            ("block_size", block_size), ("max_blocks_per_seq", max_blocks_per_seq),
+        ):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"BlockManager {name} must be an int >= 1, got {value!r}")
+        if usable_blocks_cap is not None and not (
+            isinstance(usable_blocks_cap, int) and 1 <= usable_blocks_cap <= num_compressed_blocks
+        ):
+            raise ValueError(
+                f"usable_blocks_cap must be None or an int in [1, num_compressed_blocks={num_compressed_blocks}], "
+                f"got {usable_blocks_cap!r}"
+            )
+        self.num_seq_slots = num_seq_slots
+        self.num_compressed_blocks = num_compressed_blocks
+        self.block_size = block_size
+        self.max_blocks_per_seq = max_blocks_per_seq
+        self.num_usable_blocks = usable_blocks_cap or num_compressed_blocks
+        self._free_slots = collections.deque(range(num_seq_slots))
+        self._free_blocks = collections.deque(range(self.num_usable_blocks))
+        self._ref_counts = [0] * num_compressed_blocks
+        self._holders: dict[str, Request] = {}  # requests holding a slot or blocks, by id
+
+    # ---- counters ---------------------------------------------------------------------------
+    @property
+    def num_free_slots(self) -> int:
+        return len(self._free_slots)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free_blocks)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of the usable compressed blocks in use, 0..1 (vllm:kv_cache_usage_perc)."""
+        return 1.0 - self.num_free_blocks / self.num_usable_blocks
+
+    def blocks_for(self, num_tokens: int) -> int:
+        """Compressed blocks that positions [0, num_tokens) occupy."""
+        return math.ceil(num_tokens / self.block_size)
+
+    # ---- allocation -------------------------------------------------------------------------
+    def allocate_slot(self, request: Request) -> int:
+        """Give `request` a free slot (the caller checks `num_free_slots` first)."""
+        if request.slot is not None:
+            raise ValueError(f"request {request.request_id} already holds slot {request.slot}")
+        if not self._free_slots:
+            raise RuntimeError(
+                f"no free sequence slot for request {request.request_id} (all {self.num_seq_slots} held)"
+            )
+        request.slot = self._free_slots.popleft()
+        self._holders[request.request_id] = request
+        return request.slot
+
+    def allocate_blocks(self, request: Request, up_to_tokens: int) -> bool:
+        """Grow `request`'s blocks to cover positions [0, up_to_tokens). False, allocating
+        nothing, when too few blocks are free; a sequence longer than the block table is a bug."""
+        needed = self.blocks_for(up_to_tokens)
+        if needed > self.max_blocks_per_seq:
+            raise ValueError(
+                f"request {request.request_id}: {up_to_tokens} tokens need {needed} compressed blocks of "
+                f"{self.block_size}, more than max_blocks_per_seq={self.max_blocks_per_seq}"
+            )
+        missing = needed - len(request.compressed_blocks)
+        if missing > len(self._free_blocks):
+            return False
+        for _ in range(max(missing, 0)):
+            block = self._free_blocks.popleft()
+            self._ref_counts[block] += 1
+            request.compressed_blocks.append(block)
+        if missing > 0:
+            self._holders[request.request_id] = request
+        return True
+
+    def free(self, request: Request) -> None:
+        """Release everything `request` holds (its slot and its block references)."""
+        for block in request.compressed_blocks:
+            self._ref_counts[block] -= 1
+            if self._ref_counts[block] == 0:
+                self._free_blocks.append(block)
+        request.compressed_blocks.clear()
+        if request.slot is not None:
+            self._free_slots.append(request.slot)
+            request.slot = None
+        self._holders.pop(request.request_id, None)
+
+    # ---- checks -----------------------------------------------------------------------------
+    def check_invariants(self) -> None:
+        """Every usable block is either free (count 0, listed once) or referenced exactly as often
+        as holders list it; no block beyond the usable cap is ever handed out; every slot is
+        either free or held by exactly one request. Raises RuntimeError naming the first breach."""
+        held = [0] * self.num_compressed_blocks
+        for request in self._holders.values():
+            for block in request.compressed_blocks:
+                held[block] += 1
+        free = [0] * self.num_compressed_blocks
+        for block in self._free_blocks:
+            free[block] += 1
+        expected_free = [int(count == 0 and b < self.num_usable_blocks) for b, count in enumerate(held)]
+        if held != self._ref_counts or free != expected_free:
+            block = next(b for b, count in enumerate(held)
+                         if (count, free[b]) != (self._ref_counts[b], expected_free[b]))
+            raise RuntimeError(f"block {block}: reference count {self._ref_counts[block]}, listed by holders "
+                               f"{held[block]} times, free {free[block]} times "
+                               f"(usable blocks: {self.num_usable_blocks})")
+        slots = [r.slot for r in self._holders.values() if r.slot is not None]
+        if sorted([*slots, *self._free_slots]) != list(range(self.num_seq_slots)):
+            raise RuntimeError(f"slots held {sorted(slots)} and free {sorted(self._free_slots)} do not partition "
+                               f"[0, {self.num_seq_slots})")
+        for request in self._holders.values():
+            if len(request.compressed_blocks) > self.max_blocks_per_seq:
+                raise RuntimeError(f"request {request.request_id} holds {len(request.compressed_blocks)} blocks, "
+                                   f"more than max_blocks_per_seq={self.max_blocks_per_seq}")
