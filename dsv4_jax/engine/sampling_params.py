@@ -1,0 +1,147 @@
+"""`SamplingParams`: how one request is sampled, with vLLM's names, defaults and ranges, so a vLLM
+client's arguments mean the same here. Plain Python: no jax here.
+
+Everything is checked when the object is made: a bad value raises a ValueError naming the
+argument, the value found and what is allowed, before the request reaches the engine. Token ids
+are checked against the vocabulary later (`check_token_ids`), once the model is known.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+
+# Greedy below this temperature: dividing logits by less overflows float32 (vLLM's _SAMPLING_EPS).
+GREEDY_TEMPERATURE = 1e-5
+# Top logprobs a request may ask for, besides the sampled token's (vLLM's default --max-logprobs).
+MAX_LOGPROBS = 20
+# logit_bias entries a request may carry: the sampler holds them in a fixed-width array.
+MAX_LOGIT_BIAS = 300
+_INT64 = (-(2**63), 2**63 - 1)  # OpenAI's seed range
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _bad(name: str, value: object, allowed: str) -> ValueError:
+    return ValueError(f"SamplingParams.{name} must be {allowed}, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SamplingParams:
+    """Sampling of one request. `temperature` below 1e-5 (0 included) means greedy; `top_k` 0 or
+    -1 means no top-k (stored as 0); `stop` is stored as a list, `stop_token_ids` as a list."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    logprobs: int | None = None  # top logprobs returned besides the sampled token's
+    prompt_logprobs: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        self._check_ints()
+        self._check_reals()
+        self._check_lists()
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise _bad(name, getattr(self, name), "a bool")
+        if self.top_k == -1:
+            object.__setattr__(self, "top_k", 0)
+
+    def _check_ints(self) -> None:
+        bounds = {  # name: (lowest, highest, whether None is allowed)
+            "n": (1, None, False),
+            "top_k": (-1, None, False),
+            "seed": (*_INT64, True),
+            "logprobs": (0, MAX_LOGPROBS, True),
+            "prompt_logprobs": (0, MAX_LOGPROBS, True),
+            "max_tokens": (1, None, True),
+            "min_tokens": (0, None, False),
+        }
+        for name, (low, high, optional) in bounds.items():
+            value = getattr(self, name)
+            allowed = f"an int in [{low}, {'inf' if high is None else high}]" + (" or None" if optional else "")
+            if value is None and optional:
+                continue
+            if not _is_int(value) or value < low or (high is not None and value > high):
+                raise _bad(name, value, allowed)
+            object.__setattr__(self, name, int(value))
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise _bad("min_tokens", self.min_tokens, f"at most max_tokens ({self.max_tokens})")
+
+    def _check_reals(self) -> None:
+        ranges = {  # name: (test, description of what is allowed)
+            "temperature": (lambda v: v >= 0, "a finite number >= 0"),
+            "top_p": (lambda v: 0 < v <= 1, "a number in (0, 1]"),
+            "min_p": (lambda v: 0 <= v <= 1, "a number in [0, 1]"),
+            "presence_penalty": (lambda v: -2 <= v <= 2, "a number in [-2, 2]"),
+            "frequency_penalty": (lambda v: -2 <= v <= 2, "a number in [-2, 2]"),
+            "repetition_penalty": (lambda v: v > 0, "a finite number > 0"),
+        }
+        for name, (ok, allowed) in ranges.items():
+            value = getattr(self, name)
+            if not _is_real(value) or not math.isfinite(value) or not ok(value):
+                raise _bad(name, value, allowed)
+            object.__setattr__(self, name, float(value))
+
+    def _check_lists(self) -> None:
+        bias = self.logit_bias
+        if bias is not None:
+            if not isinstance(bias, dict) or len(bias) > MAX_LOGIT_BIAS:
+                raise _bad("logit_bias", bias, f"a dict of at most {MAX_LOGIT_BIAS} {{token id: bias}} entries")
+            for token, value in bias.items():
+                if not _is_int(token) or token < 0:
+                    raise ValueError(f"SamplingParams.logit_bias keys must be token ids (ints >= 0), got {token!r}")
+                if not _is_real(value) or not math.isfinite(value):
+                    raise ValueError(
+                        f"SamplingParams.logit_bias values must be finite numbers, got {value!r} for {token}"
+                    )
+            object.__setattr__(self, "logit_bias", {int(t): float(v) for t, v in bias.items()})
+        stop = [self.stop] if isinstance(self.stop, str) else self.stop
+        if stop is None:
+            stop = []
+        if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
+            raise _bad("stop", self.stop, "a non-empty str, a list of non-empty str, or None")
+        object.__setattr__(self, "stop", list(stop))
+        ids = [] if self.stop_token_ids is None else self.stop_token_ids
+        if not isinstance(ids, (list, tuple)) or not all(_is_int(t) and t >= 0 for t in ids):
+            raise _bad("stop_token_ids", self.stop_token_ids, "a list of token ids (ints >= 0) or None")
+        object.__setattr__(self, "stop_token_ids", [int(t) for t in ids])
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_TEMPERATURE
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    def check_token_ids(self, vocab_size: int) -> None:
+        """Raise a ValueError if `logit_bias` or `stop_token_ids` name a token outside the
+        vocabulary (the sampler would otherwise drop it silently)."""
+        for name, ids in (("logit_bias", list(self.logit_bias or ())), ("stop_token_ids", self.stop_token_ids)):
+            outside = [t for t in ids if t >= vocab_size]
+            if outside:
+                raise ValueError(
+                    f"SamplingParams.{name} has token ids {outside[:8]} outside the vocabulary [0, {vocab_size})"
+                )

@@ -1,0 +1,341 @@
+"""On-device sampling against numpy references of vLLM's sampling rules.
+
+Compiles: `sample` at (B=32, V=128, with penalties), (B=1, V=128, without), (B=50,000, V=64,
+without: every distribution test in one call), (B=2, V=129,280, without), and `process_logits`
+at (B=32, V=128, with penalties): five in all.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from dsv4_jax.engine.sampler import (
+    SamplerConfig,
+    SamplingRow,
+    build_sampling_batch,
+    process_logits,
+    sample,
+)
+from dsv4_jax.engine.sampling_params import MAX_LOGPROBS, SamplingParams
+
+V = 128
+B = 32
+EOS = 7
+
+
+def _run(logits: np.ndarray, rows, *, bucket: int | None = None, **kwargs):
+    batch = build_sampling_batch(rows, bucket or len(rows), vocab_size=logits.shape[-1], **kwargs)
+    out = sample(*jax.device_put((logits, batch)))
+    return jax.tree.map(np.asarray, out)
+
+
+def _log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x.astype(np.float64)
+    m = x.max(-1, keepdims=True)
+    return x - m - np.log(np.exp(x - m).sum(-1, keepdims=True))
+
+
+# ---- numpy references of vLLM's rules ---------------------------------------------------------
+
+
+def _processed_reference(logits: np.ndarray, row: SamplingRow, eos_ids) -> np.ndarray:
+    """vLLM v1 order: logit_bias, min_tokens bans, then repetition, frequency, presence."""
+    p, x = row.params, logits.astype(np.float64).copy()
+    for token, bias in (p.logit_bias or {}).items():
+        x[token] += bias
+    if len(row.output_token_ids) < p.min_tokens:
+        x[list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_ids))] = -np.inf
+    seen = np.zeros(len(x), bool)
+    seen[list(row.prompt_token_ids) + list(row.output_token_ids)] = True
+    r = p.repetition_penalty
+    x[seen] = np.where(x[seen] > 0, x[seen] / r, x[seen] * r)
+    counts = np.bincount(np.asarray(row.output_token_ids, int), minlength=len(x))
+    return x - p.frequency_penalty * counts - p.presence_penalty * (counts > 0)
+
+
+def _distribution_reference(logits: np.ndarray, p: SamplingParams) -> np.ndarray:
+    """Exact probabilities over the whole vocabulary: temperature, min_p, top_k, then top_p over
+    the renormalised survivors (vLLM sorts ascending and drops while the cumulative mass <= 1 - p,
+    never the most likely token)."""
+    x = logits.astype(np.float64) / p.temperature
+    probs = np.exp(x - x.max())
+    probs /= probs.sum()
+    keep = probs >= p.min_p * probs.max()
+    if p.top_k > 0:
+        keep &= x >= np.sort(x)[::-1][p.top_k - 1]
+    survivors = np.where(keep, probs, 0.0) / probs[keep].sum()
+    ascending = np.argsort(survivors, kind="stable")
+    dropped = np.cumsum(survivors[ascending]) <= 1 - p.top_p
+    dropped[-1] = False
+    keep[ascending[dropped]] = False
+    out = np.where(keep, probs, 0.0)
+    return out / out.sum()
+
+
+def _chi_square_critical(df: int, z: float = 3.090232) -> float:
+    """Wilson-Hilferty approximation of the chi-square quantile; z is the normal quantile
+    (3.090232 for p = 0.001). It errs high, by 2.3% at df = 2, 0.6% at 10 and 0.1% at 50."""
+    h = 2.0 / (9.0 * df)
+    return df * (1.0 - h + z * np.sqrt(h)) ** 3
+
+
+def _chi_square(counts: np.ndarray, probs: np.ndarray) -> tuple[float, int]:
+    """Pearson's statistic over bins of expected count >= 5 (the rest pooled into one bin) and
+    its degrees of freedom."""
+    expected = counts.sum() * probs
+    order = np.argsort(-expected)
+    big = order[expected[order] >= 5]
+    rest = order[expected[order] < 5]
+    obs, exp = list(counts[big].astype(float)), list(expected[big])
+    if expected[rest].sum() >= 5:
+        obs.append(counts[rest].sum())
+        exp.append(expected[rest].sum())
+    else:  # too little to stand alone: pool it with the smallest bin
+        obs[-1] += counts[rest].sum()
+        exp[-1] += expected[rest].sum()
+    obs, exp = np.array(obs), np.array(exp)
+    return float(((obs - exp) ** 2 / exp).sum()), len(obs) - 1
+
+
+def test_chi_square_critical_matches_tables():
+    # Published 0.999 quantiles of chi-square with 10 and 50 degrees of freedom.
+    assert _chi_square_critical(10) == pytest.approx(29.588, rel=1e-2)
+    assert _chi_square_critical(50) == pytest.approx(86.661, rel=2e-3)
+
+
+# ---- distributions ----------------------------------------------------------------------------
+
+DRAWS = 10_000
+DISTRIBUTIONS = {
+    "temperature": SamplingParams(temperature=0.7),
+    "top_k": SamplingParams(top_k=10),
+    "top_p": SamplingParams(temperature=0.9, top_p=0.8),
+    "min_p": SamplingParams(min_p=0.1),
+    "min_p + top_k + top_p": SamplingParams(temperature=1.3, min_p=0.02, top_k=20, top_p=0.7),
+}
+
+
+@pytest.fixture(scope="module")
+def draws():
+    """10,000 unseeded draws per distribution, all in one call (one compile)."""
+    row_logits = (np.random.default_rng(5).normal(size=64) * 1.5).astype(np.float32)
+    rows = [
+        SamplingRow(p, request_index=i * DRAWS + j) for i, p in enumerate(DISTRIBUTIONS.values()) for j in range(DRAWS)
+    ]
+    tokens = _run(np.tile(row_logits, (len(rows), 1)), rows, engine_seed=11, step=3).token_ids
+    return row_logits, dict(zip(DISTRIBUTIONS, tokens.reshape(len(DISTRIBUTIONS), DRAWS)))
+
+
+@pytest.mark.parametrize("name", list(DISTRIBUTIONS))
+def test_draws_follow_the_exact_distribution(draws, name):
+    row_logits, tokens = draws
+    probs = _distribution_reference(row_logits, DISTRIBUTIONS[name])
+    counts = np.bincount(tokens[name], minlength=len(probs))
+    assert counts[probs == 0].sum() == 0, "sampled a token the rules exclude"
+    statistic, df = _chi_square(counts, probs)
+    assert statistic < _chi_square_critical(df), (name, statistic, df)
+
+
+# ---- one step of 32 mixed requests ------------------------------------------------------------
+
+
+def _mixed_rows(rng: np.random.Generator) -> list[SamplingRow]:
+    """32 rows: penalties, biases, min_tokens bans, greedy and random rows, logprob requests."""
+    rows = []
+    for i in range(B):
+        prompt = rng.integers(0, V, rng.integers(1, 40)).tolist()
+        output = rng.integers(0, V, rng.integers(0, 12)).tolist()
+        params = SamplingParams(
+            temperature=0.0 if i % 2 else float(rng.uniform(0.5, 1.5)),
+            top_k=int(rng.integers(0, 30)),
+            repetition_penalty=float(rng.uniform(0.5, 2.0)) if i % 3 else 1.0,
+            frequency_penalty=float(rng.uniform(-2, 2)) if i % 4 else 0.0,
+            presence_penalty=float(rng.uniform(-2, 2)) if i % 5 else 0.0,
+            logit_bias={int(t): float(rng.uniform(-5, 5)) for t in rng.integers(0, V, 3)} if i % 6 else None,
+            min_tokens=int(rng.integers(0, 20)),
+            max_tokens=64,
+            stop_token_ids=[int(rng.integers(0, V))],
+            ignore_eos=bool(i % 7 == 0),
+            seed=int(rng.integers(0, 2**40)) if i % 8 else None,
+            logprobs=int(rng.integers(0, MAX_LOGPROBS + 1)) if i % 3 else None,
+        )
+        rows.append(SamplingRow(params, request_index=i, prompt_token_ids=prompt, output_token_ids=output))
+    return rows
+
+
+@pytest.fixture(scope="module")
+def mixed():
+    rng = np.random.default_rng(0)
+    logits = (rng.normal(size=(B, V)) * 3).astype(np.float32)
+    rows = _mixed_rows(rng)
+    return logits, rows, _run(logits, rows, eos_token_ids=[EOS])
+
+
+def test_process_logits_matches_vllm_rules(mixed):
+    logits, rows, _ = mixed
+    batch = build_sampling_batch(rows, B, vocab_size=V, eos_token_ids=[EOS])
+    processed = np.asarray(jax.jit(process_logits)(*jax.device_put((logits, batch))))
+    expected = np.stack([_processed_reference(x, row, [EOS]) for x, row in zip(logits, rows)])
+    assert np.isinf(expected).any() and (np.abs(expected - logits) > 1e-3).mean() > 0.1  # the rules bite
+    np.testing.assert_allclose(processed, expected, rtol=1e-6, atol=1e-5)
+
+
+def test_greedy_rows_take_the_argmax_after_penalties_and_bans(mixed):
+    logits, rows, out = mixed
+    greedy = [i for i, row in enumerate(rows) if row.params.greedy]
+    expected = [np.argmax(_processed_reference(logits[i], rows[i], [EOS])) for i in greedy]
+    assert (np.array(expected) != logits[greedy].argmax(-1)).any()  # penalties changed some argmax
+    np.testing.assert_array_equal(out.token_ids[greedy], expected)
+
+
+def test_logprobs_are_the_raw_model_distribution(mixed):
+    logits, _, out = mixed
+    reference = _log_softmax(logits)
+    np.testing.assert_allclose(out.logprobs, reference[np.arange(B), out.token_ids], atol=1e-5)
+    top = np.argsort(-reference, axis=-1, kind="stable")[:, :MAX_LOGPROBS]
+    np.testing.assert_array_equal(out.top_token_ids, top)
+    np.testing.assert_allclose(out.top_logprobs, np.take_along_axis(reference, top, -1), atol=1e-5)
+
+
+def test_min_tokens_bans_eos_and_stop_ids_until_reached():
+    logits = np.zeros((1, V), np.float32)
+    logits[0, EOS], logits[0, 20], logits[0, 30] = 9.0, 8.0, 7.0  # EOS best, then stop id 20
+    params = SamplingParams(temperature=0, min_tokens=3, stop_token_ids=[20])
+    cases = [  # (row, expected token); one row per call reuses the B = 1 compile of the seed tests
+        (SamplingRow(params, 0, output_token_ids=[1, 2]), 30),  # below min_tokens: EOS and 20 banned
+        (SamplingRow(params, 1, output_token_ids=[1, 2, 3]), EOS),  # reached: nothing banned
+        (SamplingRow(SamplingParams(temperature=0, min_tokens=3, ignore_eos=True), 2), EOS),  # vLLM: EOS not banned
+        (SamplingRow(SamplingParams(temperature=0, min_tokens=3, ignore_eos=True, stop_token_ids=[EOS]), 3), 20),
+    ]
+    for row, expected in cases:
+        assert _run(logits, [row], eos_token_ids=[EOS]).token_ids[0] == expected, row
+
+
+# ---- seeds ------------------------------------------------------------------------------------
+
+SEED = 1234
+STEPS = 4
+
+
+def _seeded_tokens(row_logits, seed, *, others=None, position=0):
+    """The tokens a seeded request draws over STEPS steps, alone (B = 1) or at `position`
+    among `others`; also the tokens of every row of the last step."""
+    tokens, out = [], None
+    for n in range(STEPS):
+        row = SamplingRow(SamplingParams(temperature=1.0, top_p=0.95, seed=seed), 0, output_token_ids=tokens[:])
+        rows = [row] if others is None else others[:position] + [row] + others[position + 1 :]
+        logits = np.tile(row_logits, (len(rows), 1))
+        out = _run(logits, rows, engine_seed=99, step=n)
+        tokens.append(int(out.token_ids[position]))
+    return tokens, out
+
+
+def test_same_seed_gives_the_same_tokens_alone_and_in_a_batch(mixed):
+    _, others, _ = mixed
+    row_logits = np.linspace(0, 1, V, dtype=np.float32)  # nearly flat: every draw matters
+    alone, _ = _seeded_tokens(row_logits, SEED)
+    twins = [SamplingRow(SamplingParams(temperature=1.0, top_p=0.95, seed=SEED), 5)] + others[1:]
+    in_batch, out = _seeded_tokens(row_logits, SEED, others=twins, position=17)
+    assert alone == in_batch
+    assert out.token_ids[0] == alone[0]  # the twin at row 0 drew its first token, like step 0
+    assert len(set(alone)) > 1  # the counter moves the stream from step to step
+
+
+def test_different_seeds_give_different_tokens():
+    row_logits = np.linspace(0, 1, V, dtype=np.float32)
+    streams = {tuple(_seeded_tokens(row_logits, seed)[0]) for seed in (SEED, SEED + 1, 2**40 + SEED)}
+    assert len(streams) == 3
+
+
+# ---- the real vocabulary ----------------------------------------------------------------------
+
+
+def test_real_vocabulary_greedy_top_k_and_logprobs():
+    vocab = 129_280
+    logits = (np.random.default_rng(2).normal(size=(2, vocab)) * 4).astype(np.float32)
+    rows = [
+        SamplingRow(SamplingParams(temperature=0, logprobs=3), 0),
+        SamplingRow(SamplingParams(temperature=1.0, top_k=50, seed=7), 1),
+    ]
+    out = _run(logits, rows)
+    assert out.token_ids[0] == logits[0].argmax()
+    assert out.token_ids[1] in np.argsort(-logits[1])[:50]
+    reference = _log_softmax(logits)
+    np.testing.assert_allclose(out.logprobs, reference[[0, 1], out.token_ids], atol=1e-5)
+
+
+# ---- host side: SamplingParams and the batch builder ------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kwargs, name, shown",
+    [
+        ({"temperature": -0.1}, "temperature", "-0.1"),
+        ({"temperature": float("nan")}, "temperature", "nan"),
+        ({"temperature": True}, "temperature", "True"),
+        ({"top_p": 0.0}, "top_p", "0.0"),
+        ({"top_p": 1.5}, "top_p", "1.5"),
+        ({"top_k": -2}, "top_k", "-2"),
+        ({"top_k": 2.0}, "top_k", "2.0"),
+        ({"min_p": 1.1}, "min_p", "1.1"),
+        ({"presence_penalty": 2.5}, "presence_penalty", "2.5"),
+        ({"frequency_penalty": -2.5}, "frequency_penalty", "-2.5"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty", "0.0"),
+        ({"logprobs": -1}, "logprobs", "-1"),
+        ({"logprobs": MAX_LOGPROBS + 1}, "logprobs", "21"),
+        ({"prompt_logprobs": MAX_LOGPROBS + 1}, "prompt_logprobs", "21"),
+        ({"n": 0}, "n", "0"),
+        ({"n": True}, "n", "True"),
+        ({"max_tokens": 0}, "max_tokens", "0"),
+        ({"min_tokens": 5, "max_tokens": 4}, "min_tokens", "at most max_tokens (4), got 5"),
+        ({"min_tokens": -1}, "min_tokens", "-1"),
+        ({"seed": 2**63}, "seed", str(2**63)),
+        ({"seed": "7"}, "seed", "'7'"),
+        ({"logit_bias": {"5": 1.0}}, "logit_bias", "'5'"),
+        ({"logit_bias": {5: float("inf")}}, "logit_bias", "inf for 5"),
+        ({"logit_bias": {t: 1.0 for t in range(301)}}, "logit_bias", "at most 300"),
+        ({"stop": ""}, "stop", "''"),
+        ({"stop": ["a", 3]}, "stop", "['a', 3]"),
+        ({"stop_token_ids": [-1]}, "stop_token_ids", "[-1]"),
+        ({"stop_token_ids": 5}, "stop_token_ids", "5"),
+        ({"ignore_eos": 1}, "ignore_eos", "1"),
+    ],
+)
+def test_sampling_params_errors_name_the_argument_and_value(kwargs, name, shown):
+    with pytest.raises(ValueError, match=rf"^SamplingParams\.{name}\b") as error:
+        SamplingParams(**kwargs)
+    assert shown in str(error.value)
+
+
+def test_sampling_params_defaults_and_normalisation():
+    p = SamplingParams()
+    assert (p.n, p.temperature, p.top_p, p.top_k, p.min_p, p.max_tokens, p.stop, p.stop_token_ids) == (
+        1, 1.0, 1.0, 0, 0.0, 16, [], []
+    )
+    assert not p.greedy and SamplingParams(temperature=0).greedy
+    assert SamplingParams(top_k=-1).top_k == 0
+    assert SamplingParams(stop="###").stop == ["###"]
+    assert SamplingParams(max_tokens=None, min_tokens=100).min_tokens == 100
+
+
+def test_token_ids_outside_the_vocabulary_are_rejected():
+    cases = (({"logit_bias": {V: 1.0}}, "logit_bias", V), ({"stop_token_ids": [V + 3]}, "stop_token_ids", V + 3))
+    for kwargs, name, bad in cases:
+        message = rf"SamplingParams\.{name} has token ids \[{bad}\] outside the vocabulary \[0, {V}\)"
+        with pytest.raises(ValueError, match=message):
+            build_sampling_batch([SamplingRow(SamplingParams(**kwargs), 0)], 1, vocab_size=V)
+
+
+def test_batch_builder_rejects_what_does_not_fit():
+    penalised = SamplingRow(SamplingParams(presence_penalty=1.0), 0, prompt_token_ids=list(range(10)))
+    with pytest.raises(ValueError, match=r"SamplerConfig\.penalty_history \(8\)"):
+        build_sampling_batch([penalised], 1, vocab_size=V, config=SamplerConfig(penalty_history=8))
+    banned = SamplingRow(SamplingParams(min_tokens=2, stop_token_ids=[1, 2, 3]), 0)
+    with pytest.raises(ValueError, match=r"SamplerConfig\.max_banned_ids \(2\)"):
+        build_sampling_batch([banned], 1, vocab_size=V, config=SamplerConfig(max_banned_ids=2))
+    with pytest.raises(ValueError, match="bucket 1 holds 1..1 rows, got 2"):
+        build_sampling_batch([penalised, penalised], 1, vocab_size=V)
+    with pytest.raises(ValueError, match=r"SamplerConfig\.candidates must be an int >= 1, got 0"):
+        SamplerConfig(candidates=0)
