@@ -1,6 +1,6 @@
 """dsv4-jax: DeepSeek-V4 in JAX.
 
-Public API: `load_model`, `DeepseekV4Config`, and the `testing` module
+Public API: `load_model`, `DeepseekV4Config`, `LLM` and `SamplingParams` (the engine), and the `testing` module
 (`write_random_checkpoint`). Submodules load lazily so that importing the package touches no
 device (`jax.distributed.initialize` can run first) and pulls in nothing optional.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__all__ = ["load_model", "DeepseekV4Config", "testing"]
+__all__ = ["load_model", "DeepseekV4Config", "LLM", "SamplingParams", "testing"]
 
 
 def __getattr__(name: str) -> Any:
@@ -18,6 +18,14 @@ def __getattr__(name: str) -> Any:
         from dsv4_jax.loading import load_model
 
         return load_model
+    if name == "LLM":
+        from dsv4_jax.engine.llm import LLM
+
+        return LLM
+    if name == "SamplingParams":
+        from dsv4_jax.engine.sampling_params import SamplingParams
+
+        return SamplingParams
     if name == "DeepseekV4Config":
         from dsv4_jax.config import DeepseekV4Config
 

@@ -1,0 +1,250 @@
+"""The synchronous engine: scheduler -> runner -> sampler -> detokenizer, one step at a time.
+
+`step()` asks the scheduler for one runner step (decode rows first, then prefill chunks), runs
+it, samples a token for every row whose chunk reached the end of its request's known tokens (the
+"sampling rows"), hands the tokens back to the scheduler, and then decides which requests stop:
+EOS (unless `ignore_eos`), a stop token, a stop string (found by the detokenizer, never shown even
+in part), `max_tokens` or `max_model_len`. Stop tokens and strings only count once `min_tokens`
+tokens exist (the sampler also bans EOS and stop ids until then).
+
+`completion_tokens` counts every sampled token, the EOS or stop token included (as vLLM does);
+the text leaves out special tokens (`skip_special_tokens`) and the stop string.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+
+from dsv4_jax.engine.detokenizer import IncrementalDetokenizer
+from dsv4_jax.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from dsv4_jax.engine.request import Request, RequestStatus
+from dsv4_jax.engine.runner import ModelRunner, StepBuckets
+from dsv4_jax.engine.sampler import SamplerConfig, SamplingRow, build_sampling_batch, sample
+from dsv4_jax.engine.sampling_params import SamplingParams
+from dsv4_jax.engine.scheduler import Scheduler, SchedulerConfig
+from dsv4_jax.kv_cache.paged import PagedCacheLayout
+
+logger = logging.getLogger(__name__)
+
+_FILLER = SamplingParams(temperature=0.0, max_tokens=1)  # rows that sample nothing this step
+
+
+@dataclasses.dataclass
+class _Tracked:
+    """The engine's side of one request: parameters, text and logprobs so far."""
+
+    request: Request
+    params: SamplingParams
+    index: int  # the engine's number for it: the random stream of an unseeded request
+    prompt: str | None
+    detokenizer: IncrementalDetokenizer
+    logprobs: list[dict[int, Logprob]] | None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None
+    cumulative_logprob: float = 0.0
+    stop_reason: int | str | None = None
+
+    def output(self) -> RequestOutput:
+        r, status = self.request, self.request.status
+        completion = CompletionOutput(
+            index=0, text=self.detokenizer.text, token_ids=list(r.output_token_ids),
+            cumulative_logprob=self.cumulative_logprob if self.logprobs is not None else None,
+            logprobs=self.logprobs, finish_reason=status.finish_reason,
+            stop_reason=self.stop_reason if status is RequestStatus.FINISHED_STOPPED else None,
+        )
+        return RequestOutput(r.request_id, self.prompt, list(r.prompt_token_ids), self.prompt_logprobs,
+                             [completion], status.finished)
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        model,  # dsv4_jax.loading.CausalLM
+        tokenizer: Any,
+        layout: PagedCacheLayout,
+        *,
+        max_num_seqs: int,
+        max_model_len: int,
+        buckets: StepBuckets,
+        attention_backend: str,
+        max_num_batched_tokens: int | None = None,
+        seed: int = 0,
+        sampler_config: SamplerConfig = SamplerConfig(),
+        usable_blocks_cap: int | None = None,  # test-only: forces preemption (BlockManager)
+    ):
+        self.config = model.config
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.seed = seed
+        self.sampler_config = sampler_config
+        eos = self.config.eos_token_id
+        self.eos_token_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+        self.runner = ModelRunner(model, layout, attention_backend=attention_backend, buckets=buckets)
+        self.scheduler = Scheduler(SchedulerConfig.for_runner(
+            buckets, layout, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+            max_num_batched_tokens=max_num_batched_tokens, usable_blocks_cap=usable_blocks_cap,
+        ))
+        self._tracked: dict[str, _Tracked] = {}
+        self._numbers = itertools.count()
+        self._steps = 0
+
+    # ---- requests ---------------------------------------------------------------------------------
+    def add_request(
+        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, prompt: str | None = None
+    ) -> None:
+        """Queue a request; a ValueError (with the numbers) if it can never run."""
+        if request_id in self._tracked:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        ids = [int(t) for t in prompt_token_ids]
+        vocab = self.config.vocab_size
+        bad = sorted({t for t in ids if not 0 <= t < vocab})
+        if bad:
+            raise ValueError(f"prompt token ids must be in [0, {vocab}) (the model's vocabulary); got {bad[:8]}")
+        params.check_token_ids(vocab)
+        room = self.max_model_len - len(ids)
+        max_tokens = params.max_tokens if params.max_tokens is not None else room
+        if room < 1 or max_tokens > room:
+            raise ValueError(
+                f"the prompt ({len(ids)} tokens) plus max_tokens ({max_tokens}) exceeds max_model_len "
+                f"({self.max_model_len})"
+            )
+        request = Request(request_id, ids, max_tokens, sampling_params=params)
+        self.scheduler.add(request)  # may refuse: blocks the pool can never give
+        self._tracked[request_id] = _Tracked(
+            request, params, next(self._numbers), prompt,
+            IncrementalDetokenizer(self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens,
+                                   stop=params.stop or (), include_stop_str_in_output=params.include_stop_str_in_output),
+            logprobs=[] if params.logprobs is not None else None,
+            prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
+        )
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request at any moment and free what it holds; its output so far (or None)."""
+        tracked = self._tracked.pop(request_id, None)
+        if tracked is None:
+            return None
+        self.scheduler.abort(request_id)
+        return tracked.output()
+
+    def has_unfinished(self) -> bool:
+        return bool(self._tracked)
+
+    # ---- one step ------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one step; the outputs of the requests that got a token or finished."""
+        scheduled = self.scheduler.schedule()
+        if not scheduled.rows:
+            return []
+        out = self.runner.step(scheduled.rows)
+        rows = [
+            SamplingRow(self._tracked[r.request.request_id].params, self._tracked[r.request.request_id].index,
+                        r.request.prompt_token_ids, r.request.output_token_ids)
+            if r.is_sampling else SamplingRow(_FILLER, 0)
+            for r in scheduled.rows
+        ]
+        batch = build_sampling_batch(
+            rows, out.bucket[0], vocab_size=self.config.vocab_size, eos_token_ids=self.eos_token_ids,
+            engine_seed=self.seed, step=self._steps, config=self.sampler_config,
+        )
+        self._steps += 1
+        sampled = sample(out.logits, jax.device_put(batch), config=self.sampler_config)
+        self._prompt_logprobs(scheduled.rows, out)
+        tokens = np.asarray(sampled.token_ids)
+        want_logprobs = any(r.is_sampling and self._tracked[r.request.request_id].logprobs is not None
+                            for r in scheduled.rows)
+        logprob_arrays = jax.device_get((sampled.logprobs, sampled.top_token_ids, sampled.top_logprobs)) \
+            if want_logprobs else None
+        got = self.scheduler.update(
+            scheduled, {r.request.request_id: int(tokens[i]) for i, r in enumerate(scheduled.rows) if r.is_sampling}
+        )
+        outputs = []
+        position = {r.request.request_id: i for i, r in enumerate(scheduled.rows)}
+        for request in got:
+            tracked = self._tracked[request.request_id]
+            if logprob_arrays is not None and tracked.logprobs is not None:
+                self._record_logprobs(tracked, logprob_arrays, position[request.request_id])
+            self._after_token(tracked)
+            outputs.append(tracked.output())
+            if request.status.finished:
+                del self._tracked[request.request_id]
+        return outputs
+
+    def _after_token(self, tracked: _Tracked) -> None:
+        request, params = tracked.request, tracked.params
+        token = request.output_token_ids[-1]
+        tracked.detokenizer.add(token)
+        if request.status is RequestStatus.RUNNING and request.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token in self.eos_token_ids:
+                self._finish(tracked, RequestStatus.FINISHED_STOPPED, None)
+            elif token in params.stop_token_ids:
+                self._finish(tracked, RequestStatus.FINISHED_STOPPED, token)
+            elif tracked.detokenizer.stopped_by is not None:
+                self._finish(tracked, RequestStatus.FINISHED_STOPPED, tracked.detokenizer.stopped_by)
+        if request.status is RequestStatus.RUNNING and request.num_tokens >= self.max_model_len:
+            self._finish(tracked, RequestStatus.FINISHED_LENGTH, None)
+        if request.status.finished:
+            tracked.detokenizer.finish()
+
+    def _finish(self, tracked: _Tracked, status: RequestStatus, reason: int | str | None) -> None:
+        tracked.stop_reason = reason
+        self.scheduler.finish(tracked.request.request_id, status)
+
+    def _record_logprobs(self, tracked: _Tracked, arrays, i: int) -> None:
+        sampled_lp, top_ids, top_lps = arrays
+        token = tracked.request.output_token_ids[-1]
+        entry = {token: Logprob(float(sampled_lp[i]))}
+        for rank, (t, lp) in enumerate(zip(top_ids[i][: tracked.params.logprobs], top_lps[i]), start=1):
+            entry.setdefault(int(t), Logprob(float(lp), rank))
+            if int(t) == token:
+                entry[token].rank = rank
+        tracked.logprobs.append(entry)
+        tracked.cumulative_logprob += float(sampled_lp[i])
+
+    def _prompt_logprobs(self, rows, out) -> None:
+        """Logprob of each prompt token given the tokens before it (vLLM's `prompt_logprobs`), from a
+        separate head call over the step's streams; only when some row asked for them."""
+        wanted = [
+            (i, r) for i, r in enumerate(rows)
+            if self._tracked[r.request.request_id].prompt_logprobs is not None and r.start < len(r.request.prompt_token_ids)
+        ]
+        if not wanted:
+            return
+        every = np.asarray(self.runner.all_logits(out))
+        for i, r in wanted:
+            tracked, prompt = self._tracked[r.request.request_id], r.request.prompt_token_ids
+            if len(tracked.prompt_logprobs) > r.start + len(r.token_ids):
+                continue  # recomputed after a preemption: already recorded
+            logits = every[i, : len(r.token_ids)].astype(np.float64)
+            logp = logits - logits.max(-1, keepdims=True)
+            logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+            for s in range(len(r.token_ids)):
+                nxt = r.start + s + 1
+                if nxt >= len(prompt) or nxt < len(tracked.prompt_logprobs):
+                    continue
+                order = np.argsort(-logp[s])[: tracked.params.prompt_logprobs]
+                entry = {int(prompt[nxt]): Logprob(float(logp[s, prompt[nxt]]), int((logp[s] > logp[s, prompt[nxt]]).sum()) + 1)}
+                for rank, t in enumerate(order, start=1):
+                    entry.setdefault(int(t), Logprob(float(logp[s, t]), rank))
+                tracked.prompt_logprobs.append(entry)
+
+    # ---- warm-up ----------------------------------------------------------------------------------
+    def warmup(self) -> int:
+        """Compile every runner bucket and the sampler for each bucket's row count (with and without
+        penalties). Returns the compiles it took; after it, serving compiles nothing."""
+        compiled = self.runner.warmup()
+        self.runner.compiles.reset()
+        vocab = self.config.vocab_size
+        for b in sorted({b for b, _ in self.runner.buckets.all}):
+            logits = jax.numpy.zeros((b, vocab), jax.numpy.float32)
+            for params in (SamplingParams(temperature=1.0, logprobs=1), SamplingParams(repetition_penalty=1.1)):
+                batch = build_sampling_batch([SamplingRow(params, 0, [0], [])], b, vocab_size=vocab,
+                                             config=self.sampler_config)
+                jax.block_until_ready(sample(logits, jax.device_put(batch), config=self.sampler_config))
+        compiled += self.runner.compiles.compiles
+        self.runner.compiles.reset()
+        return compiled

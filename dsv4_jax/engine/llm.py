@@ -1,0 +1,278 @@
+"""`LLM`: the notebook API, in vLLM's shapes.
+
+    from dsv4_jax import LLM, SamplingParams
+    llm = LLM(model="dsv4-tiny")                      # or a DeepSeek-V4 checkpoint directory
+    outs = llm.generate(["Hello"], SamplingParams(max_tokens=16, temperature=0.0))
+    outs[0].outputs[0].text, outs[0].outputs[0].token_ids, outs[0].outputs[0].finish_reason
+    llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=32))
+
+Pools: on a GPU they are sized from `gpu_memory_utilization` of the device's memory minus what the
+weights take (the capacity planner, as vLLM does); on CPU, where JAX reports no memory, from
+`max_num_seqs` x `max_model_len`. `num_gpu_blocks_override` sets the compressed block count.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+from dsv4_jax.engine.outputs import RequestOutput
+from dsv4_jax.engine.runner import StepBuckets
+from dsv4_jax.engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+BUILTIN_NAMES = ("dsv4-tiny",)
+DTYPES = ("auto", "float32", "bfloat16")
+
+
+def _positive_int(name: str, value: Any, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def default_buckets(max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int | None) -> StepBuckets:
+    """Two prefill buckets (one row, and as many rows as fit the token budget) of one chunk length,
+    and two decode buckets (a quarter of max_num_seqs, and max_num_seqs)."""
+    chunk = min(256, 1 << max(1, (max_model_len - 1).bit_length()))
+    budget = max_num_batched_tokens or min(max_num_seqs, 8) * chunk
+    rows = max(1, min(max_num_seqs, budget // chunk))
+    prefill = tuple(sorted({(1, chunk), (rows, chunk)}))
+    decode = tuple(sorted({max(1, max_num_seqs // 4), max_num_seqs}))
+    return StepBuckets(prefill=prefill, decode=decode)
+
+
+def checkpoint_dtype(path: Path) -> str:
+    """The compute dtype `dtype="auto"` means: the checkpoint's own (`config.json`'s `torch_dtype`
+    or `dtype`); bfloat16 when it names none (DeepSeek's checkpoints are bf16 + fp8)."""
+    import json
+
+    from dsv4_jax.config import DeepseekV4Config
+
+    DeepseekV4Config.from_json(path)  # a bad directory fails here, with the file named
+    raw = json.loads((Path(path) / "config.json").read_text(encoding="utf-8"))
+    stored = str(raw.get("torch_dtype") or raw.get("dtype") or "bfloat16")
+    return "float32" if stored in ("float32", "fp32") else "bfloat16"
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str | Path = "dsv4-tiny",
+        *,
+        dtype: str = "auto",
+        kv_cache_dtype: str = "auto",
+        max_model_len: int = 4096,
+        max_num_seqs: int = 8,
+        max_num_batched_tokens: int | None = None,
+        num_gpu_blocks_override: int | None = None,
+        gpu_memory_utilization: float = 0.9,
+        tensor_parallel_size: int = 1,
+        seed: int = 0,
+        tokenizer: str | Path | None = None,
+        block_size: int = 256,
+        buckets: StepBuckets | None = None,
+        usable_blocks_cap: int | None = None,  # test-only: forces preemption without resizing the pools
+    ):
+        import dsv4_jax
+        from dsv4_jax.builtin import builtin_model_dir
+        from dsv4_jax.engine.engine import LLMEngine
+        from dsv4_jax.tokenizer import load_tokenizer
+
+        self._check_arguments(dtype, max_model_len, max_num_seqs, max_num_batched_tokens, num_gpu_blocks_override,
+                              gpu_memory_utilization, tensor_parallel_size, seed)
+        path = builtin_model_dir() if str(model) in BUILTIN_NAMES else Path(model)
+        compute = checkpoint_dtype(path) if dtype == "auto" else dtype
+        self.model = dsv4_jax.load_model(path, dtype=compute, kv_cache_dtype=kv_cache_dtype)
+        self.config = self.model.config
+        if max_model_len > self.config.max_position_embeddings:
+            raise ValueError(f"max_model_len ({max_model_len}) exceeds the model's max_position_embeddings "
+                             f"({self.config.max_position_embeddings})")
+        self.spec = self.model.kv_cache_spec
+        self.tokenizer = load_tokenizer(tokenizer or path)
+        self.plan, self.layout = self._size_pools(max_model_len, max_num_seqs, block_size,
+                                                  gpu_memory_utilization, num_gpu_blocks_override)
+        self.engine = LLMEngine(
+            self.model, self.tokenizer, self.layout, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+            buckets=buckets or default_buckets(max_num_seqs, max_model_len, max_num_batched_tokens),
+            attention_backend=self.spec.attention_backend, max_num_batched_tokens=max_num_batched_tokens,
+            seed=seed, usable_blocks_cap=usable_blocks_cap,
+        )
+        logger.info("%s", self.spec.summary())
+        logger.info("KV cache: %d sequence slots, %d compressed blocks of %d positions (%.1f MiB)",
+                    self.layout.num_seq_slots, self.layout.num_compressed_blocks, self.layout.block_size,
+                    self.cache_bytes / 2**20)
+        start = time.perf_counter()
+        compiled = self.engine.warmup()
+        logger.info("warm-up: %d compiles in %.1fs", compiled, time.perf_counter() - start)
+        self._ids = 0
+
+    # ---- construction -----------------------------------------------------------------------------
+    @staticmethod
+    def _check_arguments(dtype, max_model_len, max_num_seqs, max_num_batched_tokens, num_gpu_blocks_override,
+                         gpu_memory_utilization, tensor_parallel_size, seed) -> None:
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+        _positive_int("max_model_len", max_model_len)
+        _positive_int("max_num_seqs", max_num_seqs)
+        _positive_int("max_num_batched_tokens", max_num_batched_tokens, allow_none=True)
+        _positive_int("num_gpu_blocks_override", num_gpu_blocks_override, allow_none=True)
+        if isinstance(gpu_memory_utilization, bool) or not isinstance(gpu_memory_utilization, (int, float)) \
+                or not 0 < gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r}")
+        _positive_int("tensor_parallel_size", tensor_parallel_size)
+        if tensor_parallel_size != 1:
+            raise ValueError(
+                f"tensor_parallel_size={tensor_parallel_size}: only 1 is supported until sharding over device "
+                "meshes lands; pass tensor_parallel_size=1"
+            )
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise ValueError(f"seed must be an integer, got {seed!r}")
+
+    def _size_pools(self, max_model_len, max_num_seqs, block_size, gpu_memory_utilization, num_gpu_blocks_override):
+        import jax
+
+        from dsv4_jax.kv_cache.paged import PagedCacheLayout
+        from dsv4_jax.kv_cache.planner import live_device_memory, plan_capacity
+
+        device = jax.devices()[0]
+        memory = live_device_memory(device) if device.platform == "gpu" else None
+        weight_bytes = sum(x.nbytes for x in jax.tree.leaves(self.model.state))
+        plan = plan_capacity(
+            self.config, self.spec, max_model_len=max_model_len, device_memory_bytes=memory,
+            gpu_memory_utilization=gpu_memory_utilization, weight_bytes=weight_bytes, block_size=block_size,
+            max_num_seqs=max_num_seqs,
+        )
+        layout = PagedCacheLayout.from_plan(self.config, plan)
+        if num_gpu_blocks_override is not None:
+            need = math.ceil(max_model_len / block_size)
+            if num_gpu_blocks_override < need:
+                raise ValueError(f"num_gpu_blocks_override ({num_gpu_blocks_override}) holds less than one sequence "
+                                 f"of max_model_len {max_model_len} ({need} blocks of {block_size})")
+            layout = dataclasses.replace(layout, num_compressed_blocks=num_gpu_blocks_override)
+        return plan, layout
+
+    @property
+    def cache_bytes(self) -> int:
+        from dsv4_jax.kv_cache.paged import cache_nbytes
+
+        return cache_nbytes(self.engine.runner.cache)
+
+    # ---- generation -------------------------------------------------------------------------------
+    def _prompts(self, prompts) -> list[tuple[str | None, list[int]]]:
+        from dsv4_jax.tokenizer import encode_prompt
+
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        out = []
+        for i, p in enumerate(prompts):
+            if isinstance(p, str):
+                out.append((p, encode_prompt(self.tokenizer, p)))  # exactly one BOS
+            elif isinstance(p, dict) and "prompt_token_ids" in p:
+                out.append((None, [int(t) for t in p["prompt_token_ids"]]))
+            else:
+                raise ValueError(f"prompts[{i}] must be a string or {{'prompt_token_ids': [...]}}, got {type(p).__name__}")
+        return out
+
+    def generate(
+        self,
+        prompts: str | dict | Sequence[str | dict],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """One RequestOutput per prompt (with `n` completions each), in the prompts' order."""
+        items = self._prompts(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params_list = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(items)
+        if len(params_list) != len(items):
+            raise ValueError(f"sampling_params has {len(params_list)} entries for {len(items)} prompts")
+        groups = []
+        try:
+            for (text, ids), params in zip(items, params_list):
+                if not isinstance(params, SamplingParams):
+                    raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
+                base = f"{self._ids}"
+                self._ids += 1
+                children = []
+                for i in range(params.n):
+                    child = params if params.n == 1 else dataclasses.replace(  # child i: seed + i, as vLLM
+                        params, n=1, seed=None if params.seed is None else params.seed + i)
+                    rid = f"{base}-{i}"
+                    self.engine.add_request(rid, ids, child, prompt=text)
+                    children.append(rid)
+                groups.append((base, text, ids, children))
+            finished = self._run(sum(len(g[3]) for g in groups), use_tqdm)
+        except BaseException:
+            for _, _, _, children in groups:
+                for rid in children:
+                    self.engine.abort(rid)
+            raise
+        results = []
+        for base, text, ids, children in groups:
+            outs = [finished[rid] for rid in children]
+            completions = []
+            for i, o in enumerate(outs):
+                o.outputs[0].index = i
+                completions.append(o.outputs[0])
+            results.append(RequestOutput(base, text, ids, outs[0].prompt_logprobs, completions, True))
+        return results
+
+    def _run(self, total: int, use_tqdm: bool) -> dict[str, RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=total, desc="Processed prompts", unit="req", dynamic_ncols=True)
+        start, generated = time.perf_counter(), 0
+        while self.engine.has_unfinished():
+            for out in self.engine.step():
+                generated += 1
+                if out.finished:
+                    finished[out.request_id] = out
+                    if bar is not None:
+                        bar.update(1)
+                        bar.set_postfix_str(f"{generated / (time.perf_counter() - start):.1f} tok/s")
+        if bar is not None:
+            bar.close()
+        return finished
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        sampling_params: SamplingParams | None = None,
+        use_tqdm: bool = True,
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        reasoning_effort: str | None = None,
+    ) -> list[RequestOutput]:
+        """Chat completions: the V4 encoder builds the prompt (the chat mapping decides thinking
+        defaults); each completion also carries the parsed reasoning and tool calls."""
+        from dsv4_jax.chat import ChatStreamParser, MessageBuilder, build_prompt, resolve_chat_options
+
+        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        prompts = [build_prompt(c, tools=tools, chat_template_kwargs=chat_template_kwargs,
+                                reasoning_effort=reasoning_effort) for c in conversations]
+        mode = resolve_chat_options(chat_template_kwargs, reasoning_effort).thinking_mode
+        outputs = self.generate([{"prompt_token_ids": self._prompts([p])[0][1]} for p in prompts],
+                                sampling_params, use_tqdm)
+        for prompt, out in zip(prompts, outputs):
+            out.prompt = prompt
+            for completion in out.outputs:
+                raw = self.tokenizer.decode(completion.token_ids, skip_special_tokens=False)
+                parser, builder = ChatStreamParser(mode, strict=False), MessageBuilder()  # lenient: never raises
+                builder.add(parser.feed(raw))
+                builder.add(parser.finish())
+                message = builder.message()
+                completion.text = message.get("content") or ""
+                completion.reasoning = message.get("reasoning_content")
+                completion.tool_calls = message.get("tool_calls")
+        return outputs
