@@ -175,3 +175,19 @@ def test_pool_planes_name_the_unknown_dtype():
     with pytest.raises(ValueError, match="indexer_dtype 'int8' has no pool planes; allowed: 'fp8', 'bfloat16', "
                                          "'float32'"):
         indexer_planes("int8", (1, 2, 4), 64)
+
+
+def test_the_sliding_ring_never_exceeds_what_a_sequence_spans_and_the_pool_holds_every_ring():
+    from dsv4_jax.kv_cache.paged import PagedCacheLayout
+    from dsv4_jax.kv_cache.planner import plan_capacity
+    from dsv4_jax.kv_cache.resolver import resolve_kv_cache
+    from dsv4_jax.presets import get_config
+
+    config = get_config("dsv4-tiny-test")
+    spec = resolve_kv_cache("float32", device_kind="cpu", config=config)
+    for max_model_len, ring in ((128, 1), (512, 2)):  # window 8, blocks of 128: ceil(8/128) + 1 = 2
+        plan = plan_capacity(config, spec, max_model_len=max_model_len, max_num_seqs=4, block_size=128)
+        layout = PagedCacheLayout.from_plan(config, plan)
+        assert layout.sliding_ring == ring and layout.num_sliding_blocks == 4 * ring
+    with pytest.raises(ValueError, match="num_sliding_blocks"):
+        PagedCacheLayout.build(config, spec, max_model_len=512, num_seq_slots=4, num_sliding_blocks=7, block_size=128)

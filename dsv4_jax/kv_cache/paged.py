@@ -153,10 +153,17 @@ class PagedCacheLayout:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"PagedCacheLayout.{name} must be a positive integer, got {value!r}")
+        if self.num_sliding_blocks < self.num_seq_slots * self.sliding_ring:
+            raise ValueError(
+                f"PagedCacheLayout.num_sliding_blocks ({self.num_sliding_blocks}) must hold one ring of "
+                f"{self.sliding_ring} blocks for each of the {self.num_seq_slots} sequence slots"
+            )
 
     @property
     def sliding_ring(self) -> int:
-        return sliding_blocks_per_seq(self.window, self.block_size)
+        """Sliding blocks of one sequence slot: ceil(window / block) + 1, or fewer when no sequence
+        spans that many blocks (as the planner sizes the pool): a ring that long never wraps."""
+        return min(sliding_blocks_per_seq(self.window, self.block_size), self.max_blocks_per_seq)
 
     @property
     def csa_units_per_block(self) -> int:

@@ -1,0 +1,131 @@
+"""The engine for asyncio callers (the server): requests come in from the event loop, each one's
+outputs stream back as its tokens are sampled, and the step loop runs on a thread of its own so
+the event loop never waits for the device.
+
+One lock guards the synchronous engine: the step thread holds it for one step at a time, and
+`add`/`abort` from the event loop take it between steps, so an abort lands at the next step
+boundary and frees everything the request holds. Outputs reach each request's asyncio queue
+through `call_soon_threadsafe`. A consumer that stops iterating (a client that disconnects)
+aborts its request. `shutdown` stops accepting, lets running requests finish for a grace period,
+aborts the rest and joins the thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from typing import AsyncIterator, Sequence
+
+from dsv4_jax.engine.engine import LLMEngine
+from dsv4_jax.engine.outputs import RequestOutput
+from dsv4_jax.engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The step loop failed; the engine serves nothing more."""
+
+
+class AsyncLLMEngine:
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self._lock = threading.Lock()
+        self._work = threading.Condition(self._lock)
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._accepting = False
+        self._stop = False
+        self.error: BaseException | None = None
+
+    # ---- life cycle -------------------------------------------------------------------------------
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._accepting, self._stop = True, False
+        self._thread = threading.Thread(target=self._run, name="dsv4-engine-steps", daemon=True)
+        self._thread.start()
+
+    async def shutdown(self, grace_seconds: float = 10.0) -> None:
+        """Stop accepting; let what runs finish for `grace_seconds`; abort the rest; stop."""
+        self._accepting = False
+        deadline = asyncio.get_running_loop().time() + grace_seconds
+        while self.num_unfinished and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.02)
+        for request_id in list(self._queues):
+            await self.abort(request_id)
+        with self._work:
+            self._stop = True
+            self._work.notify()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join)
+
+    @property
+    def accepting(self) -> bool:
+        return self._accepting and self.error is None
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._queues)
+
+    # ---- requests -----------------------------------------------------------------------------------
+    async def generate(
+        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, prompt: str | None = None
+    ) -> AsyncIterator[RequestOutput]:
+        """Outputs of one request as they come (each the whole output so far); the last one has
+        `finished` set. A bad request raises ValueError here, before anything is queued."""
+        if not self.accepting:
+            raise EngineDeadError("the engine is shutting down" if self.error is None else f"the engine failed: {self.error}")
+        queue: asyncio.Queue = asyncio.Queue()
+        with self._work:
+            self.engine.add_request(request_id, prompt_token_ids, params, prompt=prompt)
+            self._queues[request_id] = queue
+            self._work.notify()
+        finished = False
+        try:
+            while not finished:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            if not finished:  # the caller stopped listening (a disconnect), or an error: free it
+                await self.abort(request_id)
+
+    async def abort(self, request_id: str) -> None:
+        with self._work:
+            queue = self._queues.pop(request_id, None)
+            out = self.engine.abort(request_id)
+        if queue is not None and out is not None:
+            queue.put_nowait(out)  # its last output, marked finished ("abort")
+
+    # ---- the step thread --------------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self._work:
+                while not self._stop and not self.engine.has_unfinished():
+                    self._work.wait()
+                if self._stop:
+                    return
+                try:
+                    outputs = self.engine.step()
+                except BaseException as error:  # a failed step: fail every request, stop serving
+                    logger.exception("engine step failed")
+                    self.error = error
+                    self._fail_all(EngineDeadError(f"engine step failed: {error!r}"))
+                    return
+                deliveries = [(self._queues.get(o.request_id), o) for o in outputs]
+                for out in outputs:
+                    if out.finished:
+                        self._queues.pop(out.request_id, None)
+            for queue, out in deliveries:
+                if queue is not None:
+                    self._loop.call_soon_threadsafe(queue.put_nowait, out)
+
+    def _fail_all(self, error: BaseException) -> None:
+        for request_id, queue in list(self._queues.items()):
+            self.engine.abort(request_id)
+            self._loop.call_soon_threadsafe(queue.put_nowait, error)
+        self._queues.clear()
