@@ -38,7 +38,8 @@ from typing import Any, Callable, Union
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from dsv4_jax.config import CSA, HCA, SLIDING, DeepseekV4Config
 from dsv4_jax.kv_cache.planner import (
@@ -49,47 +50,41 @@ from dsv4_jax.kv_cache.planner import (
     sliding_blocks_per_seq,
 )
 from dsv4_jax.kv_cache.resolver import BFLOAT16, FLOAT32, FP8_DS_MLA, KVCacheSpec
+from dsv4_jax.pytrees import pytree_dataclass
 from pallas_kernels import formats
 
 NO_BLOCK = -1
 
 
-def _pytree(cls):
-    """Frozen dataclass registered as a pytree whose fields are all children."""
-    cls = dataclasses.dataclass(frozen=True)(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
-    return jax.tree_util.register_dataclass(cls, data_fields=names, meta_fields=[])
-
-
-@_pytree
+@pytree_dataclass
 class Fp8DsMlaPlanes:
     nope: Any  # [L, blocks, units, nope] float8_e4m3fn
     rope: Any  # [L, blocks, units, rope] bfloat16
     scales: Any  # [L, blocks, units, scale_bytes] uint8 (UE8M0, padding bytes 0)
 
 
-@_pytree
+@pytree_dataclass
 class Bf16Rows:
     rows: Any  # [L, blocks, units, head_dim] bfloat16
 
 
-@_pytree
+@pytree_dataclass
 class Float32Rows:
     rows: Any  # [L, blocks, units, head_dim] float32
 
 
-@_pytree
+@pytree_dataclass
 class IndexerFp8Planes:
     keys: Any  # [L, blocks, units, index_head_dim] float8_e4m3fn
     scales: Any  # [L, blocks, units] float32 (powers of two)
 
 
-@_pytree
+@pytree_dataclass
 class IndexerBf16Rows:
     keys: Any  # [L, blocks, units, index_head_dim] bfloat16
 
 
-@_pytree
+@pytree_dataclass
 class IndexerFloat32Rows:
     keys: Any  # [L, blocks, units, index_head_dim] float32
 
@@ -98,13 +93,13 @@ KVPlanes = Union[Fp8DsMlaPlanes, Bf16Rows, Float32Rows]
 IndexerPlanes = Union[IndexerFp8Planes, IndexerBf16Rows, IndexerFloat32Rows]
 
 
-@_pytree
+@pytree_dataclass
 class SlidingPool:
     kv: Any  # KVPlanes, L = all attention layers, `block_size` tokens per block
     block_table: Any  # [slots, ring] int32
 
 
-@_pytree
+@pytree_dataclass
 class CompressedPools:
     csa: Any  # KVPlanes or None
     indexer: Any  # IndexerPlanes or None
@@ -112,13 +107,13 @@ class CompressedPools:
     block_table: Any  # [slots, max_blocks_per_seq] int32
 
 
-@_pytree
+@pytree_dataclass
 class CompressorState:
     kv: Any  # [L, slots, c*r, c*d] float32
     score: Any  # [L, slots, c*r, c*d] float32, -inf where empty
 
 
-@_pytree
+@pytree_dataclass
 class PagedKVCache:
     sliding: Any  # SlidingPool
     compressed: Any  # CompressedPools

@@ -19,18 +19,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dsv4_jax.kv_cache.paged import CompressorState, PagedCacheLayout, compressed_slots, sliding_slots
+from dsv4_jax.kv_cache.paged import (
+    CompressorState,
+    PagedCacheLayout,
+    compressed_slots,
+    sliding_slots,
+)
 from dsv4_jax.model.compressor import CompressorRows, PooledWindows
+from dsv4_jax.pytrees import pytree_dataclass
 from pallas_kernels.backend import AttentionBackend
 
 
-def _pytree(cls):
-    cls = dataclasses.dataclass(frozen=True)(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
-    return jax.tree_util.register_dataclass(cls, data_fields=names, meta_fields=[])
-
-
-@_pytree
+@pytree_dataclass
 class StepSequences:
     positions: jax.Array  # [batch, S] int32: start + s (padding rows: 0 + s)
     lens: jax.Array  # [batch] int32: real tokens per row
@@ -43,7 +43,7 @@ class StepSequences:
         return self.positions[:, 0]
 
 
-@_pytree
+@pytree_dataclass
 class LayerPlace:
     """Where one model layer sits on each pool's layer axis (int32 scalars; 0 where unused)."""
 

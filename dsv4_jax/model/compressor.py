@@ -11,8 +11,6 @@ The whole sequence is the chunk at position 0 with nothing kept.
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -20,16 +18,10 @@ from flax import nnx
 from dsv4_jax.config import DeepseekV4Config
 from dsv4_jax.model.layers import Linear, RMSNorm
 from dsv4_jax.model.rope import apply_rope, rope_angles
+from dsv4_jax.pytrees import pytree_dataclass
 
 
-def _pytree(cls):
-    """Frozen dataclass registered as a pytree whose fields are all children."""
-    cls = dataclasses.dataclass(frozen=True)(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
-    return jax.tree_util.register_dataclass(cls, data_fields=names, meta_fields=[])
-
-
-@_pytree
+@pytree_dataclass
 class CompressorRows:
     """What a compressor keeps between chunks, per sequence: the token rows of its last c
     windows, `[batch, c * ratio, c * head_dim]` fp32, where c = 2 with overlap (the previous
@@ -47,7 +39,7 @@ class CompressorRows:
         return cls(jnp.zeros(shape, jnp.float32), jnp.full(shape, -jnp.inf, jnp.float32))
 
 
-@_pytree
+@pytree_dataclass
 class PooledWindows:
     """The windows a chunk completes: pooled rows (before norm and RoPE) and their entry ids."""
 
