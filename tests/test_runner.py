@@ -116,6 +116,8 @@ def test_rows_that_fit_no_bucket_or_slot_are_refused(runner):
         runner.build([StepRow(0, 0, list(range(300)), [0])])
     with pytest.raises(ValueError, match="slot 9 is outside"):
         runner.build([StepRow(9, 0, [1], [0])])
+    with pytest.raises(ValueError, match="outside the 512"):
+        runner.build([StepRow(0, 510, [1, 2, 3], [0])])
     with pytest.raises(ValueError, match="has no tokens"):
         runner.build([StepRow(0, 0, [], [0])])
 

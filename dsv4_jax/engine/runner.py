@@ -146,6 +146,9 @@ class ModelRunner:
                 raise ValueError(f"row {i} (slot {row.slot}) has no tokens")
             if not 0 <= row.slot < lay.num_seq_slots:
                 raise ValueError(f"row {i}: slot {row.slot} is outside [0, {lay.num_seq_slots})")
+            if row.start < 0 or row.start + n > lay.max_blocks_per_seq * lay.block_size:
+                raise ValueError(f"row {i}: positions {row.start}..{row.start + n - 1} are outside the "
+                                 f"{lay.max_blocks_per_seq * lay.block_size} a sequence can hold")
             if len(row.compressed_blocks) > lay.max_blocks_per_seq:
                 raise ValueError(f"row {i}: {len(row.compressed_blocks)} blocks exceed {lay.max_blocks_per_seq} per sequence")
             tokens[i, :n] = row.token_ids
