@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# GPU check of the Pallas kernels (run on a machine with an NVIDIA GPU; nothing here needs pytest).
+# GPU check of the Pallas kernels and the model runner (run on a machine with an NVIDIA GPU;
+# nothing here needs pytest and nothing is installed).
 #
-#   bash benchmarks/gpu_check.sh            # at most 445 s (under 7.5 minutes), whatever hangs
+#   bash benchmarks/gpu_check.sh            # at most 575 s (under 9.6 minutes), whatever hangs
 #
 # 1. finds the GPU's device kind (at most 40 s);
 # 2. lowers every kernel to Triton IR for that kind (python -m pallas_kernels.check, at most 60 s);
@@ -9,20 +10,30 @@
 #    references, then HOST WALL-CLOCK medians per call (block_until_ready after each batch of
 #    back-to-back calls; an upper bound on device time, not device-timed) against the XLA path,
 #    with TFLOP/s and GB/s from those times (benchmarks/kernels.py: at most 16 grid points, no
-#    point started after 240 s, killed at 330 s);
-# 4. appends the dated table to docs/performance.md. kernels.py writes each row to the table file
-#    as soon as it is measured, so a run killed by its timeout still appends the rows it measured,
-#    with a note saying it was cut short.
-# Every step runs under `timeout -k 5` (SIGTERM, then SIGKILL 5 s later): 40 + 60 + 330 plus three
-# 5 s grace periods = 445 s in the worst case.
-# Exit status: non-zero if the lowering, a parity check or a point failed, or a step timed out.
+#    point started after 200 s, killed at 270 s);
+# 4. runs the built-in tiny model through the runner on each Pallas backend, compiled for the GPU,
+#    against the xla backend over the same KV format: greedy tokens equal where the top-1/top-2
+#    gap exceeds 1e-3, max |logprob difference| (benchmarks/runner_gpu_check.py: no backend
+#    started after 50 s, killed at 90 s);
+# 5. the runner benchmark of the tiny model (benchmarks/runner.py: decode steps at batch 1, 8 and
+#    32 and 256-token prefill chunks, host and device time per step; killed at 90 s);
+# 6. appends the dated tables to docs/performance.md. Every Python step writes each row to its
+#    table file as soon as it is measured, so a step killed by its timeout still appends the rows
+#    it measured, with a note saying it was cut short.
+# Every step runs under `timeout -k 5` (SIGTERM, then SIGKILL 5 s later): 40 + 60 + 270 + 90 + 90
+# plus five 5 s grace periods = 575 s in the worst case.
+# Exit status: non-zero if the lowering, a parity check, a point, a runner comparison or the
+# runner benchmark failed, or a step timed out.
 set -u
 cd "$(dirname "$0")/.."
 
 KIND_S=40
 CHECK_S=60
-BENCH_S=330
-BENCH_BUDGET_S=240  # kernels.py starts no point after this; the rest of BENCH_S is for the last one
+BENCH_S=270
+BENCH_BUDGET_S=200  # kernels.py starts no point after this; the rest of BENCH_S is for the last one
+RUNNER_CHECK_S=90
+RUNNER_CHECK_BUDGET_S=50  # runner_gpu_check.py starts no backend after this
+RUNNER_BENCH_S=90
 
 kind="$(timeout -k 5 "$KIND_S" python3 -c 'import jax; d = jax.devices()[0]; print(d.device_kind if d.platform == "gpu" else "")')"
 if [ -z "$kind" ]; then
@@ -34,23 +45,43 @@ echo "gpu_check: $kind, $(date -u +%Y-%m-%dT%H:%M:%SZ)"
 status=0
 timeout -k 5 "$CHECK_S" python3 -m pallas_kernels.check --device-kind "$kind" || status=1
 
+# append_table TITLE FILE RC TIMEOUT SCRIPT: the step's table under a dated heading, noting a kill.
+append_table() {
+  if [ -s "$2" ]; then
+    {
+      echo
+      echo "## $(date -u +%Y-%m-%d) — $kind — $1"
+      echo
+      cat "$2"
+      if [ "$3" -eq 124 ] || [ "$3" -eq 137 ]; then
+        echo
+        echo "_Cut short: $5 was killed by its $4 s timeout; the rows above are the ones measured before that._"
+      fi
+    } >> docs/performance.md
+    echo "gpu_check: $1 appended to docs/performance.md"
+  fi
+  rm -f "$2"
+}
+
 table="$(mktemp)"
 timeout -k 5 "$BENCH_S" python3 benchmarks/kernels.py --budget-s "$BENCH_BUDGET_S" --markdown "$table"
 rc=$?
 [ "$rc" -eq 0 ] || status=1
+append_table "kernels" "$table" "$rc" "$BENCH_S" benchmarks/kernels.py
 
-if [ -s "$table" ]; then
-  {
-    echo
-    echo "## $(date -u +%Y-%m-%d) — $kind"
-    echo
-    cat "$table"
-    if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
-      echo
-      echo "_Cut short: benchmarks/kernels.py was killed by its ${BENCH_S} s timeout; the rows above are the points measured before that._"
-    fi
-  } >> docs/performance.md
-  echo "gpu_check: results appended to docs/performance.md"
-fi
-rm -f "$table"
+table="$(mktemp)"
+timeout -k 5 "$RUNNER_CHECK_S" python3 benchmarks/runner_gpu_check.py --budget-s "$RUNNER_CHECK_BUDGET_S" \
+  --markdown "$table"
+rc=$?
+[ "$rc" -eq 0 ] || status=1
+append_table "runner on the Pallas backends against xla (tiny model, float32 compute)" "$table" "$rc" \
+  "$RUNNER_CHECK_S" benchmarks/runner_gpu_check.py
+
+table="$(mktemp)"
+timeout -k 5 "$RUNNER_BENCH_S" python3 benchmarks/runner.py --model tiny --batch-sizes 1,8,32 --repeats 10 \
+  --markdown "$table"
+rc=$?
+[ "$rc" -eq 0 ] || status=1
+append_table "runner benchmark (tiny model, bf16 compute, --kv-cache-dtype auto; ms are host wall-clock)" \
+  "$table" "$rc" "$RUNNER_BENCH_S" benchmarks/runner.py
 exit "$status"
