@@ -66,3 +66,11 @@ def test_special_tokens_are_skipped_or_kept(tokenizer):
     assert "".join(skipped) + tail == "Done."
     kept, tail = feed(IncrementalDetokenizer(tokenizer, [], skip_special_tokens=False), ids)
     assert "".join(kept) + tail == "Done.<｜end▁of▁sentence｜>"
+
+
+def test_stop_strings_count_only_after_min_tokens(tokenizer):
+    ids = tokenizer.encode("END one two END three", add_special_tokens=False).ids
+    first_end = len(tokenizer.encode("END", add_special_tokens=False).ids)
+    detok = IncrementalDetokenizer(tokenizer, [], stop=["END"], stop_after_tokens=first_end)
+    pieces, tail = feed(detok, ids)
+    assert "".join(pieces) + tail == "END one two " and detok.stopped_by == "END"

@@ -24,7 +24,10 @@ class IncrementalDetokenizer:
         skip_special_tokens: bool = True,
         stop: Sequence[str] = (),
         include_stop_str_in_output: bool = False,
+        stop_after_tokens: int = 0,
     ):
+        """`stop_after_tokens` (a request's `min_tokens`): stop strings count only in the text of
+        the tokens after that many, as in vLLM."""
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.stop = tuple(s for s in stop if s)
@@ -38,6 +41,9 @@ class IncrementalDetokenizer:
         self.text = ""  # the whole output text so far (stop string cut off once found)
         self._sent = 0  # characters of `text` already returned by `add`
         self.stopped_by: str | None = None  # the stop string that ended the output
+        self._stop_after = stop_after_tokens
+        self._tokens = 0
+        self._stop_from = 0 if stop_after_tokens == 0 else None  # where matching may start in `text`
 
     def _decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=self.skip_special_tokens)
@@ -47,6 +53,9 @@ class IncrementalDetokenizer:
         if self.stopped_by is not None:
             return ""
         self._ids.append(int(token_id))
+        self._tokens += 1
+        if self._stop_from is None and self._tokens > self._stop_after:
+            self._stop_from = len(self.text)
         before = self._decode(self._ids[self._prefix : self._read])
         after = self._decode(self._ids[self._prefix :])
         if after.endswith(REPLACEMENT) or len(after) < len(before):
@@ -61,9 +70,9 @@ class IncrementalDetokenizer:
         return self._flush(final=True)
 
     def _check_stop(self, added: int) -> None:
-        if not self.stop:
+        if not self.stop or self._stop_from is None:
             return
-        start = max(0, len(self.text) - added - self._hold)  # a stop string may straddle tokens
+        start = max(self._stop_from, len(self.text) - added - self._hold)  # it may straddle tokens
         found = [(i, s) for s in self.stop if (i := self.text.find(s, start)) >= 0]
         if found:
             i, s = min(found)

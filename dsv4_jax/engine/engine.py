@@ -4,8 +4,9 @@
 it, samples a token for every row whose chunk reached the end of its request's known tokens (the
 "sampling rows"), hands the tokens back to the scheduler, and then decides which requests stop:
 EOS (unless `ignore_eos`), a stop token, a stop string (found by the detokenizer, never shown even
-in part), `max_tokens` or `max_model_len`. Stop tokens and strings only count once `min_tokens`
-tokens exist (the sampler also bans EOS and stop ids until then).
+in part), `max_tokens` or `max_model_len`. Stop tokens only count once `min_tokens` tokens exist
+(the sampler also bans EOS and stop ids until then), stop strings only in the text of the tokens
+after them, as in vLLM; a stop string completed by the `max_tokens`-th token still reports "stop".
 
 `completion_tokens` counts every sampled token, the EOS or stop token included (as vLLM does);
 the text leaves out special tokens (`skip_special_tokens`) and the stop string.
@@ -115,10 +116,12 @@ class LLMEngine:
             )
         request = Request(request_id, ids, max_tokens, sampling_params=params)
         self.scheduler.add(request)  # may refuse: blocks the pool can never give
+        detokenizer = IncrementalDetokenizer(
+            self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens, stop=params.stop or (),
+            include_stop_str_in_output=params.include_stop_str_in_output, stop_after_tokens=params.min_tokens,
+        )
         self._tracked[request_id] = _Tracked(
-            request, params, next(self._numbers), prompt,
-            IncrementalDetokenizer(self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens,
-                                   stop=params.stop or (), include_stop_str_in_output=params.include_stop_str_in_output),
+            request, params, next(self._numbers), prompt, detokenizer,
             logprobs=[] if params.logprobs is not None else None,
             prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
         )
@@ -178,6 +181,11 @@ class LLMEngine:
         request, params = tracked.request, tracked.params
         token = request.output_token_ids[-1]
         tracked.detokenizer.add(token)
+        if request.status is RequestStatus.FINISHED_LENGTH and tracked.detokenizer.stopped_by is not None:
+            # The scheduler ended it at max_tokens, but its last token completed a stop string:
+            # vLLM reports the stop string then (the request is out of the scheduler already).
+            request.status = RequestStatus.FINISHED_STOPPED
+            tracked.stop_reason = tracked.detokenizer.stopped_by
         if request.status is RequestStatus.RUNNING and request.num_output_tokens >= params.min_tokens:
             if not params.ignore_eos and token in self.eos_token_ids:
                 self._finish(tracked, RequestStatus.FINISHED_STOPPED, None)
@@ -207,25 +215,29 @@ class LLMEngine:
 
     def _prompt_logprobs(self, rows, out) -> None:
         """Logprob of each prompt token given the tokens before it (vLLM's `prompt_logprobs`), from a
-        separate head call over the step's streams; only when some row asked for them."""
-        wanted = [
-            (i, r) for i, r in enumerate(rows)
-            if self._tracked[r.request.request_id].prompt_logprobs is not None and r.start < len(r.request.prompt_token_ids)
-        ]
+        separate head call over the step's streams; only when some row's chunk adds one."""
+        wanted = []
+        for i, r in enumerate(rows):
+            recorded = self._tracked[r.request.request_id].prompt_logprobs
+            # The next entry to record is for prompt token len(recorded), predicted at position
+            # len(recorded) - 1. A chunk that ends before it was recomputed after a preemption; one
+            # that starts at the prompt's last token (or later) predicts no prompt token.
+            if recorded is not None and r.start < len(recorded) < len(r.request.prompt_token_ids) \
+                    and r.start + len(r.token_ids) >= len(recorded):
+                wanted.append((i, r))
         if not wanted:
             return
-        every = np.asarray(self.runner.all_logits(out))
+        # A one-token step's logits at its only position are the step's own (decode buckets have no
+        # compiled head over all positions).
+        every = np.asarray(out.logits)[:, None] if out.bucket[1] == 1 else np.asarray(self.runner.all_logits(out))
         for i, r in wanted:
             tracked, prompt = self._tracked[r.request.request_id], r.request.prompt_token_ids
-            if len(tracked.prompt_logprobs) > r.start + len(r.token_ids):
-                continue  # recomputed after a preemption: already recorded
             logits = every[i, : len(r.token_ids)].astype(np.float64)
             logp = logits - logits.max(-1, keepdims=True)
             logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
-            for s in range(len(r.token_ids)):
+            first, end = len(tracked.prompt_logprobs) - 1 - r.start, min(len(r.token_ids), len(prompt) - 1 - r.start)
+            for s in range(first, end):  # chunk positions that predict an unrecorded prompt token
                 nxt = r.start + s + 1
-                if nxt >= len(prompt) or nxt < len(tracked.prompt_logprobs):
-                    continue
                 order = np.argsort(-logp[s])[: tracked.params.prompt_logprobs]
                 entry = {int(prompt[nxt]): Logprob(float(logp[s, prompt[nxt]]), int((logp[s] > logp[s, prompt[nxt]]).sum()) + 1)}
                 for rank, t in enumerate(order, start=1):

@@ -86,14 +86,12 @@ class LLM:
         from dsv4_jax.tokenizer import load_tokenizer
 
         self._check_arguments(dtype, max_model_len, max_num_seqs, max_num_batched_tokens, num_gpu_blocks_override,
-                              gpu_memory_utilization, tensor_parallel_size, seed)
+                              gpu_memory_utilization, tensor_parallel_size, seed, block_size)
         path = builtin_model_dir() if str(model) in BUILTIN_NAMES else Path(model)
+        self._check_against_model(path, max_model_len, block_size, kv_cache_dtype)  # before the weights load
         compute = checkpoint_dtype(path) if dtype == "auto" else dtype
         self.model = dsv4_jax.load_model(path, dtype=compute, kv_cache_dtype=kv_cache_dtype)
         self.config = self.model.config
-        if max_model_len > self.config.max_position_embeddings:
-            raise ValueError(f"max_model_len ({max_model_len}) exceeds the model's max_position_embeddings "
-                             f"({self.config.max_position_embeddings})")
         self.spec = self.model.kv_cache_spec
         self.tokenizer = load_tokenizer(tokenizer or path)
         self.plan, self.layout = self._size_pools(max_model_len, max_num_seqs, block_size,
@@ -116,10 +114,11 @@ class LLM:
     # ---- construction -----------------------------------------------------------------------------
     @staticmethod
     def _check_arguments(dtype, max_model_len, max_num_seqs, max_num_batched_tokens, num_gpu_blocks_override,
-                         gpu_memory_utilization, tensor_parallel_size, seed) -> None:
+                         gpu_memory_utilization, tensor_parallel_size, seed, block_size) -> None:
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
         _positive_int("max_model_len", max_model_len)
+        _positive_int("block_size", block_size)
         _positive_int("max_num_seqs", max_num_seqs)
         _positive_int("max_num_batched_tokens", max_num_batched_tokens, allow_none=True)
         _positive_int("num_gpu_blocks_override", num_gpu_blocks_override, allow_none=True)
@@ -134,6 +133,23 @@ class LLM:
             )
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise ValueError(f"seed must be an integer, got {seed!r}")
+
+    @staticmethod
+    def _check_against_model(path: Path, max_model_len: int, block_size: int, kv_cache_dtype: str) -> None:
+        """The checks that need the model's config.json but not its weights (seconds to load on a
+        real checkpoint): max_model_len, the KV cache dtype on this device, the block size."""
+        import jax
+
+        from dsv4_jax.config import DeepseekV4Config
+        from dsv4_jax.kv_cache import resolve_for_device
+        from dsv4_jax.kv_cache.planner import pool_usage
+
+        config = DeepseekV4Config.from_json(path)  # a bad directory fails here, with the file named
+        if max_model_len > config.max_position_embeddings:
+            raise ValueError(f"max_model_len ({max_model_len}) exceeds the model's max_position_embeddings "
+                             f"({config.max_position_embeddings})")
+        spec = resolve_for_device(kv_cache_dtype, jax.devices()[0], config=config)
+        pool_usage(config, spec, max_model_len, block_size)  # block_size: whole blocks of every compress ratio
 
     def _size_pools(self, max_model_len, max_num_seqs, block_size, gpu_memory_utilization, num_gpu_blocks_override):
         import jax
@@ -273,6 +289,8 @@ class LLM:
                 builder.add(parser.finish())
                 message = builder.message()
                 completion.text = message.get("content") or ""
-                completion.reasoning = message.get("reasoning_content")
-                completion.tool_calls = message.get("tool_calls")
+                # None for "there is none", as OpenAI omits them: no reasoning outside thinking
+                # mode, no tool calls unless the model wrote some.
+                completion.reasoning = message["reasoning_content"] if mode == "thinking" else None
+                completion.tool_calls = message["tool_calls"] or None
         return outputs

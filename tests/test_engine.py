@@ -1,0 +1,467 @@
+"""The engine end to end (`LLM` over `LLMEngine`): greedy tokens, logprobs and prompt logprobs
+against the full forward, each request alone against a 64-request mix with aborts and forced
+preemption, sampling options, errors, pool sizes and chat.
+
+Two engines, module-scoped and shared by every test (compiles dominate CI):
+* `llm`: the runner tests' config (vocabulary 512, every boundary within a few hundred tokens),
+  float32 weights and a float32 KV cache (exact), 2 prefill + 1 decode buckets, 4 sequences of up
+  to 256 tokens in blocks of 128. `usable_blocks_cap=4` lets four short requests run but forces
+  preemption when long ones (two blocks each) share the pool; one request alone always fits, so
+  "alone" runs never preempt. `num_gpu_blocks_override=10` (the plan wants 12) is checked too.
+* `chat_llm`: a one-layer model with the real vocabulary (the V4 chat format's special tokens are
+  ids above 128,000), one bucket of each kind.
+
+Comparison rule: floats change slightly with the batch a request shares, so run A and run B are
+compared at A's tokens: tokens must match wherever A's top-1/top-2 logprob gap exceeds 1e-3 (past
+a near tie the runs may diverge and nothing after it is compared) and logprobs within 1e-4.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+import dsv4_jax
+from dsv4_jax import LLM, SamplingParams
+from dsv4_jax.chat import (
+    ASSISTANT,
+    BOS,
+    DSML,
+    THINK_END,
+    THINK_START,
+    TOOLS_SECTION_HEAD,
+    attach_request_fields,
+    encode_messages,
+)
+from dsv4_jax.engine.compiles import CompileCounter
+from dsv4_jax.engine.runner import StepBuckets
+from dsv4_jax.presets import get_config
+from dsv4_jax.testing import write_random_checkpoint
+
+CONFIG = get_config("dsv4-tiny-test").replace(sliding_window=4, compress_ratios=(0, 4, 16, 4, 0), index_topk=2)
+VOCAB = CONFIG.vocab_size
+EOS = CONFIG.eos_token_id
+MAX_MODEL_LEN = 256
+SEQS = 4
+BLOCK = 128
+BLOCKS_OVERRIDE = 10
+USABLE_BLOCKS = 4
+GAP = 1e-3  # top-1/top-2 logprob gap below which two runs may pick different tokens
+LOGPROB_TOL = 1e-4
+REFERENCE_SHAPE = (4, 64)  # every full-forward call uses this one shape: one compile
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return write_random_checkpoint(tmp_path_factory.mktemp("engine") / "ckpt", CONFIG, seed=3)
+
+
+@pytest.fixture(scope="module")
+def llm(checkpoint):
+    return LLM(str(checkpoint), dtype="float32", kv_cache_dtype="float32", max_model_len=MAX_MODEL_LEN,
+               max_num_seqs=SEQS, block_size=BLOCK, buckets=StepBuckets(prefill=((1, 16), (4, 32)), decode=(4,)),
+               num_gpu_blocks_override=BLOCKS_OVERRIDE, usable_blocks_cap=USABLE_BLOCKS, seed=0)
+
+
+def _prompt(seed: int, length: int) -> list[int]:
+    """BOS, then random ordinary tokens (ids 0-2 are BOS, EOS and padding)."""
+    return [0, *np.random.default_rng(seed).integers(3, VOCAB, size=length - 1).tolist()]
+
+
+def _log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x.astype(np.float64)
+    x = x - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+def _full_log_softmax(llm, sequences: list[list[int]]) -> list[np.ndarray]:
+    """log_softmax of the full forward `model(ids)` at every position of each sequence. The
+    forward is causal, so padding a sequence to REFERENCE_SHAPE leaves its own rows unchanged."""
+    rows, length = REFERENCE_SHAPE
+    out = []
+    for first in range(0, len(sequences), rows):
+        group = sequences[first : first + rows]
+        ids = np.zeros(REFERENCE_SHAPE, np.int32)
+        for i, seq in enumerate(group):
+            assert len(seq) <= length, len(seq)
+            ids[i, : len(seq)] = seq
+        logits = np.asarray(llm.model(ids))
+        out += [_log_softmax(logits[i, : len(seq)]) for i, seq in enumerate(group)]
+    return out
+
+
+def _top2_gap(entry) -> float:
+    """The rank-1 minus rank-2 logprob of one position's logprobs dict (logprobs >= 2)."""
+    by_rank = {lp.rank: lp.logprob for lp in entry.values() if lp.rank is not None}
+    return by_rank[1] - by_rank[2]
+
+
+def assert_same_under_gap_rule(a, b, *, greedy: bool) -> tuple[int, bool]:
+    """Completion `b` against completion `a` (both with logprobs >= 2): equal tokens, except that
+    greedy runs may part at a near tie of `a` (nothing after it is compared), and the sampled
+    tokens' logprobs within LOGPROB_TOL. Returns (positions compared, whether they parted)."""
+    for i, (ta, tb) in enumerate(zip(a.token_ids, b.token_ids)):
+        if ta != tb:
+            assert greedy and _top2_gap(a.logprobs[i]) <= GAP, (i, a.token_ids, b.token_ids)
+            return i, True
+        assert abs(a.logprobs[i][ta].logprob - b.logprobs[i][tb].logprob) <= LOGPROB_TOL, i
+    return min(len(a.token_ids), len(b.token_ids)), False
+
+
+def _assert_idle(llm) -> None:
+    """Every allocator back at its initial free count with all reference counts zero:
+    `check_invariants` requires a free block to have count 0 and a held one to be listed by a
+    holder, so all usable blocks free means no reference anywhere."""
+    scheduler = llm.engine.scheduler
+    assert not llm.engine.has_unfinished() and not scheduler.has_unfinished()
+    assert scheduler.num_running == 0 and scheduler.num_waiting == 0 and scheduler.kv_cache_usage == 0
+    for bm in scheduler.block_managers:
+        bm.check_invariants()
+        assert bm.num_free_blocks == bm.num_usable_blocks == USABLE_BLOCKS
+        assert bm.num_free_slots == bm.num_seq_slots == SEQS
+
+
+def _generate(llm, prompts, params):
+    return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+
+
+@pytest.fixture(scope="module")
+def greedy_run(llm):
+    """One prompt's greedy completion (12 tokens, top-3 logprobs), reused by the option tests."""
+    prompt = _prompt(21, 9)
+    (out,) = _generate(llm, [prompt], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=3))
+    completion = out.outputs[0]
+    assert len(set(completion.token_ids)) >= 4, completion.token_ids  # not one token repeated
+    return prompt, completion
+
+
+# ---- 1. against the full forward -----------------------------------------------------------------
+def test_greedy_tokens_logprobs_and_prompt_logprobs_follow_the_full_forward(llm):
+    # Chunks of up to 32 tokens: 5 and 21 in one, 33 in 32 + a one-token tail, 45 in 32 + 13; run
+    # together, so chunks of several requests and decodes share steps.
+    prompts = [_prompt(s, n) for s, n in ((1, 5), (2, 21), (3, 33), (4, 45))]
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=3, prompt_logprobs=3)
+    counter = CompileCounter()
+    outs = _generate(llm, prompts, params)
+    assert counter.compiles == 0  # before the reference forward below
+    references = _full_log_softmax(llm, [p + o.outputs[0].token_ids for p, o in zip(prompts, outs)])
+    compared = 0
+    for prompt, out, ref in zip(prompts, outs, references):
+        completion = out.outputs[0]
+        tokens = completion.token_ids
+        assert len(tokens) == 10 and len(set(tokens)) >= 4, tokens
+        assert completion.finish_reason == "length"
+        for i, token in enumerate(tokens):
+            row = ref[len(prompt) - 1 + i]
+            top = np.sort(row)[::-1]
+            if top[0] - top[1] > GAP:
+                assert token == int(np.argmax(row)), (i, tokens)
+                compared += 1
+            entry = completion.logprobs[i]
+            assert token in entry and len(entry) in (3, 4)  # top 3, plus the sampled token if outside
+            for t, lp in entry.items():
+                assert abs(lp.logprob - row[t]) <= LOGPROB_TOL, (i, t)
+        total = sum(entry[t].logprob for entry, t in zip(completion.logprobs, tokens))
+        assert abs(completion.cumulative_logprob - total) < 1e-6
+        # Prompt logprobs: None for the first token, then each token given the ones before it.
+        assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+        for j in range(1, len(prompt)):
+            entry, row = out.prompt_logprobs[j], ref[j - 1]
+            assert prompt[j] in entry
+            assert entry[prompt[j]].rank == int((row > row[prompt[j]]).sum()) + 1
+            best = np.argsort(-row)[:3]
+            assert {t for t, lp in entry.items() if lp.rank is not None and lp.rank <= 3} == set(best.tolist())
+            for t, lp in entry.items():
+                assert abs(lp.logprob - row[t]) <= LOGPROB_TOL, (j, t)
+    assert compared >= 36  # the rule skipped at most a few near ties
+    _assert_idle(llm)
+
+
+def test_prompt_logprobs_of_a_one_token_tail_chunk_compile_nothing(llm):
+    """A 33-token prompt alone: its last token is a one-token chunk in a decode-only step."""
+    prompt = _prompt(3, 33)
+    counter = CompileCounter()
+    (out,) = _generate(llm, [prompt], SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=1))
+    assert counter.compiles == 0
+    assert len(out.prompt_logprobs) == 33 and all(e is not None for e in out.prompt_logprobs[1:])
+
+
+# ---- 2. alone against a 64-request mix with aborts and preemption -------------------------------
+def _mix_requests(rng: np.random.Generator) -> list[tuple[str, list[int], SamplingParams, str]]:
+    """(id, prompt, params, kind): a third of the prompts long enough to need two blocks."""
+    requests = []
+    for i in range(64):
+        long = rng.random() < 0.35
+        length = int(rng.integers(130, 200) if long else rng.integers(2, 40))
+        max_tokens = int(rng.integers(6, 11))
+        kind = ("greedy", "greedy", "seeded", "unseeded")[i % 4]
+        if kind == "greedy":
+            params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=2)
+        else:
+            params = SamplingParams(temperature=float(rng.uniform(0.6, 1.2)), top_k=int(rng.choice([0, 50])),
+                                    top_p=float(rng.choice([1.0, 0.9])), max_tokens=max_tokens, logprobs=2,
+                                    seed=1000 + i if kind == "seeded" else None)
+        requests.append((f"mix-{i}", _prompt(100 + i, length), params, kind))
+    return requests
+
+
+def test_each_request_alone_equals_itself_inside_a_mix_with_aborts_and_preemption(llm, monkeypatch):
+    engine, scheduler = llm.engine, llm.engine.scheduler
+    rng = np.random.default_rng(7)
+    requests = _mix_requests(rng)
+    aborted_at = {rid: int(rng.integers(1, 80)) for rid, *_ in
+                  [requests[i] for i in rng.choice(len(requests), size=8, replace=False)]}
+    preempted: set[str] = set()
+    schedule = scheduler.schedule
+
+    def recording_schedule():
+        out = schedule()
+        preempted.update(out.preempted)
+        return out
+
+    monkeypatch.setattr(scheduler, "schedule", recording_schedule)
+    preemptions_before = scheduler.num_preemptions
+    counter = CompileCounter()
+    llm.engine.runner.compiles.reset()
+    # The mix: half queued at once, the rest two per step; aborts at their step if still running.
+    mixed, pending, step = {}, list(requests), 0
+    for rid, prompt, params, _ in pending[:32]:
+        engine.add_request(rid, prompt, params)
+    pending = pending[32:]
+    while engine.has_unfinished() or pending:
+        for rid, prompt, params, _ in pending[:2]:
+            engine.add_request(rid, prompt, params)
+        pending = pending[2:]
+        for out in engine.step():
+            if out.finished:
+                mixed[out.request_id] = out
+        step += 1
+        for rid, at in aborted_at.items():
+            if at == step and rid not in mixed:
+                out = engine.abort(rid)
+                if out is not None:  # None: not added yet or already finished
+                    assert out.outputs[0].finish_reason == "abort"
+                    mixed[rid] = out
+    assert counter.compiles == 0 and llm.engine.runner.compiles.compiles == 0
+    assert scheduler.num_preemptions > preemptions_before and preempted
+    _assert_idle(llm)
+    # Each request alone (one request always fits: no preemption).
+    preemptions_mixed = scheduler.num_preemptions
+    checked = {"greedy": 0, "seeded": 0, "preempted": 0, "aborted": 0, "parted": 0}
+    for rid, prompt, params, kind in requests:
+        if kind == "unseeded":  # its random stream depends on the engine's step: not comparable
+            continue
+        (alone,) = _generate(llm, [prompt], params)
+        a, b = alone.outputs[0], mixed[rid].outputs[0]
+        if kind == "greedy":
+            assert len(set(a.token_ids)) >= 4, a.token_ids
+        n, parted = assert_same_under_gap_rule(a, b, greedy=kind == "greedy")
+        if parted:
+            checked["parted"] += 1
+        elif b.finish_reason == "abort":
+            assert n == len(b.token_ids) <= len(a.token_ids)  # what it had so far
+            checked["aborted"] += 1
+        else:
+            assert b.finish_reason == a.finish_reason
+            assert n == len(a.token_ids) == len(b.token_ids), (rid, a.token_ids, b.token_ids)
+            checked[kind] += 1
+            checked["preempted"] += rid in preempted
+    assert scheduler.num_preemptions == preemptions_mixed
+    assert checked["greedy"] >= 20 and checked["seeded"] >= 8 and checked["preempted"] >= 1, checked
+    assert checked["parted"] <= 2, checked  # near ties are rare
+    _assert_idle(llm)
+
+
+# ---- 3. sampling options through the engine ------------------------------------------------------
+SAMPLED = SamplingParams(temperature=0.8, top_p=0.95, seed=1234, max_tokens=8, ignore_eos=True)
+
+
+def test_a_seed_gives_the_same_tokens_alone_and_in_a_batch_and_n_children_use_seed_plus_i(llm, greedy_run):
+    prompt, greedy = greedy_run
+    (alone,) = _generate(llm, [prompt], SAMPLED)
+    (next_seed,) = _generate(llm, [prompt], dataclasses.replace(SAMPLED, seed=1235))
+    batch = _generate(llm, [_prompt(5, 30), prompt, _prompt(6, 3)],
+                      [SamplingParams(temperature=0.0, max_tokens=5), SAMPLED, SamplingParams(temperature=1.0, seed=9)])
+    assert batch[1].outputs[0].token_ids == alone.outputs[0].token_ids
+    assert alone.outputs[0].token_ids != greedy.token_ids[:8]  # the seed sampled something
+    assert alone.outputs[0].token_ids != next_seed.outputs[0].token_ids
+    (pair,) = _generate(llm, [prompt], dataclasses.replace(SAMPLED, n=2))
+    assert [c.index for c in pair.outputs] == [0, 1]
+    assert [c.token_ids for c in pair.outputs] == [alone.outputs[0].token_ids, next_seed.outputs[0].token_ids]
+    _assert_idle(llm)
+
+
+def test_max_tokens_and_stop_token_ids(llm, greedy_run):
+    prompt, greedy = greedy_run
+    (exact,) = _generate(llm, [prompt], SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True))
+    assert exact.outputs[0].token_ids == greedy.token_ids[:7] and exact.outputs[0].finish_reason == "length"
+    k = next(i for i in range(2, 12) if greedy.token_ids[i] not in greedy.token_ids[:i])
+    stop = greedy.token_ids[k]
+    (out,) = _generate(llm, [prompt], SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[stop]))
+    c = out.outputs[0]
+    assert c.token_ids == greedy.token_ids[: k + 1]  # the stop token is the last one, counted
+    assert (c.finish_reason, c.stop_reason) == ("stop", stop)
+
+
+def test_min_tokens_bans_stop_tokens_until_reached(llm, greedy_run):
+    prompt, greedy = greedy_run
+    stop = greedy.token_ids[1]
+    params = SamplingParams(temperature=0.0, max_tokens=12, min_tokens=4, stop_token_ids=[stop])
+    (out,) = _generate(llm, [prompt], params)
+    c = out.outputs[0]
+    assert len(c.token_ids) >= 4 and stop not in c.token_ids[:4]
+    # Position 1 sees the same prefix as the greedy run, with its best token banned: the second best.
+    second, third = sorted((lp.rank, t, lp.logprob) for t, lp in greedy.logprobs[1].items() if lp.rank)[1:3]
+    assert second[2] - third[2] > GAP
+    assert c.token_ids[:2] == [greedy.token_ids[0], second[1]]
+    if c.finish_reason == "stop":
+        assert c.token_ids[-1] == stop and c.stop_reason == stop
+
+
+def _unique_piece(text: str, start: int) -> tuple[int, str]:
+    """A 2-character piece of `text` at or after `start` that occurs nowhere else in it."""
+    for i in range(start, len(text) - 1):
+        piece = text[i : i + 2]
+        if "\ufffd" not in piece and text.find(piece) == i and text.find(piece, i + 1) < 0:
+            return i, piece
+    raise AssertionError(f"no unique piece in {text!r}")
+
+
+def test_stop_strings_are_never_shown_and_wait_for_min_tokens(llm, greedy_run):
+    prompt, greedy = greedy_run
+    i, piece = _unique_piece(greedy.text, 3)
+    (out,) = _generate(llm, [prompt], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, stop=piece))
+    c = out.outputs[0]
+    assert (c.finish_reason, c.stop_reason) == ("stop", piece)
+    assert c.text == greedy.text[:i] and piece not in c.text
+    assert c.token_ids == greedy.token_ids[: len(c.token_ids)] and len(c.token_ids) < 12
+    # Completed by the max_tokens-th token: still a stop (vLLM reports the stop string then).
+    (last,) = _generate(llm, [prompt], SamplingParams(temperature=0.0, max_tokens=len(c.token_ids), stop=piece))
+    assert (last.outputs[0].finish_reason, last.outputs[0].stop_reason, last.outputs[0].text) == ("stop", piece, c.text)
+    # A stop string completed before min_tokens does not count (vLLM checks the text after it).
+    (short,) = _generate(llm, [prompt], SamplingParams(temperature=0.0, max_tokens=len(c.token_ids), ignore_eos=True))
+    (late,) = _generate(llm, [prompt], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, stop=piece,
+                                                      min_tokens=len(c.token_ids) + 1))
+    assert piece in short.outputs[0].text
+    assert late.outputs[0].token_ids == greedy.token_ids and late.outputs[0].text == greedy.text
+    assert late.outputs[0].finish_reason == "length"
+
+
+def test_eos_stops_unless_ignore_eos(llm, greedy_run):
+    prompt, _ = greedy_run
+    force_eos = {EOS: 100.0}
+    (stopped,) = _generate(llm, [prompt], SamplingParams(temperature=0.0, max_tokens=5, logit_bias=force_eos))
+    (ignored,) = _generate(llm, [prompt], SamplingParams(temperature=0.0, max_tokens=5, logit_bias=force_eos,
+                                                         ignore_eos=True))
+    assert stopped.outputs[0].token_ids == [EOS]
+    assert (stopped.outputs[0].finish_reason, stopped.outputs[0].stop_reason) == ("stop", None)
+    assert ignored.outputs[0].token_ids == [EOS] * 5 and ignored.outputs[0].finish_reason == "length"
+
+
+def test_requests_that_can_never_run_are_refused_with_the_numbers(llm):
+    with pytest.raises(ValueError, match=r"prompt \(250 tokens\) plus max_tokens \(10\) exceeds max_model_len \(256\)"):
+        _generate(llm, [[3] * 250], SamplingParams(max_tokens=10))
+    with pytest.raises(ValueError, match=rf"\[0, {VOCAB}\).*\[{VOCAB}, 9999\]"):
+        _generate(llm, [[3, VOCAB, 9999]], SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match=rf"stop_token_ids has token ids \[{VOCAB}\]"):
+        _generate(llm, [[3, 4]], SamplingParams(max_tokens=2, stop_token_ids=[VOCAB]))
+    # A refusal in the middle of a batch leaves nothing queued.
+    with pytest.raises(ValueError, match="exceeds max_model_len"):
+        _generate(llm, [[3, 4], [3] * 250], SamplingParams(max_tokens=10))
+    _assert_idle(llm)
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"dtype": "float16"}, "dtype"),
+    ({"max_num_seqs": 0}, "max_num_seqs"),
+    ({"max_model_len": -1}, "max_model_len"),
+    ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
+    ({"tensor_parallel_size": 2}, "tensor_parallel_size"),
+    ({"num_gpu_blocks_override": 0}, "num_gpu_blocks_override"),
+    ({"max_num_batched_tokens": 0}, "max_num_batched_tokens"),
+    ({"block_size": 0}, "block_size"),
+    ({"seed": 1.5}, "seed"),
+])
+def test_bad_llm_arguments_fail_before_anything_is_loaded(tmp_path, kwargs, field):
+    # The model directory does not exist: an argument checked after loading would fail on it instead.
+    with pytest.raises(ValueError, match=field) as error:
+        LLM(str(tmp_path / "missing"), **kwargs)
+    assert repr(next(iter(kwargs.values()))) in str(error.value)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"max_model_len": 4096}, rf"max_model_len \(4096\).*max_position_embeddings \({CONFIG.max_position_embeddings}\)"),
+    ({"block_size": 100, "max_model_len": 256}, "block-size 100 must be a multiple of 128"),
+    ({"kv_cache_dtype": "float16", "max_model_len": 256}, "float16"),
+])
+def test_arguments_that_need_the_config_fail_before_the_weights_load(checkpoint, monkeypatch, kwargs, message):
+    def no_loading(*args, **kwargs):
+        raise AssertionError("load_model was called")
+
+    monkeypatch.setattr(dsv4_jax, "load_model", no_loading)
+    with pytest.raises(ValueError, match=message):
+        LLM(str(checkpoint), **kwargs)
+
+
+# ---- 4. pool sizes ---------------------------------------------------------------------------------
+def _compressed_bytes_per_block(plan) -> int:
+    return sum(plan.pool(name).bytes_per_block for name in ("csa", "indexer", "hca"))
+
+
+def test_pools_have_the_planners_bytes_and_the_overridden_block_count(llm, chat_llm):
+    # Without an override the pools hold exactly the planner's budget (tables and counters aside).
+    plan = chat_llm.plan
+    assert abs(chat_llm.cache_bytes - plan.kv_budget_bytes) <= 0.01 * plan.kv_budget_bytes
+    assert chat_llm.layout.num_compressed_blocks == plan.num_blocks["compressed"]
+    # With one the compressed pools change by whole blocks of the planner's size, nothing else.
+    plan = llm.plan
+    assert plan.num_blocks["compressed"] == SEQS * MAX_MODEL_LEN // BLOCK + SEQS != BLOCKS_OVERRIDE
+    assert llm.layout.num_compressed_blocks == BLOCKS_OVERRIDE
+    assert llm.engine.scheduler.block_managers[0].num_compressed_blocks == BLOCKS_OVERRIDE
+    extra_blocks = BLOCKS_OVERRIDE - plan.num_blocks["compressed"]
+    expected = plan.kv_budget_bytes + extra_blocks * _compressed_bytes_per_block(plan)
+    assert abs(llm.cache_bytes - expected) <= 0.01 * expected
+    assert llm.engine.runner.cache.compressed.hca.rows.shape[1] == BLOCKS_OVERRIDE
+
+
+# ---- 5. chat ---------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def chat_llm(tmp_path_factory):
+    # The real vocabulary is what chat needs; one HCA layer and no MTP keep its compiles short.
+    config = CONFIG.replace(vocab_size=129280, num_hidden_layers=1, compress_ratios=(16,), num_nextn_predict_layers=0)
+    path = write_random_checkpoint(tmp_path_factory.mktemp("chat") / "ckpt", config, seed=4)
+    return LLM(str(path), dtype="float32", kv_cache_dtype="float32", max_model_len=512, max_num_seqs=1,
+               block_size=BLOCK, buckets=StepBuckets(prefill=((1, 32),), decode=(1,)))
+
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}}
+TOOLS = [{"type": "function",
+          "function": {"name": "get_weather", "description": "Weather of a city", "parameters": WEATHER}}]
+
+
+@pytest.mark.parametrize("thinking", [False, True])
+def test_chat_builds_the_v4_prompt_and_parses_the_completion(chat_llm, thinking):
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    (out,) = chat_llm.chat(messages, params, use_tqdm=False, tools=TOOLS, chat_template_kwargs={"thinking": thinking})
+    mode = "thinking" if thinking else "chat"
+    # The prompt is the V4 encoder's, tools included, tokenized with one BOS and no other additions.
+    assert out.prompt == encode_messages(attach_request_fields(messages, TOOLS), thinking_mode=mode)
+    assert out.prompt.startswith(BOS) and TOOLS_SECTION_HEAD in out.prompt
+    assert out.prompt.endswith(ASSISTANT + (THINK_START if thinking else THINK_END))
+    tok = chat_llm.tokenizer
+    assert out.prompt_token_ids == tok.encode(out.prompt, add_special_tokens=False).ids
+    assert out.prompt_token_ids[0] == tok.token_to_id(BOS) and out.prompt_token_ids.count(tok.token_to_id(BOS)) == 1
+    completion = out.outputs[0]
+    assert len(completion.token_ids) == 8 and completion.finish_reason == "length"
+    # The random model writes no chat markup: in chat mode all of it is content, in thinking mode
+    # (the prompt opened <think>) all of it is reasoning; no tool calls either way.
+    raw = tok.decode(completion.token_ids, skip_special_tokens=False)
+    assert THINK_END not in raw and DSML not in raw, raw
+    assert completion.tool_calls is None
+    if thinking:
+        assert (completion.reasoning, completion.text) == (raw, "")
+    else:
+        assert (completion.text, completion.reasoning) == (raw, None)
