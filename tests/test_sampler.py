@@ -197,6 +197,8 @@ def test_logprobs_are_the_raw_model_distribution(mixed):
     top = np.argsort(-reference, axis=-1, kind="stable")[:, :MAX_LOGPROBS]
     np.testing.assert_array_equal(out.top_token_ids, top)
     np.testing.assert_allclose(out.top_logprobs, np.take_along_axis(reference, top, -1), atol=1e-5)
+    chosen = reference[np.arange(B), out.token_ids]
+    np.testing.assert_array_equal(out.ranks, 1 + (reference > chosen[:, None]).sum(-1))  # vLLM's rank
 
 
 def test_min_tokens_bans_eos_and_stop_ids_until_reached():

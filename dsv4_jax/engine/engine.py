@@ -160,7 +160,7 @@ class LLMEngine:
         tokens = np.asarray(sampled.token_ids)
         want_logprobs = any(r.is_sampling and self._tracked[r.request.request_id].logprobs is not None
                             for r in scheduled.rows)
-        logprob_arrays = jax.device_get((sampled.logprobs, sampled.top_token_ids, sampled.top_logprobs)) \
+        logprob_arrays = jax.device_get((sampled.logprobs, sampled.top_token_ids, sampled.top_logprobs, sampled.ranks)) \
             if want_logprobs else None
         got = self.scheduler.update(
             scheduled, {r.request.request_id: int(tokens[i]) for i, r in enumerate(scheduled.rows) if r.is_sampling}
@@ -203,13 +203,11 @@ class LLMEngine:
         self.scheduler.finish(tracked.request.request_id, status)
 
     def _record_logprobs(self, tracked: _Tracked, arrays, i: int) -> None:
-        sampled_lp, top_ids, top_lps = arrays
+        sampled_lp, top_ids, top_lps, ranks = arrays
         token = tracked.request.output_token_ids[-1]
-        entry = {token: Logprob(float(sampled_lp[i]))}
+        entry = {token: Logprob(float(sampled_lp[i]), int(ranks[i]))}
         for rank, (t, lp) in enumerate(zip(top_ids[i][: tracked.params.logprobs], top_lps[i]), start=1):
             entry.setdefault(int(t), Logprob(float(lp), rank))
-            if int(t) == token:
-                entry[token].rank = rank
         tracked.logprobs.append(entry)
         tracked.cumulative_logprob += float(sampled_lp[i])
 

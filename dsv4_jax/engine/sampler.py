@@ -107,6 +107,7 @@ class SampledTokens:
     logprobs: jax.Array  # [B] float32: raw logprob of the sampled token
     top_token_ids: jax.Array  # [B, L] int32, L = min(MAX_LOGPROBS, V), most likely first
     top_logprobs: jax.Array  # [B, L] float32; a row reads its first `num_logprobs`
+    ranks: jax.Array  # [B] int32: 1 + the tokens more likely than the sampled one (vLLM's rank)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -245,11 +246,12 @@ def _draw(x: jax.Array, batch: SamplingBatch, k: int) -> jax.Array:
     return jnp.take_along_axis(ids, choice[:, None], axis=1)[:, 0]
 
 
-def _raw_logprobs(logits: jax.Array, tokens: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+def _raw_logprobs(logits: jax.Array, tokens: jax.Array) -> tuple[jax.Array, ...]:
     lse = jax.nn.logsumexp(logits, axis=-1)
     top_values, top_ids = jax.lax.top_k(logits, min(MAX_LOGPROBS, logits.shape[-1]))
     picked = jnp.take_along_axis(logits, tokens[:, None], axis=1)[:, 0]
-    return picked - lse, top_ids, top_values - lse[:, None]
+    ranks = 1 + jnp.sum(logits > picked[:, None], axis=-1, dtype=jnp.int32)
+    return picked - lse, top_ids, top_values - lse[:, None], ranks
 
 
 def _sample(logits: jax.Array, batch: SamplingBatch, config: SamplerConfig = SamplerConfig()) -> SampledTokens:
@@ -261,7 +263,8 @@ def _sample(logits: jax.Array, batch: SamplingBatch, config: SamplerConfig = Sam
         jnp.all(batch.greedy), lambda: jnp.argmax(x, axis=-1).astype(jnp.int32), lambda: _draw(x, batch, k)
     )
     b, top = logits.shape[0], min(MAX_LOGPROBS, logits.shape[-1])
-    none = (jnp.zeros(b, jnp.float32), jnp.zeros((b, top), jnp.int32), jnp.zeros((b, top), jnp.float32))
+    none = (jnp.zeros(b, jnp.float32), jnp.zeros((b, top), jnp.int32), jnp.zeros((b, top), jnp.float32),
+            jnp.zeros(b, jnp.int32))
     logprobs = jax.lax.cond(jnp.any(batch.num_logprobs >= 0), lambda: _raw_logprobs(logits, tokens), lambda: none)
     return SampledTokens(tokens, *logprobs)
 
