@@ -29,6 +29,7 @@ jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 _compiles: dict[str, list[float]] = defaultdict(list)
+_file_seconds: dict[str, float] = defaultdict(float)  # wall seconds per test file (setup + call + teardown)
 _current = {"test": "<collection>"}
 
 
@@ -47,7 +48,14 @@ def _account_compiles(request):
     _current["test"] = "<between tests>"
 
 
+def pytest_runtest_logreport(report):
+    _file_seconds[report.nodeid.split("::")[0]] += report.duration
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    terminalreporter.section("wall seconds per test file")
+    for path, seconds in sorted(_file_seconds.items(), key=lambda kv: -kv[1]):
+        terminalreporter.write_line(f"{seconds:7.1f}s  {path}")
     total = sum(sum(v) for v in _compiles.values())
     count = sum(len(v) for v in _compiles.values())
     terminalreporter.section("XLA compiles")
