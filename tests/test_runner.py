@@ -264,3 +264,30 @@ def test_decode_token_ids_can_come_from_the_previous_steps_device_output(runner)
     np.testing.assert_array_equal(on_device, from_host)
     with pytest.raises(ValueError, match="bucket"):
         runner.step([StepRow(0, 6, [0], [9])], token_ids=jnp.zeros((2, 1), jnp.int32))
+
+
+def test_compile_counter_tells_compiles_from_persistent_cache_hits(tmp_path):
+    """A restart with a warm persistent cache builds executables from the cache: 0 compiles."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(
+        """
+        import jax, jax.numpy as jnp
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+        from dsv4_jax.engine.compiles import CompileCounter
+        counter = CompileCounter()
+        jax.jit(lambda x: jnp.sin(x) * 3 + 1)(jnp.arange(7.0)).block_until_ready()
+        print(counter.compiles, counter.cache_hits)
+        """
+    )
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_COMPILATION_CACHE_DIR": str(tmp_path)}
+    runs = [subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
+            for _ in range(2)]
+    assert all(r.returncode == 0 for r in runs), runs[-1].stderr[-2000:]
+    (cold_compiles, cold_hits), (warm_compiles, warm_hits) = (map(int, r.stdout.split()) for r in runs)
+    assert cold_compiles >= 1 and cold_hits == 0
+    assert warm_compiles == 0 and warm_hits == cold_compiles

@@ -1,9 +1,12 @@
 """Counting XLA compiles through `jax.monitoring`, so the runner can prove that a warmed-up
 server never compiles again.
 
-JAX reports every backend compile as the duration event `/jax/core/compile/backend_compile_duration`
-(a persistent-cache hit reports none). One listener is registered per process, the first time a
-counter is asked for; it counts into a module-level total that `CompileCounter` snapshots.
+JAX reports every executable it builds as the duration event
+`/jax/core/compile/backend_compile_duration`, including one read from the persistent compilation
+cache, which also records `/jax/compilation_cache/cache_hits`. So compiles = those events minus
+cache hits, and a restart with a warm cache shows 0 compiles and N cache hits. The listeners are
+registered once per process, the first time a counter is made; they count into module-level
+totals that `CompileCounter` snapshots.
 """
 
 from __future__ import annotations
@@ -13,29 +16,38 @@ import threading
 import jax
 
 BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
 
 _lock = threading.Lock()
-_total = {"compiles": 0, "seconds": 0.0}
+_total = {"built": 0, "cache_hits": 0, "seconds": 0.0}
 _registered = False
 
 
-def _listen(event: str, seconds: float, **_: object) -> None:
+def _listen_duration(event: str, seconds: float, **_: object) -> None:
     if event == BACKEND_COMPILE_EVENT:
         with _lock:
-            _total["compiles"] += 1
+            _total["built"] += 1
             _total["seconds"] += seconds
+
+
+def _listen_event(event: str, **_: object) -> None:
+    if event == CACHE_HIT_EVENT:
+        with _lock:
+            _total["cache_hits"] += 1
 
 
 def _ensure_listener() -> None:
     global _registered
     with _lock:
         if not _registered:
-            jax.monitoring.register_event_duration_secs_listener(_listen)
+            jax.monitoring.register_event_duration_secs_listener(_listen_duration)
+            jax.monitoring.register_event_listener(_listen_event)
             _registered = True
 
 
 class CompileCounter:
-    """Compiles (and their seconds) since the counter was made or last `reset`."""
+    """XLA compiles, persistent-cache hits and their seconds since the counter was made or last
+    `reset`."""
 
     def __init__(self) -> None:
         _ensure_listener()
@@ -47,8 +59,14 @@ class CompileCounter:
 
     @property
     def compiles(self) -> int:
+        """Executables XLA really compiled (not read from the persistent cache)."""
         with _lock:
-            return _total["compiles"] - self._start["compiles"]
+            return (_total["built"] - self._start["built"]) - (_total["cache_hits"] - self._start["cache_hits"])
+
+    @property
+    def cache_hits(self) -> int:
+        with _lock:
+            return _total["cache_hits"] - self._start["cache_hits"]
 
     @property
     def seconds(self) -> float:
