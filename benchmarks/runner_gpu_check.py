@@ -41,6 +41,8 @@ from dsv4_jax.kv_cache.paged import PagedCacheLayout  # noqa: E402
 from dsv4_jax.kv_cache.resolver import resolve_for_device  # noqa: E402
 from pallas_kernels.backend import PALLAS_BF16, PALLAS_FP8_DS_MLA, XLA  # noqa: E402
 
+from benchmarks.runner import positive  # noqa: E402  (one flag parser for the benchmarks)
+
 KV_CACHE_DTYPE = {PALLAS_FP8_DS_MLA: "fp8_ds_mla", PALLAS_BF16: "bfloat16"}
 NEAR_TIE = 1e-3  # top-1/top-2 logit gap below which either token is a fair greedy pick
 BLOCK_SIZE = 128  # the smallest block the tiny model's HCA ratio allows: more boundaries crossed
@@ -106,16 +108,6 @@ def write_line(path: str | None, line: str, mode: str = "a") -> None:
             f.write(line + "\n")
             f.flush()
             os.fsync(f.fileno())
-
-
-def positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
 
 
 def main(argv: list[str] | None = None) -> int:

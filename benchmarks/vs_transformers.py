@@ -52,6 +52,9 @@ from pathlib import Path
 import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from benchmarks.runner import positive  # noqa: E402  (one flag parser for the benchmarks)
 REF_SCRIPT = REPO / "tools" / "transformers_generate.py"
 MODELS = ("tiny", "mid")
 PROMPT_SEED = 0
@@ -61,7 +64,6 @@ TARGETS = {"tiny": 5.0, "mid": 1.0}  # the issue's: ours / transformers output t
 # ---- checkpoints and prompts -----------------------------------------------------------------------
 def mid_twin_dir() -> Path:
     """The bf16 twin of benchmarks/runner.py's mid checkpoint, written on first use."""
-    sys.path.insert(0, str(REPO))
     from benchmarks.runner import MID_SEED, mid_config
     from dsv4_jax.builtin import CACHE_ENV
     from dsv4_jax.testing import write_random_checkpoint
@@ -339,16 +341,6 @@ def int_list(text: str) -> list[int]:
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError(f"expected comma-separated positive integers such as 1,8,32, got {text!r}")
     return values
-
-
-def positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
