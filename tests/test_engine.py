@@ -145,7 +145,7 @@ def test_greedy_tokens_logprobs_and_prompt_logprobs_follow_the_full_forward(llm)
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=3, prompt_logprobs=3)
     counter = CompileCounter()
     outs = _generate(llm, prompts, params)
-    assert counter.compiles == 0  # before the reference forward below
+    assert counter.built == 0  # before the reference forward below
     references = _full_log_softmax(llm, [p + o.outputs[0].token_ids for p, o in zip(prompts, outs)])
     compared = 0
     for prompt, out, ref in zip(prompts, outs, references):
@@ -184,7 +184,7 @@ def test_prompt_logprobs_of_a_one_token_tail_chunk_compile_nothing(llm):
     prompt = _prompt(3, 33)
     counter = CompileCounter()
     (out,) = _generate(llm, [prompt], SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=1))
-    assert counter.compiles == 0
+    assert counter.built == 0
     assert len(out.prompt_logprobs) == 33 and all(e is not None for e in out.prompt_logprobs[1:])
 
 
@@ -244,7 +244,7 @@ def test_each_request_alone_equals_itself_inside_a_mix_with_aborts_and_preemptio
                 if out is not None:  # None: not added yet or already finished
                     assert out.outputs[0].finish_reason == "abort"
                     mixed[rid] = out
-    assert counter.compiles == 0 and llm.engine.runner.compiles.compiles == 0
+    assert counter.built == 0 and llm.engine.runner.compiles.built == 0
     assert scheduler.num_preemptions > preemptions_before and preempted
     _assert_idle(llm)
     # Each request alone (one request always fits: no preemption).

@@ -47,7 +47,7 @@ def model(checkpoint):
 @pytest.fixture(scope="module")
 def runner(model):
     runner = ModelRunner(model, _layout(CONFIG, "float32"), buckets=BUCKETS)
-    assert runner.warmup() > 0
+    runner.warmup()
     return runner
 
 
@@ -102,7 +102,7 @@ def test_float32_chunked_prefill_and_decode_equal_the_full_forward(model, runner
         assert got.shape == want.shape
         assert relative_error(got, want) <= EXACT
     # The workload crossed every bucket, window and compression boundary: nothing compiled.
-    assert runner.compiles.compiles == 0
+    assert runner.compiles.built == 0  # nothing compiled, nothing even read from the cache
 
 
 def test_a_step_donates_the_cache(runner):
@@ -193,7 +193,7 @@ def test_greedy_generation_follows_the_full_forward_on_hc4_flash_like(golden_dir
     for _ in range(24):
         tokens.append(int(np.argmax(np.asarray(out.logits)[0])))
         out = runner.step([StepRow(0, len(tokens) - 1, [tokens[-1]], [0])])
-    assert runner.compiles.compiles == 0
+    assert runner.compiles.built == 0  # nothing compiled, nothing even read from the cache
     generated = tokens[len(prompt) :]
     assert len(set(generated)) >= 4, generated  # a random tiny model must not just repeat a token
     full = np.asarray(model(np.array([tokens], np.int32)))[0]  # (after the compile check)
@@ -281,13 +281,14 @@ def test_compile_counter_tells_compiles_from_persistent_cache_hits(tmp_path):
         from dsv4_jax.engine.compiles import CompileCounter
         counter = CompileCounter()
         jax.jit(lambda x: jnp.sin(x) * 3 + 1)(jnp.arange(7.0)).block_until_ready()
-        print(counter.compiles, counter.cache_hits)
+        print(counter.compiles, counter.cache_hits, counter.built)
         """
     )
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_COMPILATION_CACHE_DIR": str(tmp_path)}
     runs = [subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
             for _ in range(2)]
     assert all(r.returncode == 0 for r in runs), runs[-1].stderr[-2000:]
-    (cold_compiles, cold_hits), (warm_compiles, warm_hits) = (map(int, r.stdout.split()) for r in runs)
-    assert cold_compiles >= 1 and cold_hits == 0
-    assert warm_compiles == 0 and warm_hits == cold_compiles
+    (cold_compiles, cold_hits, cold_built), (warm_compiles, warm_hits, warm_built) = (
+        map(int, r.stdout.split()) for r in runs)
+    assert cold_compiles >= 1 and cold_hits == 0 and cold_built == cold_compiles
+    assert warm_compiles == 0 and warm_hits == cold_compiles == warm_built

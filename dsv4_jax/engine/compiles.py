@@ -64,6 +64,13 @@ class CompileCounter:
             return (_total["built"] - self._start["built"]) - (_total["cache_hits"] - self._start["cache_hits"])
 
     @property
+    def built(self) -> int:
+        """Executables built at all, compiled or read from the persistent cache: after warm-up a
+        server must build none (a cache hit still means a shape was not warmed up)."""
+        with _lock:
+            return _total["built"] - self._start["built"]
+
+    @property
     def cache_hits(self) -> int:
         with _lock:
             return _total["cache_hits"] - self._start["cache_hits"]
