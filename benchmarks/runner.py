@@ -49,7 +49,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import dsv4_jax  # noqa: E402
-from dsv4_jax.builtin import CACHE_ENV, builtin_model_dir  # noqa: E402
+from dsv4_jax.builtin import builtin_model_dir, cached_checkpoint  # noqa: E402
 from dsv4_jax.config import DeepseekV4Config  # noqa: E402
 from dsv4_jax.engine.runner import ModelRunner, StepBuckets, StepRow  # noqa: E402
 from dsv4_jax.kv_cache.paged import PagedCacheLayout  # noqa: E402
@@ -81,15 +81,13 @@ def mid_config() -> DeepseekV4Config:
 
 def mid_model_dir() -> Path:
     """The mid checkpoint, written on first use next to the built-in model (same cache root)."""
-    root = Path(os.environ.get(CACHE_ENV, Path.home() / ".cache" / "dsv4-jax"))
-    path = root / f"bench-mid-seed{MID_SEED}"
-    if not (path / "config.json").is_file():
+
+    def write(partial: Path) -> None:
         t0 = time.perf_counter()
-        partial = path.with_name(path.name + ".partial")
         write_random_checkpoint(partial, mid_config(), seed=MID_SEED, quantize="fp8", tokenizer=False)
-        partial.rename(path)  # appears whole or not at all
-        print(f"# wrote the mid checkpoint to {path} in {time.perf_counter() - t0:.0f} s (once)", flush=True)
-    return path
+        print(f"# wrote the mid checkpoint in {time.perf_counter() - t0:.0f} s (once)", flush=True)
+
+    return cached_checkpoint(f"bench-mid-seed{MID_SEED}", write)
 
 
 def model_dir(name: str) -> Path:

@@ -65,17 +65,15 @@ TARGETS = {"tiny": 5.0, "mid": 1.0}  # the issue's: ours / transformers output t
 def mid_twin_dir() -> Path:
     """The bf16 twin of benchmarks/runner.py's mid checkpoint, written on first use."""
     from benchmarks.runner import MID_SEED, mid_config
-    from dsv4_jax.builtin import CACHE_ENV
+    from dsv4_jax.builtin import cached_checkpoint
     from dsv4_jax.testing import write_random_checkpoint
 
-    path = Path(os.environ.get(CACHE_ENV, Path.home() / ".cache" / "dsv4-jax")) / f"bench-mid-seed{MID_SEED}-bf16"
-    if not (path / "config.json").is_file():
+    def write(partial: Path) -> None:
         t0 = time.perf_counter()
-        partial = path.with_name(path.name + ".partial")
         write_random_checkpoint(partial, mid_config(), seed=MID_SEED, dequantized_twin_of="fp8", tokenizer=False)
-        partial.rename(path)  # appears whole or not at all
-        print(f"# wrote the mid checkpoint (bf16) to {path} in {time.perf_counter() - t0:.0f} s (once)", flush=True)
-    return path
+        print(f"# wrote the mid checkpoint (bf16) in {time.perf_counter() - t0:.0f} s (once)", flush=True)
+
+    return cached_checkpoint(f"bench-mid-seed{MID_SEED}-bf16", write)
 
 
 def model_dir(name: str) -> Path:

@@ -8,6 +8,7 @@ import logging
 import math
 import os
 from pathlib import Path
+from typing import Callable
 
 from dsv4_jax.config import DeepseekV4Config
 
@@ -29,20 +30,34 @@ def checkpoint_bytes(config: DeepseekV4Config) -> int:
         return tensors + file.stat().st_size
 
 
+def cache_root() -> Path:
+    """Where generated checkpoints live: $DSV4_JAX_CACHE, else ~/.cache/dsv4-jax."""
+    return Path(os.environ.get(CACHE_ENV, Path.home() / ".cache" / "dsv4-jax"))
+
+
+def cached_checkpoint(name: str, write: Callable[[Path], object]) -> Path:
+    """`cache_root() / name`, made by `write(directory)` the first time: into a `.partial` directory
+    renamed when complete, so the checkpoint appears whole or not at all."""
+    path = cache_root() / name
+    if not (path / "config.json").is_file():
+        partial = path.with_name(path.name + ".partial")
+        write(partial)
+        partial.rename(path)
+    return path
+
+
 def builtin_model_dir() -> Path:
     """The directory of the built-in checkpoint, written on first use (a few seconds)."""
-    root = Path(os.environ.get(CACHE_ENV, Path.home() / ".cache" / "dsv4-jax"))
-    path = root / f"{BUILTIN_PRESET}-seed{BUILTIN_SEED}"
-    if not (path / "config.json").is_file():
+
+    def write(partial: Path) -> None:
         from dsv4_jax.presets import get_config
         from dsv4_jax.testing import write_random_checkpoint
 
         size = checkpoint_bytes(get_config(BUILTIN_PRESET))
         logger.info(
             "writing the built-in model %s (random weights, %.0f MiB) to %s, once; set %s to write it elsewhere",
-            BUILTIN_PRESET, size / 2**20, path, CACHE_ENV,
+            BUILTIN_PRESET, size / 2**20, partial.with_suffix(""), CACHE_ENV,
         )
-        partial = path.with_name(path.name + ".partial")
         write_random_checkpoint(partial, BUILTIN_PRESET, seed=BUILTIN_SEED)
-        partial.rename(path)  # appears whole or not at all
-    return path
+
+    return cached_checkpoint(f"{BUILTIN_PRESET}-seed{BUILTIN_SEED}", write)
