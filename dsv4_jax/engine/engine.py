@@ -157,11 +157,12 @@ class LLMEngine:
         self._steps += 1
         sampled = sample(out.logits, jax.device_put(batch), config=self.sampler_config)
         self._prompt_logprobs(scheduled.rows, out)
-        tokens = np.asarray(sampled.token_ids)
         want_logprobs = any(r.is_sampling and self._tracked[r.request.request_id].logprobs is not None
                             for r in scheduled.rows)
-        logprob_arrays = jax.device_get((sampled.logprobs, sampled.top_token_ids, sampled.top_logprobs, sampled.ranks)) \
-            if want_logprobs else None
+        # One device-to-host transfer for the tokens and, when asked for, their logprobs.
+        fetched = jax.device_get((sampled.token_ids, sampled.logprobs, sampled.top_token_ids, sampled.top_logprobs,
+                                  sampled.ranks) if want_logprobs else (sampled.token_ids,))
+        tokens, logprob_arrays = fetched[0], (fetched[1:] if want_logprobs else None)
         got = self.scheduler.update(
             scheduled, {r.request.request_id: int(tokens[i]) for i, r in enumerate(scheduled.rows) if r.is_sampling}
         )
