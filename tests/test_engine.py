@@ -8,8 +8,8 @@ Two engines, module-scoped and shared by every test (compiles dominate CI):
   to 256 tokens in blocks of 128. `usable_blocks_cap=4` lets four short requests run but forces
   preemption when long ones (two blocks each) share the pool; one request alone always fits, so
   "alone" runs never preempt. `num_gpu_blocks_override=10` (the plan wants 12) is checked too.
-* `chat_llm`: a one-layer model with the real vocabulary (the V4 chat format's special tokens are
-  ids above 128,000), one bucket of each kind.
+* `chat_llm` (tests/conftest.py, shared with the server tests): a one-layer model with the real
+  vocabulary (the V4 chat format's special tokens are ids above 128,000), 8 sequences.
 
 Comparison rule: floats change slightly with the batch a request shares, so run A and run B are
 compared at A's tokens: tokens must match wherever A's top-1/top-2 logprob gap exceeds 1e-3 (past
@@ -36,6 +36,7 @@ from dsv4_jax.chat import (
     encode_messages,
 )
 from dsv4_jax.engine.compiles import CompileCounter
+from dsv4_jax.engine.request import ForcedTokens
 from dsv4_jax.engine.runner import StepBuckets
 from dsv4_jax.presets import get_config
 from dsv4_jax.testing import write_random_checkpoint
@@ -360,6 +361,33 @@ def test_eos_stops_unless_ignore_eos(llm, greedy_run):
     assert ignored.outputs[0].token_ids == [EOS] * 5 and ignored.outputs[0].finish_reason == "length"
 
 
+def test_forced_tokens_replace_samples_from_the_token_after_the_arming_one(llm, greedy_run):
+    """A tool call forced after the model's own `</think>` (serve/chat.py), with an ordinary token of
+    the free greedy run standing in for `</think>`: the model's tokens up to and including it, then
+    the forced ones, then the model again; forced tokens' logprobs are the full forward's."""
+    prompt, free = greedy_run
+    arming = 3 if free.token_ids[3] not in free.token_ids[:3] else free.token_ids.index(free.token_ids[3])
+    forced = (5, 6, 7)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=3)
+    llm.engine.add_request("forced", prompt, params,
+                           forced=ForcedTokens(forced, after_token=free.token_ids[arming]))
+    out = None
+    while llm.engine.has_unfinished():
+        out = next((o for o in llm.engine.step() if o.finished), out)
+    tokens = out.outputs[0].token_ids
+    assert tokens[: arming + 1] == free.token_ids[: arming + 1]
+    assert tuple(tokens[arming + 1 : arming + 4]) == forced and len(tokens) == 12
+    (reference,) = _full_log_softmax(llm, [prompt + tokens])
+    for i in range(arming + 1, arming + 4):  # the forced positions: the sampler never picked these
+        row = reference[len(prompt) - 1 + i]
+        entry = out.outputs[0].logprobs[i][tokens[i]]
+        assert abs(entry.logprob - row[tokens[i]]) <= LOGPROB_TOL
+        assert entry.rank == int((row > row[tokens[i]]).sum()) + 1
+    _assert_idle(llm)
+    with pytest.raises(ValueError, match="forced token ids"):
+        llm.engine.add_request("bad", prompt, params, forced=ForcedTokens((VOCAB,)))
+
+
 def test_requests_that_can_never_run_are_refused_with_the_numbers(llm):
     with pytest.raises(ValueError, match=r"prompt \(250 tokens\) plus max_tokens \(10\) exceeds max_model_len \(256\)"):
         _generate(llm, [[3] * 250], SamplingParams(max_tokens=10))
@@ -427,15 +455,6 @@ def test_pools_have_the_planners_bytes_and_the_overridden_block_count(llm, chat_
 
 
 # ---- 5. chat ---------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def chat_llm(tmp_path_factory):
-    # The real vocabulary is what chat needs; one HCA layer and no MTP keep its compiles short.
-    config = CONFIG.replace(vocab_size=129280, num_hidden_layers=1, compress_ratios=(16,), num_nextn_predict_layers=0)
-    path = write_random_checkpoint(tmp_path_factory.mktemp("chat") / "ckpt", config, seed=4)
-    return LLM(str(path), dtype="float32", kv_cache_dtype="float32", max_model_len=512, max_num_seqs=1,
-               block_size=BLOCK, buckets=StepBuckets(prefill=((1, 32),), decode=(1,)))
-
-
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}}
 TOOLS = [{"type": "function",
           "function": {"name": "get_weather", "description": "Weather of a city", "parameters": WEATHER}}]

@@ -19,6 +19,7 @@ from typing import AsyncIterator, Sequence
 
 from dsv4_jax.engine.engine import LLMEngine
 from dsv4_jax.engine.outputs import RequestOutput
+from dsv4_jax.engine.request import ForcedTokens
 from dsv4_jax.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -70,18 +71,36 @@ class AsyncLLMEngine:
         return len(self._queues)
 
     # ---- requests -----------------------------------------------------------------------------------
-    async def generate(
-        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, prompt: str | None = None
+    def add_request(
+        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, prompt: str | None = None,
+        forced: ForcedTokens | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Outputs of one request as they come (each the whole output so far); the last one has
-        `finished` set. A bad request raises ValueError here, before anything is queued."""
+        """Queue a request now (a bad one raises ValueError here, with nothing queued) and return its
+        outputs as they come (each the whole output so far; the last has `finished` set). The
+        caller must iterate the outputs to the end or close them: closing early aborts the request."""
         if not self.accepting:
             raise EngineDeadError("the engine is shutting down" if self.error is None else f"the engine failed: {self.error}")
         queue: asyncio.Queue = asyncio.Queue()
         with self._work:
-            self.engine.add_request(request_id, prompt_token_ids, params, prompt=prompt)
+            self.engine.add_request(request_id, prompt_token_ids, params, prompt=prompt, forced=forced)
             self._queues[request_id] = queue
             self._work.notify()
+        return self._outputs(request_id, queue)
+
+    async def generate(
+        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, prompt: str | None = None,
+        forced: ForcedTokens | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """`add_request` and its outputs in one: a bad request raises ValueError at the first step
+        of the iteration."""
+        outputs = self.add_request(request_id, prompt_token_ids, params, prompt=prompt, forced=forced)
+        try:
+            async for out in outputs:
+                yield out
+        finally:
+            await outputs.aclose()
+
+    async def _outputs(self, request_id: str, queue: asyncio.Queue) -> AsyncIterator[RequestOutput]:
         finished = False
         try:
             while not finished:
@@ -94,12 +113,17 @@ class AsyncLLMEngine:
             if not finished:  # the caller stopped listening (a disconnect), or an error: free it
                 await self.abort(request_id)
 
-    async def abort(self, request_id: str) -> None:
+    def abort_now(self, request_id: str) -> None:
+        """Abort from the event loop's thread without awaiting (it never blocks for long: the lock
+        is held for one step at most)."""
         with self._work:
             queue = self._queues.pop(request_id, None)
             out = self.engine.abort(request_id)
         if queue is not None and out is not None:
             queue.put_nowait(out)  # its last output, marked finished ("abort")
+
+    async def abort(self, request_id: str) -> None:
+        self.abort_now(request_id)
 
     # ---- the step thread --------------------------------------------------------------------------------
     def _run(self) -> None:

@@ -14,6 +14,7 @@ the text leaves out special tokens (`skip_special_tokens`) and the stop string.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import logging
@@ -24,7 +25,7 @@ import numpy as np
 
 from dsv4_jax.engine.detokenizer import IncrementalDetokenizer
 from dsv4_jax.engine.outputs import CompletionOutput, Logprob, RequestOutput
-from dsv4_jax.engine.request import Request, RequestStatus
+from dsv4_jax.engine.request import ForcedTokens, Request, RequestStatus
 from dsv4_jax.engine.runner import ModelRunner, StepBuckets
 from dsv4_jax.engine.sampler import SamplerConfig, SamplingRow, build_sampling_batch, sample
 from dsv4_jax.engine.sampling_params import SamplingParams
@@ -49,6 +50,12 @@ class _Tracked:
     prompt_logprobs: list[dict[int, Logprob] | None] | None
     cumulative_logprob: float = 0.0
     stop_reason: int | str | None = None
+    forced: collections.deque[int] | None = None  # forced tokens not emitted yet
+    forced_after: int | None = None  # the model's token that arms them; None once armed
+
+    def next_forced(self) -> int | None:
+        """The token to emit in place of this step's sample, if one is forced now."""
+        return self.forced[0] if self.forced and self.forced_after is None else None
 
     def output(self) -> RequestOutput:
         r, status = self.request, self.request.status
@@ -96,9 +103,11 @@ class LLMEngine:
 
     # ---- requests ---------------------------------------------------------------------------------
     def add_request(
-        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, prompt: str | None = None
+        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, prompt: str | None = None,
+        forced: ForcedTokens | None = None,
     ) -> None:
-        """Queue a request; a ValueError (with the numbers) if it can never run."""
+        """Queue a request; a ValueError (with the numbers) if it can never run. `forced`: tokens
+        emitted in place of sampled ones (a forced tool call; request.ForcedTokens)."""
         if request_id in self._tracked:
             raise ValueError(f"request id {request_id!r} is already in use")
         ids = [int(t) for t in prompt_token_ids]
@@ -107,6 +116,8 @@ class LLMEngine:
         if bad:
             raise ValueError(f"prompt token ids must be in [0, {vocab}) (the model's vocabulary); got {bad[:8]}")
         params.check_token_ids(vocab)
+        if forced is not None and not all(0 <= t < vocab for t in forced.token_ids):
+            raise ValueError(f"forced token ids must be in [0, {vocab}) (the model's vocabulary)")
         room = self.max_model_len - len(ids)
         max_tokens = params.max_tokens if params.max_tokens is not None else room
         if room < 1 or max_tokens > room:
@@ -124,6 +135,8 @@ class LLMEngine:
             request, params, next(self._numbers), prompt, detokenizer,
             logprobs=[] if params.logprobs is not None else None,
             prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
+            forced=collections.deque(forced.token_ids) if forced is not None else None,
+            forced_after=forced.after_token if forced is not None else None,
         )
 
     def abort(self, request_id: str) -> RequestOutput | None:
@@ -163,15 +176,21 @@ class LLMEngine:
         fetched = jax.device_get((sampled.token_ids, sampled.logprobs, sampled.top_token_ids, sampled.top_logprobs,
                                   sampled.ranks) if want_logprobs else (sampled.token_ids,))
         tokens, logprob_arrays = fetched[0], (fetched[1:] if want_logprobs else None)
-        got = self.scheduler.update(
-            scheduled, {r.request.request_id: int(tokens[i]) for i, r in enumerate(scheduled.rows) if r.is_sampling}
-        )
+        chosen = {r.request.request_id: int(tokens[i]) for i, r in enumerate(scheduled.rows) if r.is_sampling}
+        forced_now = {rid: t for rid in chosen if (t := self._tracked[rid].next_forced()) is not None}
+        chosen.update(forced_now)
+        got = self.scheduler.update(scheduled, chosen)
         outputs = []
         position = {r.request.request_id: i for i, r in enumerate(scheduled.rows)}
         for request in got:
             tracked = self._tracked[request.request_id]
+            if request.request_id in forced_now:
+                tracked.forced.popleft()
             if logprob_arrays is not None and tracked.logprobs is not None:
-                self._record_logprobs(tracked, logprob_arrays, position[request.request_id])
+                # np.asarray first: indexing the device array would compile a slice after warm-up.
+                forced_logits = np.asarray(out.logits)[position[request.request_id]] \
+                    if request.request_id in forced_now else None
+                self._record_logprobs(tracked, logprob_arrays, position[request.request_id], forced_logits)
             self._after_token(tracked)
             outputs.append(tracked.output())
             if request.status.finished:
@@ -182,6 +201,8 @@ class LLMEngine:
         request, params = tracked.request, tracked.params
         token = request.output_token_ids[-1]
         tracked.detokenizer.add(token)
+        if tracked.forced_after is not None and token == tracked.forced_after:
+            tracked.forced_after = None  # the model wrote the arming token: force from the next one
         if request.status is RequestStatus.FINISHED_LENGTH and tracked.detokenizer.stopped_by is not None:
             # The scheduler ended it at max_tokens, but its last token completed a stop string:
             # vLLM reports the stop string then (the request is out of the scheduler already).
@@ -203,14 +224,22 @@ class LLMEngine:
         tracked.stop_reason = reason
         self.scheduler.finish(tracked.request.request_id, status)
 
-    def _record_logprobs(self, tracked: _Tracked, arrays, i: int) -> None:
+    def _record_logprobs(self, tracked: _Tracked, arrays, i: int, forced_logits=None) -> None:
+        """The sampled (or forced) token's raw logprob and rank, and the top `logprobs` tokens."""
         sampled_lp, top_ids, top_lps, ranks = arrays
         token = tracked.request.output_token_ids[-1]
-        entry = {token: Logprob(float(sampled_lp[i]), int(ranks[i]))}
-        for rank, (t, lp) in enumerate(zip(top_ids[i][: tracked.params.logprobs], top_lps[i]), start=1):
-            entry.setdefault(int(t), Logprob(float(lp), rank))
+        if forced_logits is None:
+            logprob, rank = float(sampled_lp[i]), int(ranks[i])
+        else:  # the sampler scored another token: score the forced one from the row's raw logits
+            logits = np.asarray(forced_logits, np.float64)
+            logp = logits - logits.max()
+            logp -= np.log(np.exp(logp).sum())
+            logprob, rank = float(logp[token]), int((logp > logp[token]).sum()) + 1
+        entry = {token: Logprob(logprob, rank)}
+        for top_rank, (t, lp) in enumerate(zip(top_ids[i][: tracked.params.logprobs], top_lps[i]), start=1):
+            entry.setdefault(int(t), Logprob(float(lp), top_rank))
         tracked.logprobs.append(entry)
-        tracked.cumulative_logprob += float(sampled_lp[i])
+        tracked.cumulative_logprob += logprob
 
     def _prompt_logprobs(self, rows, out) -> None:
         """Logprob of each prompt token given the tokens before it (vLLM's `prompt_logprobs`), from a

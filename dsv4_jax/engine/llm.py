@@ -68,6 +68,7 @@ class LLM:
         *,
         dtype: str = "auto",
         kv_cache_dtype: str = "auto",
+        attention_backend: str | None = None,
         max_model_len: int = 4096,
         max_num_seqs: int = 8,
         max_num_batched_tokens: int | None = None,
@@ -81,16 +82,19 @@ class LLM:
         usable_blocks_cap: int | None = None,  # test-only: forces preemption without resizing the pools
     ):
         import dsv4_jax
-        from dsv4_jax.builtin import builtin_model_dir
         from dsv4_jax.engine.engine import LLMEngine
         from dsv4_jax.tokenizer import load_tokenizer
 
-        self._check_arguments(dtype, max_model_len, max_num_seqs, max_num_batched_tokens, num_gpu_blocks_override,
-                              gpu_memory_utilization, tensor_parallel_size, seed, block_size)
-        path = builtin_model_dir() if str(model) in BUILTIN_NAMES else Path(model)
-        self._check_against_model(path, max_model_len, block_size, kv_cache_dtype)  # before the weights load
+        path = self.check_arguments(model, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
+                                    attention_backend=attention_backend, max_model_len=max_model_len,
+                                    max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                    num_gpu_blocks_override=num_gpu_blocks_override,
+                                    gpu_memory_utilization=gpu_memory_utilization,
+                                    tensor_parallel_size=tensor_parallel_size, seed=seed, block_size=block_size,
+                                    tokenizer=tokenizer)
         compute = checkpoint_dtype(path) if dtype == "auto" else dtype
-        self.model = dsv4_jax.load_model(path, dtype=compute, kv_cache_dtype=kv_cache_dtype)
+        self.model = dsv4_jax.load_model(path, dtype=compute, kv_cache_dtype=kv_cache_dtype,
+                                         attention_backend=attention_backend)
         self.config = self.model.config
         self.spec = self.model.kv_cache_spec
         self.tokenizer = load_tokenizer(tokenizer or path)
@@ -112,6 +116,25 @@ class LLM:
         self._ids = 0
 
     # ---- construction -----------------------------------------------------------------------------
+    @classmethod
+    def check_arguments(cls, model: str | Path = "dsv4-tiny", *, dtype: str = "auto", kv_cache_dtype: str = "auto",
+                        attention_backend: str | None = None,
+                        max_model_len: int = 4096, max_num_seqs: int = 8, max_num_batched_tokens: int | None = None,
+                        num_gpu_blocks_override: int | None = None, gpu_memory_utilization: float = 0.9,
+                        tensor_parallel_size: int = 1, seed: int = 0, block_size: int = 256,
+                        tokenizer: str | Path | None = None) -> Path:
+        """Every check that needs no weights (seconds on a real checkpoint), as a ValueError naming
+        the argument; returns the model directory (the built-in one is written on first use)."""
+        from dsv4_jax.builtin import builtin_model_dir
+
+        cls._check_arguments(dtype, max_model_len, max_num_seqs, max_num_batched_tokens, num_gpu_blocks_override,
+                             gpu_memory_utilization, tensor_parallel_size, seed, block_size)
+        path = builtin_model_dir() if str(model) in BUILTIN_NAMES else Path(model)
+        cls._check_against_model(path, max_model_len, block_size, kv_cache_dtype, attention_backend)
+        if tokenizer is not None and not Path(tokenizer).exists():
+            raise FileNotFoundError(f"tokenizer {tokenizer}: no such file or directory")
+        return path
+
     @staticmethod
     def _check_arguments(dtype, max_model_len, max_num_seqs, max_num_batched_tokens, num_gpu_blocks_override,
                          gpu_memory_utilization, tensor_parallel_size, seed, block_size) -> None:
@@ -135,7 +158,8 @@ class LLM:
             raise ValueError(f"seed must be an integer, got {seed!r}")
 
     @staticmethod
-    def _check_against_model(path: Path, max_model_len: int, block_size: int, kv_cache_dtype: str) -> None:
+    def _check_against_model(path: Path, max_model_len: int, block_size: int, kv_cache_dtype: str,
+                             attention_backend: str | None) -> None:
         """The checks that need the model's config.json but not its weights (seconds to load on a
         real checkpoint): max_model_len, the KV cache dtype on this device, the block size."""
         import jax
@@ -148,7 +172,7 @@ class LLM:
         if max_model_len > config.max_position_embeddings:
             raise ValueError(f"max_model_len ({max_model_len}) exceeds the model's max_position_embeddings "
                              f"({config.max_position_embeddings})")
-        spec = resolve_for_device(kv_cache_dtype, jax.devices()[0], config=config)
+        spec = resolve_for_device(kv_cache_dtype, jax.devices()[0], attention_backend, config=config)
         pool_usage(config, spec, max_model_len, block_size)  # block_size: whole blocks of every compress ratio
 
     def _size_pools(self, max_model_len, max_num_seqs, block_size, gpu_memory_utilization, num_gpu_blocks_override):

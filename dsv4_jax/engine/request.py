@@ -26,6 +26,16 @@ class RequestStatus(enum.Enum):
         return self.value if self.finished else None
 
 
+@dataclasses.dataclass(frozen=True)
+class ForcedTokens:
+    """Tokens the engine emits in place of sampled ones, in order: from the first output token, or,
+    with `after_token`, from the token after the model itself produced that one (a tool call forced
+    after the model's `</think>`). They still run through the model and count as completion tokens."""
+
+    token_ids: tuple[int, ...]
+    after_token: int | None = None
+
+
 @dataclasses.dataclass(eq=False)
 class Request:
     request_id: str
