@@ -77,3 +77,38 @@ def golden_dir() -> Path:
     return FIXTURES / "golden"
 
 
+
+
+# ---- the chat engine shared by the engine and server tests ---------------------------------------
+# A one-layer model with the real vocabulary (the V4 chat format's special tokens are ids above
+# 128,000), float32 weights and cache, 8 sequences. The server tests start `python -m serve` with
+# exactly these flags, so the server's warm-up loads what this fixture compiled.
+CHAT_SERVER_FLAGS = ("--dtype", "float32", "--kv-cache-dtype", "float32", "--max-model-len", "512",
+                     "--max-num-seqs", "8", "--max-num-batched-tokens", "512", "--block-size", "128", "--seed", "0")
+
+
+@pytest.fixture(scope="session")
+def chat_checkpoint(tmp_path_factory) -> Path:
+    from dsv4_jax.presets import get_config
+    from dsv4_jax.testing import write_random_checkpoint
+
+    config = get_config("dsv4-tiny-test").replace(
+        sliding_window=4, compress_ratios=(16,), index_topk=2, vocab_size=129280, num_hidden_layers=1,
+        num_nextn_predict_layers=0)
+    return write_random_checkpoint(tmp_path_factory.mktemp("chat") / "ckpt", config, seed=4)
+
+
+@pytest.fixture(scope="session")
+def chat_llm(chat_checkpoint):
+    """`LLM` with the server's flags. Every executable it compiles goes to the persistent cache
+    (whatever its compile time), so a server started with the same flags compiles nothing."""
+    from dsv4_jax import LLM
+    from serve.args import engine_kwargs, parse_args
+
+    kwargs = engine_kwargs(parse_args([str(chat_checkpoint), *CHAT_SERVER_FLAGS]))
+    threshold = jax.config.jax_persistent_cache_min_compile_time_secs
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    try:
+        return LLM(**kwargs)
+    finally:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", threshold)

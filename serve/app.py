@@ -1,0 +1,177 @@
+"""The Starlette app: routes, the API key, request bodies, and errors as OpenAI error bodies.
+
+Routes: `GET /v1/models`, `POST /v1/chat/completions` (serve/chat.py), `POST /v1/completions`
+(serve/completions.py), `POST /tokenize`, `POST /detokenize`, `GET /version`, `GET /health`
+(503 until warm-up is done, and while shutting down), `GET /metrics` (Prometheus, vLLM's names).
+With `--api-key`, every route but `/health`, `/metrics` and `/version` wants `Authorization:
+Bearer <key>` (vLLM leaves the first two open too). Bodies over `MAX_BODY_BYTES` get 413, bodies
+that are not JSON 400, anything unexpected 500: always `{"error": {...}}`, never a traceback.
+"""
+
+from __future__ import annotations
+
+import hmac
+import importlib.metadata
+import json
+import logging
+import time
+from typing import Any, Awaitable, Callable
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from dsv4_jax.chat import InvalidRequestField, build_prompt
+from dsv4_jax.engine.async_engine import EngineDeadError
+from dsv4_jax.tokenizer import encode_prompt
+from serve.chat import create_chat_completion
+from serve.completions import create_completion
+from serve.protocol import OpenAIError, parse_detokenize_request, parse_tokenize_request
+from serve.state import ServingState
+
+logger = logging.getLogger("serve")
+
+MAX_BODY_BYTES = 16 * 2**20  # far above any prompt of max_model_len tokens written as JSON
+OPEN_PATHS = ("/health", "/metrics", "/version")
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("dsv4-jax")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def error_response(error: OpenAIError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status)
+
+
+async def _json_body(request: Request) -> Any:
+    content_type = request.headers.get("content-type", "application/json").split(";")[0].strip().lower()
+    if content_type not in ("application/json", ""):
+        raise OpenAIError(f"Content-Type must be application/json, got {content_type!r}", status=415)
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise OpenAIError(f"request body of {declared} bytes exceeds the limit of {MAX_BODY_BYTES}", status=413)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise OpenAIError(f"request body exceeds the limit of {MAX_BODY_BYTES} bytes", status=413)
+        chunks.append(chunk)
+    raw = b"".join(chunks)
+    try:
+        return json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as error:
+        raise OpenAIError(f"request body is not valid UTF-8: {error}") from None
+    except json.JSONDecodeError as error:
+        raise OpenAIError(f"request body is not valid JSON: {error}") from None
+
+
+def build_app(state: ServingState) -> Starlette:
+    """The app over `state`; the engine may still be loading (routes answer 503 until it is ready)."""
+
+    def guarded(handler: Callable[[Request], Awaitable[Any]], *, needs_engine: bool = True):
+        """Auth, readiness and error mapping around one route; a dict result becomes JSON."""
+
+        async def endpoint(request: Request) -> Response:
+            try:
+                key = state.args.api_key
+                if key and request.url.path not in OPEN_PATHS:
+                    given = request.headers.get("authorization", "")
+                    if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+                        raise OpenAIError("invalid or missing API key (Authorization: Bearer <key>)", status=401)
+                if needs_engine and not state.ready:
+                    raise OpenAIError("the model is still loading; retry when GET /health answers 200"
+                                      if state.accepting else "the server is shutting down", status=503)
+                if needs_engine and not state.accepting:
+                    raise OpenAIError("the server is shutting down", status=503)
+                result = await handler(request)
+            except OpenAIError as error:
+                return error_response(error)
+            except EngineDeadError as error:
+                return error_response(OpenAIError(str(error), status=503))
+            except Exception as error:  # noqa: BLE001  (a bug: one line in the log, a 500 to the client)
+                logger.exception("request failed")
+                return error_response(OpenAIError(f"internal error: {type(error).__name__}: {error}", status=500))
+            return JSONResponse(result) if isinstance(result, dict) else result
+
+        return endpoint
+
+    def check_capacity() -> None:
+        if state.engine.engine.scheduler.num_waiting >= state.args.max_waiting_requests:
+            raise OpenAIError(f"too many requests waiting ({state.args.max_waiting_requests}, "
+                              "--max-waiting-requests); retry later", status=503)
+
+    async def chat(request: Request):
+        body = await _json_body(request)
+        check_capacity()
+        return await create_chat_completion(state, body)
+
+    async def completions(request: Request):
+        body = await _json_body(request)
+        check_capacity()
+        return await create_completion(state, body)
+
+    async def models(request: Request):
+        llm = state.llm
+        kv = {
+            "kv_cache_dtype": llm.spec.kv_cache_dtype, "attention_backend": llm.spec.attention_backend,
+            "indexer_dtype": llm.spec.indexer_dtype, "device_kind": llm.spec.device_kind,
+            "summary": llm.spec.summary(), "block_size": llm.layout.block_size,
+            "num_compressed_blocks": llm.layout.num_compressed_blocks, "num_seq_slots": llm.layout.num_seq_slots,
+        }
+        created = int(state.started_at)
+        return {"object": "list", "data": [
+            {"id": name, "object": "model", "created": created, "owned_by": "dsv4-jax", "root": str(state.args.model),
+             "parent": None, "max_model_len": state.max_model_len, "dsv4": kv}
+            for name in state.served_model_names]}
+
+    async def tokenize(request: Request):
+        req = parse_tokenize_request(await _json_body(request), state.limits)
+        if req.prompt is not None:
+            ids = encode_prompt(state.tokenizer, req.prompt)
+        else:
+            try:
+                prompt = build_prompt(req.messages, tools=req.tools, chat_template_kwargs=req.chat_template_kwargs,
+                                      reasoning_effort=req.reasoning_effort)
+            except InvalidRequestField as error:
+                raise OpenAIError(str(error), param=error.field) from None
+            ids = encode_prompt(state.tokenizer, prompt)
+        return {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids}
+
+    async def detokenize(request: Request):
+        req = parse_detokenize_request(await _json_body(request), state.limits)
+        return {"prompt": state.tokenizer.decode(req.tokens, skip_special_tokens=False)}
+
+    async def version(request: Request):
+        return {"version": _version()}
+
+    async def health(request: Request):
+        if state.ready and state.accepting and (state.engine is None or state.engine.accepting):
+            return Response(status_code=200)
+        raise OpenAIError(state.load_error or ("warming up" if state.accepting else "shutting down"), status=503)
+
+    async def metrics(request: Request):
+        body, content_type = state.metrics.render()
+        return Response(body, media_type=content_type)
+
+    routes = [
+        Route("/v1/chat/completions", guarded(chat), methods=["POST"]),
+        Route("/v1/completions", guarded(completions), methods=["POST"]),
+        Route("/v1/models", guarded(models), methods=["GET"]),
+        Route("/tokenize", guarded(tokenize), methods=["POST"]),
+        Route("/detokenize", guarded(detokenize), methods=["POST"]),
+        Route("/version", guarded(version, needs_engine=False), methods=["GET"]),
+        Route("/health", guarded(health, needs_engine=False), methods=["GET"]),
+        Route("/metrics", guarded(metrics, needs_engine=False), methods=["GET"]),
+    ]
+
+    async def not_found(request: Request, exc: Exception) -> Response:
+        status = getattr(exc, "status_code", 404)
+        message = "method not allowed" if status == 405 else f"no route {request.url.path}"
+        return error_response(OpenAIError(message, status=status))
+
+    state.started_at = time.time()
+    return Starlette(routes=routes, exception_handlers={404: not_found, 405: not_found})

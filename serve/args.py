@@ -1,0 +1,462 @@
+"""The command line of `python -m serve`: vLLM's `vllm serve` flags, parsed and checked.
+
+A vLLM user replaces `vllm serve` with `python -m serve` and keeps their flags. Where this server
+differs from vLLM (everything else has vLLM's name, meaning and default):
+
+    flag                        here                              vLLM
+    --------------------------  --------------------------------  ---------------------------------
+    MODEL / --model             optional: dsv4-tiny (built in,    required
+                                random weights, real tokenizer)
+    --host                      127.0.0.1 (this machine only)     all interfaces
+    --max-num-seqs              8 (sized for CPU)                 256
+    --max-model-len             4096                              the model's max_position_embeddings
+    --dtype                     auto, bfloat16, float32           also half, float16, float
+    --kv-cache-dtype            auto, fp8, fp8_e4m3, fp8_ds_mla,  auto, fp8, ...
+                                bfloat16, bf16, float32
+    --attention-backend         xla, pallas_fp8_ds_mla,           vLLM's backends; FLASHMLA_SPARSE*
+                                pallas_bf16                       is mapped to pallas_fp8_ds_mla
+    --block-size                256, a multiple of 128            chosen by the attention backend
+    --max-logprobs              20, and at most 20 (the sampler   20
+                                computes 20 top logprobs)
+    --trust-remote-code         accepted, does nothing            runs the model repo's code
+    --tokenizer-mode, --enforce-eager, --async-scheduling, --no-enable-prefix-caching,
+    --disable-log-stats, --disable-log-requests
+                                accepted, change nothing: one warning each
+    --speculative-config, --enable-prefix-caching
+                                refused: not built yet
+    --max-waiting-requests      1024: a longer queue answers 503  (none)
+    --no-web-ui                 turns off the browser page        (none)
+    any other vLLM flag         refused: not supported by dsv4-jax
+
+Like vLLM, flags may be spelled with underscores (`--max_model_len`) and `--max-model-len` /
+`--max-num-batched-tokens` take human-readable sizes (1k = 1000, 1K = 1024, also m/M, g/G).
+
+Errors: a bad value or unknown flag is one line `serve: error: ...` and exit status 2. argparse's
+own errors print that line themselves; checks across flags raise a ValueError, which the entry
+point's `pallas_kernels.cli.run_main` prints the same way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import math
+import os
+import re
+import sys
+from pathlib import Path
+from typing import Any, NoReturn, Sequence
+
+from dsv4_jax.engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from pallas_kernels.cli import add_debug_flag
+
+PROG = "serve"  # the name in error lines; the entry point passes it to run_main
+USAGE_PROG = "python -m serve"
+logger = logging.getLogger("serve")
+
+# These mirror names owned elsewhere (dsv4_jax.engine.llm, dsv4_jax.kv_cache): importing them here
+# would pull jax into `--help`; tests/test_serve_args.py checks that they agree.
+BUILTIN_MODEL = "dsv4-tiny"
+DTYPES = ("auto", "bfloat16", "float32")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_ds_mla", "bfloat16", "bf16", "float32")
+ATTENTION_BACKENDS = ("xla", "pallas_fp8_ds_mla", "pallas_bf16")
+BLOCK_SIZE_MULTIPLE = 128  # the KV planner's rule: a block holds whole CSA (r=4) and HCA (r=128) entries
+
+VLLM_FLASHMLA_PREFIX = "FLASHMLA_SPARSE"  # vLLM's sparse-MLA backend for this model (and its V4 variant)
+TOOL_CALL_PARSERS = ("deepseek_v4",)
+REASONING_PARSERS = ("deepseek_v4",)
+UVICORN_LOG_LEVELS = ("debug", "info", "warning", "error", "critical", "trace")
+API_KEY_ENV = "VLLM_API_KEY"
+SIZE_SUFFIXES = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "K": 2**10, "M": 2**20, "G": 2**30}
+GENERATION_CONFIG_FILE = "generation_config.json"
+# generation_config.json key -> SamplingParams field: the keys vLLM takes as request defaults.
+GENERATION_KEYS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
+}
+
+# vLLM flags accepted for its recipes' sake; each changes nothing here. flag -> (takes a value, why).
+IGNORED_FLAGS = {
+    "--tokenizer-mode": (True, "the tokenizer is always the model's tokenizer.json with the V4 chat encoder"),
+    "--enforce-eager": (False, "there are no CUDA graphs to turn off: steps are jit-compiled for fixed shapes"),
+    "--async-scheduling": (False, "the engine has one scheduling mode"),
+    "--no-enable-prefix-caching": (False, "prefix caching is not built, so it is always off"),
+    "--disable-log-stats": (False, "vLLM recipes pass it; logging is set by --uvicorn-log-level"),
+    "--disable-log-requests": (False, "vLLM recipes pass it; logging is set by --uvicorn-log-level"),
+}
+# vLLM flags for features not built yet: refused. flag -> (takes a value, what to do instead).
+REFUSED_FLAGS = {
+    "--speculative-config": (True, "speculative decoding (MTP) is not built yet in dsv4-jax; drop the flag"),
+    "--enable-prefix-caching": (False, "prefix caching is not built yet in dsv4-jax; drop the flag"),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerArgs:
+    """The parsed command line; one field per flag that does something, named as argparse names it."""
+
+    model: str  # a checkpoint directory, or BUILTIN_MODEL
+    model_is_builtin: bool
+    served_model_name: tuple[str, ...]  # the first is the name the API reports
+    host: str
+    port: int
+    tokenizer: str | None
+    tensor_parallel_size: int
+    data_parallel_size: int
+    enable_expert_parallel: bool
+    gpu_memory_utilization: float
+    max_num_seqs: int
+    max_num_batched_tokens: int | None
+    num_gpu_blocks_override: int | None
+    max_model_len: int
+    dtype: str
+    kv_cache_dtype: str
+    attention_backend: str | None  # None: the KV resolver chooses by device
+    block_size: int
+    enable_auto_tool_choice: bool
+    tool_call_parser: str | None
+    reasoning_parser: str | None
+    api_key: str | None = dataclasses.field(repr=False)  # never printed with the rest
+    seed: int
+    generation_config: str  # "auto", "vllm" or a folder holding generation_config.json
+    uvicorn_log_level: str
+    default_chat_template_kwargs: dict[str, Any] | None
+    max_logprobs: int
+    max_waiting_requests: int
+    no_web_ui: bool
+    debug: bool
+    ignored_flags: tuple[str, ...]  # one warning line per vLLM flag that changes nothing here
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    """argparse's errors as one line `serve: error: ...` and status 2, without the usage block."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{PROG}: error: {message}\n")
+
+
+# ---- value types: each raises ArgumentTypeError, which argparse prefixes with the flag ----------
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+
+
+def _positive_int(text: str) -> int:
+    value = _int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer (allowed: 1, 2, ...)")
+    return value
+
+
+def _human_positive_int(text: str) -> int:
+    """vLLM's human-readable sizes: 1k = 1000 (decimals allowed: 25.6k), 1K = 1024, m/M, g/G."""
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgKMG]?)", text.strip())
+    if not match:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer (allowed: 4096, 4k, 4K, ...)")
+    number, suffix = match.groups()
+    if "." in number and not suffix.islower():
+        raise argparse.ArgumentTypeError(f"{text!r}: only k, m and g take a decimal number (25.6k)")
+    scaled = float(number) * SIZE_SUFFIXES[suffix] if "." in number else int(number) * SIZE_SUFFIXES[suffix]
+    if scaled < 1 or scaled != int(scaled):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive whole number")
+    return int(scaled)
+
+
+def _port(text: str) -> int:
+    value = _int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{value} is not a port number (allowed: 0..65535, 0 = any free port)")
+    return value
+
+
+def _memory_fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value <= 1:  # nan fails too
+        raise argparse.ArgumentTypeError(f"{text!r} is not a fraction in (0, 1]")
+    return value
+
+
+def _block_size(text: str) -> int:
+    value = _int(text)
+    if value < 1 or value % BLOCK_SIZE_MULTIPLE:
+        raise argparse.ArgumentTypeError(
+            f"{value} is not a positive multiple of {BLOCK_SIZE_MULTIPLE}: the KV planner's blocks must hold whole "
+            f"CSA (ratio 4) and HCA (ratio 128) compressed entries (allowed: 128, 256, 384, ...)"
+        )
+    return value
+
+
+def _max_logprobs(text: str) -> int:
+    value = _int(text)
+    if not 0 <= value <= MAX_LOGPROBS:
+        raise argparse.ArgumentTypeError(
+            f"{value} is not in 0..{MAX_LOGPROBS} (the sampler returns at most {MAX_LOGPROBS} top logprobs)"
+        )
+    return value
+
+
+def _dtype(text: str) -> str:
+    if text in DTYPES:
+        return text
+    if text in ("half", "float16"):
+        raise argparse.ArgumentTypeError(f"{text!r}: float16 is not supported; use bfloat16 or float32 (or auto)")
+    raise argparse.ArgumentTypeError(f"{text!r} is not one of {', '.join(DTYPES)}")
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"{text!r} is not valid JSON ({error})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is a JSON {type(value).__name__}, not an object (example: '{{\"thinking\": false}}')"
+        )
+    return value
+
+
+# ---- the parser ----------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    parser = _OneLineParser(
+        prog=USAGE_PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,  # a prefix of one of our flags must not silently stand for it
+    )
+    add = parser.add_argument
+    add("model_tag", nargs="?", default=None, metavar="MODEL",
+        help=f"DeepSeek-V4 checkpoint directory, the same as --model (default: {BUILTIN_MODEL}, built in)")
+    add("--model", default=None, metavar="DIR",
+        help=f"DeepSeek-V4 checkpoint directory (default: {BUILTIN_MODEL}: random weights, real V4 tokenizer)")
+    add("--served-model-name", nargs="+", default=None, metavar="NAME",
+        help="model names the API answers to; the first is the one reported (default: the model as given)")
+    add("--host", default="127.0.0.1",
+        help="address to bind (default: %(default)s, this machine only; vLLM binds all interfaces: "
+             "pass --host 0.0.0.0 for that)")
+    add("--port", type=_port, default=8000, help="port to listen on, 0..65535 (default: %(default)s)")
+    add("--tokenizer", default=None, metavar="DIR",
+        help="directory with tokenizer.json (default: the model's own, else the bundled V4 tokenizer)")
+    add("--tensor-parallel-size", "-tp", type=_positive_int, default=1,
+        help="devices the model is split over (default: %(default)s)")
+    add("--data-parallel-size", "-dp", type=_positive_int, default=1,
+        help="model replicas (default: %(default)s)")
+    add("--enable-expert-parallel", action="store_true",
+        help="shard MoE experts over the devices instead of tensor-splitting them (default: off)")
+    add("--gpu-memory-utilization", type=_memory_fraction, default=0.9,
+        help="fraction of device memory for weights and KV cache, in (0, 1] (default: %(default)s)")
+    add("--max-num-seqs", type=_positive_int, default=8,
+        help="sequences decoded together at most (default: %(default)s; vLLM's is 256, ours is sized for CPU)")
+    add("--max-num-batched-tokens", type=_human_positive_int, default=None,
+        help="tokens per engine step at most (default: None = chosen from --max-num-seqs and the chunk length)")
+    add("--num-gpu-blocks-override", type=_positive_int, default=None,
+        help="number of compressed KV blocks, instead of sizing them from memory (default: None)")
+    add("--max-model-len", type=_human_positive_int, default=4096,
+        help="prompt + output tokens per sequence at most (default: %(default)s)")
+    add("--dtype", type=_dtype, default="auto", metavar="{" + ",".join(DTYPES) + "}",
+        help="compute dtype; auto = the checkpoint's own (default: %(default)s)")
+    add("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+        help="KV cache format; auto = fp8_ds_mla where the GPU has fp8, else bfloat16 (default: %(default)s)")
+    add("--attention-backend", default=None, metavar="{" + ",".join(ATTENTION_BACKENDS) + "}",
+        help="attention kernels; vLLM's FLASHMLA_SPARSE* names mean pallas_fp8_ds_mla "
+             "(default: None = chosen by the KV resolver for the device)")
+    add("--block-size", type=_block_size, default=256,
+        help=f"token positions per KV block, a positive multiple of {BLOCK_SIZE_MULTIPLE} (default: %(default)s)")
+    add("--trust-remote-code", action="store_true", default=argparse.SUPPRESS,
+        help="accepted for vLLM compatibility and does nothing: no code from a model directory is ever run "
+             "(default: off)")
+    add("--enable-auto-tool-choice", action="store_true",
+        help="let the model call tools when a request allows it; needs --tool-call-parser (default: off)")
+    add("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
+        help="format of the model's tool calls, for --enable-auto-tool-choice (default: None)")
+    add("--reasoning-parser", choices=REASONING_PARSERS, default=None,
+        help="return the thinking as reasoning_content (default: None)")
+    add("--api-key", default=None,
+        help=f"key clients must send as a Bearer token (default: the {API_KEY_ENV} environment variable, "
+             "else none: no key needed)")
+    add("--seed", type=_int, default=0, help="seed of the sampler (default: %(default)s)")
+    add("--generation-config", default="auto", metavar="{auto,vllm,DIR}",
+        help="request defaults from generation_config.json: auto = the model directory's if present, vllm = "
+             "none, or a directory holding the file (default: %(default)s)")
+    add("--uvicorn-log-level", choices=UVICORN_LOG_LEVELS, default="info",
+        help="log level of the HTTP server (default: %(default)s)")
+    add("--default-chat-template-kwargs", type=_json_object, default=None, metavar="JSON",
+        help="a JSON object of chat-template arguments for every request, e.g. '{\"thinking\": false}' "
+             "(default: None)")
+    add("--max-logprobs", type=_max_logprobs, default=MAX_LOGPROBS,
+        help=f"top logprobs a request may ask for, 0..{MAX_LOGPROBS} (default: %(default)s)")
+    add("--max-waiting-requests", type=_positive_int, default=1024,
+        help="requests that may wait for a slot; beyond that new requests get 503 (default: %(default)s)")
+    add("--no-web-ui", action="store_true", help="do not serve the browser chat page (default: off)")
+    add_debug_flag(parser)
+    for flag, (takes_value, why) in IGNORED_FLAGS.items():
+        _add_presence_flag(parser, flag, takes_value,
+                           f"accepted for vLLM compatibility, changes nothing: {why} (default: off)")
+    for flag, (takes_value, why) in REFUSED_FLAGS.items():
+        _add_presence_flag(parser, flag, takes_value, f"refused: {why} (default: off)")
+    return parser
+
+
+def _add_presence_flag(parser: argparse.ArgumentParser, flag: str, takes_value: bool, help_text: str) -> None:
+    """A flag whose only effect is being present (absent ones leave no attribute)."""
+    if takes_value:
+        parser.add_argument(flag, default=argparse.SUPPRESS, metavar="VALUE", help=help_text)
+    else:
+        parser.add_argument(flag, action="store_true", default=argparse.SUPPRESS, help=help_text)
+
+
+def _dest(flag: str) -> str:
+    return flag.lstrip("-").replace("-", "_")
+
+
+def _dashed(argv: Sequence[str]) -> list[str]:
+    """`--max_model_len=8k` -> `--max-model-len=8k`: vLLM accepts underscores in flag names."""
+    out = []
+    for arg in argv:
+        if arg.startswith("--"):
+            name, eq, value = arg.partition("=")
+            arg = name.replace("_", "-") + eq + value
+        out.append(arg)
+    return out
+
+
+def _attention_backend(value: str | None) -> str | None:
+    if value is None:
+        return None
+    if value.strip().lower() in ATTENTION_BACKENDS:
+        return value.strip().lower()
+    if value.strip().upper().startswith(VLLM_FLASHMLA_PREFIX):
+        logger.info("--attention-backend %s is vLLM's sparse MLA backend for DeepSeek-V4: using pallas_fp8_ds_mla",
+                    value)
+        return "pallas_fp8_ds_mla"
+    raise ValueError(
+        f"--attention-backend {value!r} is not a DeepSeek-V4 attention backend; allowed: "
+        f"{', '.join(ATTENTION_BACKENDS)}, vLLM's {VLLM_FLASHMLA_PREFIX}* (or leave it unset to choose by device)"
+    )
+
+
+def _model(namespace: argparse.Namespace) -> str | None:
+    positional, flag = namespace.model_tag, namespace.model
+    if positional is not None and flag is not None and positional != flag:
+        raise ValueError(f"MODEL {positional!r} and --model {flag!r} differ; give the model once")
+    return positional if positional is not None else flag
+
+
+def parse_args(argv: Sequence[str] | None = None) -> ServerArgs:
+    """Parse and check `argv` (default: sys.argv[1:]). Bad values exit 2 with one line; conflicts
+    between flags and refused flags raise a ValueError naming them (run_main makes it one line)."""
+    parser = build_parser()
+    namespace, extra = parser.parse_known_args(_dashed(sys.argv[1:] if argv is None else argv))
+    unknown = [arg.partition("=")[0] for arg in extra if arg.startswith("-")]
+    if unknown:
+        raise ValueError(f"{', '.join(unknown)}: not supported by dsv4-jax (see {USAGE_PROG} --help for its flags)")
+    if extra:
+        raise ValueError(f"unexpected argument(s) {' '.join(extra)!r}: give one MODEL")
+    for flag, (_, why) in REFUSED_FLAGS.items():
+        if hasattr(namespace, _dest(flag)):
+            raise ValueError(f"{flag}: {why}")
+    if namespace.enable_auto_tool_choice and namespace.tool_call_parser is None:
+        raise ValueError(
+            f"--enable-auto-tool-choice needs --tool-call-parser (allowed: {', '.join(TOOL_CALL_PARSERS)})"
+        )
+    model = _model(namespace)
+    attention_backend = _attention_backend(namespace.attention_backend)
+    ignored = []  # warned only once every check has passed
+    for flag, (takes_value, why) in IGNORED_FLAGS.items():
+        if hasattr(namespace, _dest(flag)):
+            given = f"{flag} {getattr(namespace, _dest(flag))}" if takes_value else flag
+            ignored.append(f"{given} is ignored: {why}")
+    for line in ignored:
+        logger.warning("%s", line)
+    return ServerArgs(
+        model=model or BUILTIN_MODEL,
+        model_is_builtin=(model or BUILTIN_MODEL) == BUILTIN_MODEL,
+        served_model_name=tuple(namespace.served_model_name or [model or BUILTIN_MODEL]),
+        host=namespace.host,
+        port=namespace.port,
+        tokenizer=namespace.tokenizer,
+        tensor_parallel_size=namespace.tensor_parallel_size,
+        data_parallel_size=namespace.data_parallel_size,
+        enable_expert_parallel=namespace.enable_expert_parallel,
+        gpu_memory_utilization=namespace.gpu_memory_utilization,
+        max_num_seqs=namespace.max_num_seqs,
+        max_num_batched_tokens=namespace.max_num_batched_tokens,
+        num_gpu_blocks_override=namespace.num_gpu_blocks_override,
+        max_model_len=namespace.max_model_len,
+        dtype=namespace.dtype,
+        kv_cache_dtype=namespace.kv_cache_dtype,
+        attention_backend=attention_backend,
+        block_size=namespace.block_size,
+        enable_auto_tool_choice=namespace.enable_auto_tool_choice,
+        tool_call_parser=namespace.tool_call_parser,
+        reasoning_parser=namespace.reasoning_parser,
+        api_key=namespace.api_key or os.environ.get(API_KEY_ENV) or None,
+        seed=namespace.seed,
+        generation_config=namespace.generation_config,
+        uvicorn_log_level=namespace.uvicorn_log_level,
+        default_chat_template_kwargs=namespace.default_chat_template_kwargs,
+        max_logprobs=namespace.max_logprobs,
+        max_waiting_requests=namespace.max_waiting_requests,
+        no_web_ui=namespace.no_web_ui,
+        debug=namespace.debug,
+        ignored_flags=tuple(ignored),
+    )
+
+
+# ---- what the server makes of them ---------------------------------------------------------------
+def generation_defaults(args: ServerArgs, model_dir: Path) -> dict[str, Any]:
+    """vLLM's request defaults from generation_config.json: the SamplingParams values (temperature,
+    top_p, top_k, min_p, repetition_penalty, max_tokens from max_new_tokens) that the file sets,
+    for requests that leave them unset. `--generation-config vllm` means none."""
+    if args.generation_config == "vllm":
+        return {}
+    if args.generation_config == "auto":
+        path = Path(model_dir) / GENERATION_CONFIG_FILE
+        if not path.is_file():
+            return {}
+    else:
+        path = Path(args.generation_config) / GENERATION_CONFIG_FILE
+        if not path.is_file():
+            raise ValueError(
+                f"--generation-config {args.generation_config!r}: no {GENERATION_CONFIG_FILE} in that directory "
+                f"(allowed: auto, vllm, or a directory holding {GENERATION_CONFIG_FILE})"
+            )
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ValueError(f"{path}: not valid JSON ({error})") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: expected a JSON object, got a {type(raw).__name__}")
+    defaults = {field: raw[key] for key, field in GENERATION_KEYS.items() if raw.get(key) is not None}
+    try:
+        SamplingParams(**defaults)  # the same checks a request's own values get
+    except ValueError as error:
+        raise ValueError(f"{path}: {error}") from None
+    return defaults
+
+
+def engine_kwargs(args: ServerArgs) -> dict[str, Any]:
+    """The keyword arguments of `dsv4_jax.LLM(...)`."""
+    return {
+        "model": args.model,
+        "dtype": args.dtype,
+        "kv_cache_dtype": args.kv_cache_dtype,
+        "attention_backend": args.attention_backend,
+        "max_model_len": args.max_model_len,
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "num_gpu_blocks_override": args.num_gpu_blocks_override,
+        "gpu_memory_utilization": args.gpu_memory_utilization,
+        "tensor_parallel_size": args.tensor_parallel_size,
+        "seed": args.seed,
+        "tokenizer": args.tokenizer,
+        "block_size": args.block_size,
+    }

@@ -1,0 +1,159 @@
+"""`POST /v1/chat/completions`: the V4 prompt from the request, the engine's tokens back as OpenAI
+chat completions, whole or as server-sent events, with reasoning and tool calls split out by the
+`deepseek_v4` parsers (dsv4_jax.chat) when the server was started with them.
+
+tool_choice "required" and a named function are enforced by forcing the DSML prefix of a tool
+call (in thinking mode, right after the model's own `</think>`); forced tokens are completion
+tokens like any other.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from typing import Any, AsyncIterator
+
+from dsv4_jax.chat import (
+    BLOCK_SEPARATOR,
+    INVOKE_START,
+    THINK_END,
+    TOOL_CALLS_START,
+    ChatStreamParser,
+    InvalidRequestField,
+    build_prompt,
+    resolve_chat_options,
+)
+from dsv4_jax.engine.request import ForcedTokens
+from dsv4_jax.tokenizer import encode_prompt
+from serve.choices import ChoiceState, ReasoningSplitter, TokenTexts, chat_logprobs
+from serve.generation import Generation, new_request_id
+from serve.protocol import ChatRequest, OpenAIError, ToolChoice, parse_chat_request
+from serve.sse import sse_response
+from serve.state import FORCED_OUTPUT_FIELD, ServingState
+
+logger = logging.getLogger("serve")
+
+
+def forced_tool_prefix(tool_choice: ToolChoice, thinking: bool, tokenizer: Any) -> ForcedTokens | None:
+    """The DSML that opens a tool call, forced for tool_choice "required" (the model names the
+    function) or a named function (the name is forced too)."""
+    if tool_choice.kind == "required":
+        text = f"{BLOCK_SEPARATOR}{TOOL_CALLS_START}\n{INVOKE_START}"
+    elif tool_choice.kind == "function":
+        text = f'{BLOCK_SEPARATOR}{TOOL_CALLS_START}\n{INVOKE_START}{tool_choice.name}">\n'
+    else:
+        return None
+    ids = tuple(tokenizer.encode(text, add_special_tokens=False).ids)
+    return ForcedTokens(ids, after_token=tokenizer.token_to_id(THINK_END) if thinking else None)
+
+
+def _forced_output(state: ServingState, body: Any) -> ForcedTokens | None:
+    """The test-only hook (serve/state.py): the whole output forced, when the server allows it."""
+    if not state.forced_output_hook or not isinstance(body, dict) or FORCED_OUTPUT_FIELD not in body:
+        return None
+    text = body.pop(FORCED_OUTPUT_FIELD)
+    if not isinstance(text, str) or not text:
+        raise OpenAIError(f"{FORCED_OUTPUT_FIELD} must be a non-empty string", param=FORCED_OUTPUT_FIELD)
+    return ForcedTokens(tuple(state.tokenizer.encode(text, add_special_tokens=False).ids))
+
+
+class _ChatPlan:
+    """One validated chat request, ready to run."""
+
+    def __init__(self, state: ServingState, body: Any):
+        forced = _forced_output(state, body)
+        self.request: ChatRequest = parse_chat_request(body, state.limits)
+        req = self.request
+        if req.ignored_fields:
+            logger.warning("ignoring unknown request fields: %s", ", ".join(req.ignored_fields))
+        try:
+            prompt = build_prompt(req.messages, tools=req.tools, response_format=req.response_format,
+                                  chat_template_kwargs=req.chat_template_kwargs, reasoning_effort=req.reasoning_effort)
+            mode = resolve_chat_options(req.chat_template_kwargs, req.reasoning_effort).thinking_mode
+        except InvalidRequestField as error:
+            raise OpenAIError(str(error), param=error.field) from None
+        self.thinking = mode == "thinking"
+        self.prompt_ids = encode_prompt(state.tokenizer, prompt)
+        self.forced = forced or forced_tool_prefix(req.tool_choice, self.thinking, state.tokenizer)
+        # Tool calls are parsed when the request may make them; reasoning is split only with the
+        # reasoning parser (without it, as in vLLM, everything is content).
+        self.tools_active = req.tool_choice.kind in ("required", "function") or (
+            req.tool_choice.kind == "auto" and state.limits.enable_auto_tool_choice)
+        self.split_reasoning = state.limits.reasoning_parser is not None and self.thinking
+        self.max_tool_calls = None if req.parallel_tool_calls else 1
+
+    def parser(self) -> ChatStreamParser | ReasoningSplitter | None:
+        if self.tools_active:
+            return ChatStreamParser("thinking" if self.split_reasoning else "chat", strict=False)
+        return ReasoningSplitter() if self.split_reasoning else None
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+async def create_chat_completion(state: ServingState, body: Any):
+    plan = _ChatPlan(state, body)
+    req = plan.request
+    request_id = new_request_id("chatcmpl")
+    generation = Generation(state, request_id, [plan.prompt_ids], req.params, plan.forced)
+    texts = TokenTexts(state.tokenizer, req.return_tokens_as_token_ids)
+    choices = [ChoiceState(i, plan.parser(), plan.max_tool_calls) for i in range(req.params.n)]
+    created = int(time.time())
+    if req.stream:
+        return sse_response(_stream(state, plan, request_id, created, generation, choices, texts))
+    totals = [0] * req.params.n
+    logprobs: list[list[dict]] = [[] for _ in choices]
+    try:
+        async with contextlib.aclosing(generation.outputs()) as outputs:
+            async for index, out in outputs:
+                completion = out.outputs[0]
+                _, tokens, entries = choices[index].advance(completion)
+                totals[index] = len(completion.token_ids)
+                if entries is not None:
+                    logprobs[index] += chat_logprobs(texts, tokens, entries, req.params.logprobs)
+    finally:
+        generation.close()
+    body = {
+        "id": request_id, "object": "chat.completion", "created": created, "model": req.model,
+        "choices": [{"index": c.index, "message": c.message(plan.split_reasoning),
+                     "logprobs": {"content": logprobs[c.index]} if req.params.logprobs is not None else None,
+                     "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in choices],
+        "usage": _usage(len(plan.prompt_ids), sum(totals)),
+    }
+    return body
+
+
+async def _stream(state: ServingState, plan: _ChatPlan, request_id: str, created: int, generation: Generation,
+                  choices: list[ChoiceState], texts: TokenTexts) -> AsyncIterator[dict]:
+    req = plan.request
+    head = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": req.model}
+    usage_field = {"usage": None} if req.include_usage else {}
+
+    def chunk(index: int, delta: dict, logprobs: Any = None, finish_reason: str | None = None,
+              stop_reason: Any = None) -> dict:
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        if finish_reason is not None:
+            choice["stop_reason"] = stop_reason
+        return {**head, "choices": [choice], **usage_field}
+
+    totals = [0] * len(choices)
+    try:
+        for c in choices:
+            yield chunk(c.index, {"role": "assistant", "content": ""})
+        async with contextlib.aclosing(generation.outputs()) as outputs:
+            async for index, out in outputs:
+                completion = out.outputs[0]
+                choice = choices[index]
+                delta, tokens, entries = choice.advance(completion)
+                totals[index] = len(completion.token_ids)
+                logprobs = {"content": chat_logprobs(texts, tokens, entries, req.params.logprobs)} \
+                    if entries is not None and tokens else None
+                if delta or logprobs or choice.finish_reason is not None:
+                    yield chunk(index, delta, logprobs, choice.finish_reason, choice.stop_reason)
+    finally:
+        generation.close()
+    if req.include_usage:
+        yield {**head, "choices": [], "usage": _usage(len(plan.prompt_ids), sum(totals))}

@@ -1,0 +1,195 @@
+"""One choice of a response, followed as the engine streams it: text deltas, the parser's reasoning /
+content / tool-call events as OpenAI delta fields, logprobs of the new tokens, and the final message.
+
+The engine hands back cumulative outputs (the whole text and token list so far); a `ChoiceState`
+remembers how much it has sent, so each engine output becomes one delta. The same state builds the
+non-streamed message, so streamed fragments and the whole answer cannot disagree.
+"""
+
+from __future__ import annotations
+
+import functools
+import uuid
+from typing import Any
+
+from dsv4_jax.chat import (
+    THINK_END,
+    ChatStreamParser,
+    ContentDelta,
+    ParseEvent,
+    ReasoningDelta,
+    ToolCallArguments,
+    ToolCallStarted,
+)
+from dsv4_jax.engine.outputs import CompletionOutput, Logprob
+
+
+@functools.lru_cache(maxsize=1)
+def _byte_level_table() -> dict[str, int]:
+    """GPT-2's byte-level alphabet (the V4 tokenizer's decoder): printable character -> byte."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]  # "!".."~", "¡".."¬", "®".."ÿ"
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+class TokenTexts:
+    """A token's bytes and text for logprobs (`bytes` as OpenAI gives them: a token may hold part of
+    a UTF-8 character, whose text then shows U+FFFD)."""
+
+    def __init__(self, tokenizer: Any, as_token_ids: bool):
+        self.tokenizer, self.as_token_ids = tokenizer, as_token_ids
+
+    def bytes_of(self, token_id: int) -> bytes:
+        piece = self.tokenizer.id_to_token(token_id) or ""
+        table = _byte_level_table()
+        if piece and all(c in table for c in piece):
+            return bytes(table[c] for c in piece)
+        return piece.encode("utf-8")  # an added token (`</think>`, `<｜end▁of▁sentence｜>`): its own text
+
+    def text_of(self, token_id: int) -> str:
+        if self.as_token_ids:  # vLLM's return_tokens_as_token_ids
+            return f"token_id:{token_id}"
+        return self.bytes_of(token_id).decode("utf-8", errors="replace")
+
+
+def chat_logprobs(texts: TokenTexts, token_ids: list[int], entries: list[dict[int, Logprob]], top: int) -> list[dict]:
+    """OpenAI chat `logprobs.content` items for these tokens (`top` alternatives each)."""
+    items = []
+    for token, entry in zip(token_ids, entries):
+        alternatives = sorted((lp.rank, t, lp.logprob) for t, lp in entry.items() if lp.rank is not None and lp.rank <= top)
+        items.append({
+            "token": texts.text_of(token), "logprob": max(entry[token].logprob, -9999.0),
+            "bytes": list(texts.bytes_of(token)),
+            "top_logprobs": [{"token": texts.text_of(t), "logprob": max(lp, -9999.0), "bytes": list(texts.bytes_of(t))}
+                             for _, t, lp in alternatives[:top]],
+        })
+    return items
+
+
+def completion_logprobs(texts: TokenTexts, token_ids: list[int], entries: list[dict[int, Logprob]], top: int,
+                        text_offset: int) -> dict[str, list]:
+    """OpenAI completions `logprobs` (tokens, token_logprobs, top_logprobs, text_offset)."""
+    out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for token, entry in zip(token_ids, entries):
+        text = texts.text_of(token)
+        out["tokens"].append(text)
+        out["token_logprobs"].append(max(entry[token].logprob, -9999.0))
+        ranked = sorted((lp.rank, t, lp.logprob) for t, lp in entry.items() if lp.rank is not None and lp.rank <= top)
+        out["top_logprobs"].append({texts.text_of(t): max(lp, -9999.0) for _, t, lp in ranked[:top]})
+        out["text_offset"].append(text_offset)
+        text_offset += len(text)
+    return out
+
+
+class ReasoningSplitter:
+    """The reasoning parser without tool calls (tool_choice "none", or no --enable-auto-tool-choice):
+    text up to the model's `</think>` is reasoning, the rest content, DSML included. Same interface
+    as ChatStreamParser; a tail that may be the start of `</think>` is held back."""
+
+    def __init__(self) -> None:
+        self._in_reasoning, self._held = True, ""
+
+    def feed(self, delta: str) -> list[ParseEvent]:
+        if not self._in_reasoning:
+            return [ContentDelta(delta)] if delta else []
+        text = self._held + delta
+        end = text.find(THINK_END)
+        if end >= 0:
+            self._in_reasoning, self._held = False, ""
+            rest = text[end + len(THINK_END):]
+            return [e for e in (ReasoningDelta(text[:end]), ContentDelta(rest)) if e.text]
+        keep = next((k for k in range(min(len(THINK_END) - 1, len(text)), 0, -1) if THINK_END.startswith(text[-k:])), 0)
+        self._held = text[len(text) - keep:]
+        out = text[: len(text) - keep]
+        return [ReasoningDelta(out)] if out else []
+
+    def finish(self) -> list[ParseEvent]:
+        held, self._held = self._held, ""
+        return [ReasoningDelta(held)] if held else []
+
+
+class ChoiceState:
+    """What one choice has sent so far, and the parser that splits its text.
+
+    `parser` is None when the response has no reasoning split and no tool calls to find (then all
+    text is content, as vLLM does without its parsers)."""
+
+    def __init__(self, index: int, parser: ChatStreamParser | ReasoningSplitter | None,
+                 max_tool_calls: int | None = None):
+        self.index = index
+        self.parser = parser
+        self.max_tool_calls = max_tool_calls  # 1 for parallel_tool_calls=false: later calls dropped, as vLLM
+        self.sent_chars = 0
+        self.sent_tokens = 0
+        self.tool_ids: dict[int, str] = {}  # parser's call index -> the call's id
+        self.tool_calls: dict[int, dict] = {}  # the whole calls, for the final message
+        self.reasoning: list[str] = []
+        self.content: list[str] = []
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+
+    def advance(self, completion: CompletionOutput) -> tuple[dict[str, Any], list[int], list | None]:
+        """The delta fields for what `completion` adds, its new token ids and their logprob entries."""
+        new_text = completion.text[self.sent_chars:]
+        self.sent_chars = len(completion.text)
+        new_tokens = completion.token_ids[self.sent_tokens:]
+        entries = completion.logprobs[self.sent_tokens:] if completion.logprobs is not None else None
+        self.sent_tokens = len(completion.token_ids)
+        events: list[ParseEvent] = []
+        if self.parser is None:
+            if new_text:
+                events.append(ContentDelta(new_text))
+        else:
+            events += self.parser.feed(new_text) if new_text else []
+            if completion.finish_reason is not None:
+                events += self.parser.finish()
+        if completion.finish_reason is not None:
+            self.finish_reason, self.stop_reason = completion.finish_reason, completion.stop_reason
+            if self.tool_calls and completion.finish_reason == "stop":
+                self.finish_reason = "tool_calls"
+        return self._delta(events), new_tokens, entries
+
+    def _delta(self, events: list[ParseEvent]) -> dict[str, Any]:
+        delta: dict[str, Any] = {}
+        calls: dict[int, dict] = {}  # one entry per call index within this delta, in order
+        for event in events:
+            if isinstance(event, (ToolCallStarted, ToolCallArguments)) and self.max_tool_calls is not None \
+                    and event.index >= self.max_tool_calls:
+                continue
+            if isinstance(event, ReasoningDelta):
+                self.reasoning.append(event.text)
+                delta["reasoning"] = delta.get("reasoning", "") + event.text
+            elif isinstance(event, ContentDelta):
+                self.content.append(event.text)
+                delta["content"] = delta.get("content", "") + event.text
+            elif isinstance(event, ToolCallStarted):
+                call_id = self.tool_ids[event.index] = f"call_{uuid.uuid4().hex[:24]}"
+                self.tool_calls[event.index] = {"id": call_id, "type": "function",
+                                                "function": {"name": event.name, "arguments": ""}}
+                calls[event.index] = {"index": event.index, "id": call_id, "type": "function",
+                                      "function": {"name": event.name, "arguments": ""}}
+            elif isinstance(event, ToolCallArguments):
+                self.tool_calls[event.index]["function"]["arguments"] += event.fragment
+                entry = calls.setdefault(event.index, {"index": event.index, "function": {"arguments": ""}})
+                entry["function"]["arguments"] += event.fragment
+        if "reasoning" in delta:
+            delta["reasoning_content"] = delta["reasoning"]  # both names, as vLLM's clients read either
+        if calls:
+            delta["tool_calls"] = list(calls.values())
+        return delta
+
+    def message(self, with_reasoning: bool) -> dict[str, Any]:
+        """The whole assistant message (non-streamed responses)."""
+        reasoning = "".join(self.reasoning) if with_reasoning else None
+        message: dict[str, Any] = {"role": "assistant", "content": "".join(self.content) or None,
+                                   "reasoning": reasoning, "reasoning_content": reasoning,
+                                   "tool_calls": [self.tool_calls[i] for i in sorted(self.tool_calls)]}
+        if message["content"] is None and not message["tool_calls"]:
+            message["content"] = ""
+        return message

@@ -1,0 +1,108 @@
+"""`POST /v1/completions`: raw prompts (text, or token ids) in, OpenAI text completions out, whole
+or streamed. A text prompt is tokenized with exactly one BOS (as `/tokenize` and `LLM.generate`
+do); `n` choices per prompt, choice index = prompt index x n + i, as OpenAI numbers them."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from typing import Any, AsyncIterator
+
+from dsv4_jax.tokenizer import encode_prompt
+from serve.choices import TokenTexts, completion_logprobs
+from serve.generation import Generation, new_request_id
+from serve.protocol import CompletionRequest, parse_completion_request
+from serve.sse import sse_response
+from serve.state import ServingState
+
+logger = logging.getLogger("serve")
+
+
+class _Choice:
+    def __init__(self, index: int, echo: str | None):
+        self.index, self.echo = index, echo
+        self.sent_chars = self.sent_tokens = 0
+        self.text_offset = 0
+        self.text: list[str] = []
+        self.logprobs: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        self.finish_reason = self.stop_reason = None
+
+    def advance(self, completion: Any, texts: TokenTexts, top: int | None) -> tuple[str, dict | None]:
+        """The text and logprobs `completion` adds (the echoed prompt leads the first piece)."""
+        new_text = completion.text[self.sent_chars:]
+        self.sent_chars = len(completion.text)
+        lead, self.echo = self.echo or "", None
+        tokens = completion.token_ids[self.sent_tokens:]
+        entries = completion.logprobs[self.sent_tokens:] if completion.logprobs is not None else None
+        self.sent_tokens = len(completion.token_ids)
+        logprobs = None
+        if entries is not None:  # offsets count the characters of the whole choice text before each token
+            logprobs = completion_logprobs(texts, tokens, entries, top, self.text_offset + len(lead))
+            for key, values in logprobs.items():
+                self.logprobs[key] += values
+        text = lead + new_text
+        self.text_offset += len(text)
+        self.text.append(text)
+        if completion.finish_reason is not None:
+            self.finish_reason, self.stop_reason = completion.finish_reason, completion.stop_reason
+        return text, logprobs
+
+
+def _prompt_ids(state: ServingState, prompt: str | list[int]) -> list[int]:
+    return encode_prompt(state.tokenizer, prompt) if isinstance(prompt, str) else list(prompt)
+
+
+async def create_completion(state: ServingState, body: Any):
+    req: CompletionRequest = parse_completion_request(body, state.limits)
+    if req.ignored_fields:
+        logger.warning("ignoring unknown request fields: %s", ", ".join(req.ignored_fields))
+    prompts = [_prompt_ids(state, p) for p in req.prompts]
+    request_id = new_request_id("cmpl")
+    generation = Generation(state, request_id, prompts, req.params)
+    n = req.params.n
+    texts = TokenTexts(state.tokenizer, req.return_tokens_as_token_ids)
+    echoes = [p if isinstance(p, str) else state.tokenizer.decode(p, skip_special_tokens=True) for p in req.prompts]
+    choices = [_Choice(i, echoes[i // n] if req.echo else None) for i in range(len(prompts) * n)]
+    created = int(time.time())
+    usage_prompt = sum(len(p) for p in prompts)  # each prompt once, whatever n is (as OpenAI)
+    if req.stream:
+        return sse_response(_stream(req, request_id, created, generation, choices, texts, usage_prompt))
+    try:
+        async with contextlib.aclosing(generation.outputs()) as outputs:
+            async for index, out in outputs:
+                choices[index].advance(out.outputs[0], texts, req.params.logprobs)
+    finally:
+        generation.close()
+    return {
+        "id": request_id, "object": "text_completion", "created": created, "model": req.model,
+        "choices": [{"index": c.index, "text": "".join(c.text),
+                     "logprobs": c.logprobs if req.params.logprobs is not None else None,
+                     "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in choices],
+        "usage": _usage(usage_prompt, sum(c.sent_tokens for c in choices)),
+    }
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+async def _stream(req: CompletionRequest, request_id: str, created: int, generation: Generation,
+                  choices: list[_Choice], texts: TokenTexts, usage_prompt: int) -> AsyncIterator[dict]:
+    head = {"id": request_id, "object": "text_completion", "created": created, "model": req.model}
+    usage_field = {"usage": None} if req.include_usage else {}
+    try:
+        async with contextlib.aclosing(generation.outputs()) as outputs:
+            async for index, out in outputs:
+                choice = choices[index]
+                text, logprobs = choice.advance(out.outputs[0], texts, req.params.logprobs)
+                if text or logprobs or choice.finish_reason is not None:
+                    entry = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": choice.finish_reason}
+                    if choice.finish_reason is not None:
+                        entry["stop_reason"] = choice.stop_reason
+                    yield {**head, "choices": [entry], **usage_field}
+    finally:
+        generation.close()
+    if req.include_usage:
+        yield {**head, "choices": [], "usage": _usage(usage_prompt, sum(c.sent_tokens for c in choices))}

@@ -1,0 +1,196 @@
+"""`python -m serve`: parse vLLM's flags, check everything that needs no weights (bad values fail
+here with one line and exit status 2), bind the port, then load and warm up the model on a thread
+while `/health` answers 503; serve until SIGTERM / SIGINT, then stop accepting (503), let what runs
+finish for a grace period, abort the rest and exit 0.
+
+JAX's persistent compilation cache is on (under `$DSV4_JAX_CACHE/jax-cache`, or
+`$JAX_COMPILATION_CACHE_DIR`), so a restart's warm-up loads executables instead of compiling them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import Sequence
+
+import uvicorn
+
+from pallas_kernels.cli import one_line, run_main
+
+logger = logging.getLogger("serve")
+
+SHUTDOWN_GRACE_SECONDS = 10.0
+
+
+def _configure_logging() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        stream=sys.stderr)
+
+
+def _enable_compilation_cache() -> None:
+    import jax
+
+    from dsv4_jax.builtin import cache_root
+
+    directory = os.environ.get("JAX_COMPILATION_CACHE_DIR") or str(cache_root() / "jax-cache")
+    jax.config.update("jax_compilation_cache_dir", directory)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    logger.info("JAX compilation cache: %s", directory)
+
+
+def _check_parallel(args) -> None:
+    """Refuse what this process cannot honour yet, rather than silently running on one device."""
+    import jax
+
+    wanted = args.tensor_parallel_size * args.data_parallel_size
+    if wanted > 1 or args.enable_expert_parallel:
+        raise ValueError(
+            f"--tensor-parallel-size {args.tensor_parallel_size} --data-parallel-size {args.data_parallel_size}"
+            f"{' --enable-expert-parallel' if args.enable_expert_parallel else ''}: sharding over device meshes is "
+            f"not built yet (this process sees {jax.device_count()} device(s)); run with "
+            "--tensor-parallel-size 1 --data-parallel-size 1"
+        )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    _configure_logging()
+    from serve.args import engine_kwargs, parse_args
+
+    args = parse_args(argv)
+    _enable_compilation_cache()
+    _check_parallel(args)
+
+    from dsv4_jax import LLM
+
+    kwargs = engine_kwargs(args)
+    if args.model_is_builtin:
+        logger.info("no model given: serving the built-in %s (random weights, the real V4 tokenizer)", args.model)
+    model_dir = LLM.check_arguments(**kwargs)  # every check that needs no weights, before the port opens
+
+    from serve.app import build_app
+    from serve.state import ServingState
+
+    state = ServingState(args, served_model_names=tuple(args.served_model_name))
+    app = build_app(state)
+    server = _Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+                                    lifespan="on", timeout_graceful_shutdown=int(SHUTDOWN_GRACE_SECONDS) + 5),
+                     state)
+    app.router.lifespan_context = _lifespan(state, server, kwargs, model_dir)
+    scope = "this machine only" if args.host in ("127.0.0.1", "localhost", "::1") else "the network"
+    logger.info("listening on http://%s:%d (%s; vllm serve binds all interfaces by default, "
+                "pass --host 0.0.0.0 for that)", args.host, args.port, scope)
+    server.run()
+    if state.load_error is not None:
+        print(f"serve: error: {state.load_error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, whose exit signal first marks the state as no longer accepting (new
+    requests get 503 while running ones finish)."""
+
+    def __init__(self, config: uvicorn.Config, state) -> None:
+        super().__init__(config)
+        self.state = state
+
+    def handle_exit(self, sig, frame) -> None:
+        # uvicorn's own handler also re-raises the signal once stopped, so the process would die
+        # of SIGTERM; a clean shutdown here exits 0 (a second SIGINT still forces the exit).
+        if self.state.accepting:
+            logger.info("signal %d: no new requests; finishing what runs (up to %.0fs)", sig, SHUTDOWN_GRACE_SECONDS)
+        self.state.accepting = False
+        if self.should_exit and sig == signal.SIGINT:
+            self.force_exit = True
+        self.should_exit = True
+
+
+def _lifespan(state, server, kwargs: dict, model_dir: Path):
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        from dsv4_jax.engine.async_engine import AsyncLLMEngine
+        from serve.metrics import EngineStats, ServerMetrics
+
+        def stats() -> EngineStats:
+            if state.engine is None:
+                return EngineStats(0, 0, 0.0, 0)
+            scheduler = state.engine.engine.scheduler
+            return EngineStats(scheduler.num_running, scheduler.num_waiting, scheduler.kv_cache_usage,
+                               scheduler.num_preemptions)
+
+        state.metrics = ServerMetrics(state.model_name, stats, max_model_len=state.args.max_model_len)
+        loop = asyncio.get_running_loop()
+        loaded = loop.create_future()
+
+        def load() -> None:
+            try:
+                from dsv4_jax import LLM
+
+                llm = LLM(**kwargs)
+            except BaseException as error:  # noqa: BLE001  (reported on the loop, then the server stops)
+                logger.debug("loading failed", exc_info=True)
+                loop.call_soon_threadsafe(_set, loaded, error)
+                return
+            loop.call_soon_threadsafe(_set, loaded, llm)
+
+        threading.Thread(target=load, name="dsv4-load", daemon=True).start()
+        waiter = asyncio.create_task(_become_ready(state, server, loaded, model_dir, AsyncLLMEngine))
+        try:
+            yield
+        finally:
+            state.accepting = False
+            waiter.cancel()
+            if state.engine is not None:
+                await state.engine.shutdown(grace_seconds=SHUTDOWN_GRACE_SECONDS)
+            logger.info("stopped")
+
+    return lifespan
+
+
+def _set(future: asyncio.Future, value) -> None:
+    if not future.done():
+        future.set_result(value)
+
+
+async def _become_ready(state, server, loaded: asyncio.Future, model_dir: Path, engine_class) -> None:
+    from serve.args import generation_defaults
+    from serve.protocol import ServerLimits
+
+    result = await loaded
+    if isinstance(result, BaseException):
+        state.load_error = one_line(result)
+        logger.error("loading the model failed: %s", state.load_error)
+        server.should_exit = True
+        return
+    llm, args = result, state.args
+    try:
+        defaults = generation_defaults(args, model_dir)
+    except (ValueError, OSError) as error:
+        state.load_error = one_line(error)
+        server.should_exit = True
+        return
+    if defaults:
+        logger.info("default sampling parameters from generation_config.json: %s", defaults)
+    state.limits = ServerLimits(
+        served_model_names=state.served_model_names, vocab_size=llm.config.vocab_size,
+        max_logprobs=args.max_logprobs, enable_auto_tool_choice=args.enable_auto_tool_choice,
+        reasoning_parser=args.reasoning_parser, default_sampling=defaults,
+        default_chat_template_kwargs=args.default_chat_template_kwargs or {},
+    )
+    engine = engine_class(llm.engine)
+    await engine.start()
+    state.llm, state.engine = llm, engine
+    state.ready = True
+    logger.info("ready: %s serves %s (max_model_len %d, up to %d sequences at once)", args.model,
+                ", ".join(state.served_model_names), args.max_model_len, llm.layout.num_seq_slots)
+
+
+def entry(argv: Sequence[str] | None = None) -> None:
+    run_main(main, argv, prog="serve")

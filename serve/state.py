@@ -1,0 +1,46 @@
+"""What the routes share: the loaded model and engine, the request limits, the metrics, and whether
+the server is ready (warm-up done) and still accepting (not shutting down)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+# Test-only: with this environment variable set to 1, a request body's `dsv4_test_forced_output`
+# (a string) is tokenized and forced through the real engine in place of sampled tokens, so tests
+# can drive reasoning and tool-call output through streaming, usage and detokenization. No flag
+# reaches it; never set it in production (docs/serving.md).
+FORCED_OUTPUT_ENV = "DSV4_TEST_FORCED_OUTPUT"
+FORCED_OUTPUT_FIELD = "dsv4_test_forced_output"
+
+
+def forced_output_hook_enabled() -> bool:
+    return os.environ.get(FORCED_OUTPUT_ENV, "") == "1"
+
+
+@dataclasses.dataclass
+class ServingState:
+    args: Any  # serve.args.ServerArgs
+    served_model_names: tuple[str, ...]
+    llm: Any = None  # dsv4_jax.LLM, once loaded
+    engine: Any = None  # dsv4_jax.engine.async_engine.AsyncLLMEngine, once started
+    limits: Any = None  # serve.protocol.ServerLimits, once the model is known
+    metrics: Any = None  # serve.metrics.ServerMetrics
+    ready: bool = False  # warm-up done: /health answers 200
+    accepting: bool = True  # False once shutdown began: new requests get 503
+    load_error: str | None = None
+    started_at: float = 0.0  # when the app was built (the models' `created`)
+    forced_output_hook: bool = dataclasses.field(default_factory=forced_output_hook_enabled)
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_names[0]
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.llm.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.args.max_model_len

@@ -1,0 +1,211 @@
+"""The command line of `python -m serve` (serve/args.py): vLLM's flag names and defaults, the
+flags accepted but ignored, the ones refused, and one-line errors with exit status 2.
+
+Pure Python: nothing here compiles; the only jax import is the check that the names mirrored in
+serve/args.py agree with their owners.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import logging
+
+import pytest
+
+from pallas_kernels.cli import run_main
+from serve.args import (
+    API_KEY_ENV,
+    IGNORED_FLAGS,
+    ServerArgs,
+    build_parser,
+    engine_kwargs,
+    generation_defaults,
+    parse_args,
+)
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch):
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
+    monkeypatch.delenv("DSV4_DEBUG", raising=False)
+
+
+def _error_line(argv: list[str], capsys) -> str:
+    """The stderr of the entry point on `argv`: it must exit 2 with exactly one line."""
+    with pytest.raises(SystemExit) as exit_info:
+        run_main(lambda args: parse_args(args) and 0, argv, prog="serve")
+    assert exit_info.value.code == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("serve: error: ")
+    return lines[0]
+
+
+# ---- values -------------------------------------------------------------------------------------
+def test_defaults():
+    args = parse_args([])
+    assert (args.model, args.model_is_builtin, args.served_model_name) == ("dsv4-tiny", True, ("dsv4-tiny",))
+    assert (args.host, args.port, args.tokenizer) == ("127.0.0.1", 8000, None)
+    assert (args.tensor_parallel_size, args.data_parallel_size, args.enable_expert_parallel) == (1, 1, False)
+    assert (args.gpu_memory_utilization, args.max_num_seqs, args.max_model_len) == (0.9, 8, 4096)
+    assert (args.max_num_batched_tokens, args.num_gpu_blocks_override) == (None, None)
+    assert (args.dtype, args.kv_cache_dtype, args.attention_backend, args.block_size) == ("auto", "auto", None, 256)
+    assert (args.enable_auto_tool_choice, args.tool_call_parser, args.reasoning_parser) == (False, None, None)
+    assert (args.api_key, args.seed, args.generation_config, args.uvicorn_log_level) == (None, 0, "auto", "info")
+    assert (args.default_chat_template_kwargs, args.max_logprobs, args.max_waiting_requests) == (None, 20, 1024)
+    assert (args.no_web_ui, args.debug, args.ignored_flags) == (False, False, ())
+
+
+def test_every_flag_by_its_vllm_name(tmp_path):
+    argv = [
+        str(tmp_path), "--served-model-name", "deepseek-ai/DeepSeek-V4-Flash", "v4", "--host", "0.0.0.0",
+        "--port", "0", "--tokenizer", "/tok", "--tensor-parallel-size", "2", "--data-parallel-size", "4",
+        "--enable-expert-parallel", "--gpu-memory-utilization", "0.5", "--max-num-seqs", "3",
+        "--max-num-batched-tokens", "512", "--num-gpu-blocks-override", "40", "--max-model-len", "1024",
+        "--dtype", "float32", "--kv-cache-dtype", "fp8", "--attention-backend", "pallas_bf16", "--block-size", "384",
+        "--trust-remote-code", "--enable-auto-tool-choice", "--tool-call-parser", "deepseek_v4",
+        "--reasoning-parser", "deepseek_v4", "--api-key", "k", "--seed", "-7", "--generation-config", "vllm",
+        "--uvicorn-log-level", "trace", "--default-chat-template-kwargs", '{"thinking": false}',
+        "--max-logprobs", "0", "--max-waiting-requests", "5", "--no-web-ui", "--debug",
+    ]
+    assert parse_args(argv) == ServerArgs(
+        model=str(tmp_path), model_is_builtin=False, served_model_name=("deepseek-ai/DeepSeek-V4-Flash", "v4"),
+        host="0.0.0.0", port=0, tokenizer="/tok", tensor_parallel_size=2, data_parallel_size=4,
+        enable_expert_parallel=True, gpu_memory_utilization=0.5, max_num_seqs=3, max_num_batched_tokens=512,
+        num_gpu_blocks_override=40, max_model_len=1024, dtype="float32", kv_cache_dtype="fp8",
+        attention_backend="pallas_bf16", block_size=384, enable_auto_tool_choice=True, tool_call_parser="deepseek_v4",
+        reasoning_parser="deepseek_v4", api_key="k", seed=-7, generation_config="vllm", uvicorn_log_level="trace",
+        default_chat_template_kwargs={"thinking": False}, max_logprobs=0, max_waiting_requests=5, no_web_ui=True,
+        debug=True, ignored_flags=(),
+    )
+
+
+def test_short_parallel_flags_are_kept_as_given():
+    args = parse_args(["-tp", "2", "-dp", "8"])
+    assert (args.tensor_parallel_size, args.data_parallel_size) == (2, 8)
+
+
+def test_model_as_flag_or_positional_names_the_served_model():
+    assert parse_args(["--model", "/ckpt/"]).served_model_name == ("/ckpt/",)  # as given, not normalised
+    same = parse_args(["/ckpt", "--model", "/ckpt"])
+    assert (same.model, same.model_is_builtin) == ("/ckpt", False)
+    assert parse_args(["dsv4-tiny"]).model_is_builtin
+
+
+def test_api_key_from_the_environment_unless_given(monkeypatch):
+    monkeypatch.setenv(API_KEY_ENV, "from-env")
+    assert parse_args([]).api_key == "from-env"
+    args = parse_args(["--api-key", "secret-flag"])
+    assert args.api_key == "secret-flag" and "secret-flag" not in repr(args)
+
+
+def test_vllm_spellings_underscores_and_human_readable_sizes():
+    args = parse_args(["--max_model_len=8k", "--max-num-batched-tokens", "2K"])
+    assert (args.max_model_len, args.max_num_batched_tokens) == (8000, 2048)
+    assert parse_args(["--max-model-len", "1.5k"]).max_model_len == 1500
+
+
+@pytest.mark.parametrize("name", ["FLASHMLA_SPARSE", "flashmla_sparse_v4"])
+def test_vllm_flashmla_sparse_means_pallas_fp8_ds_mla(name, caplog):
+    with caplog.at_level(logging.INFO, logger="serve"):
+        assert parse_args(["--attention-backend", name]).attention_backend == "pallas_fp8_ds_mla"
+    assert [r.levelno for r in caplog.records] == [logging.INFO] and name in caplog.records[0].getMessage()
+
+
+@pytest.mark.parametrize("flag", list(IGNORED_FLAGS))
+def test_ignored_vllm_flag_parses_with_one_warning(flag, caplog):
+    argv = [flag, "deepseek_v4"] if IGNORED_FLAGS[flag][0] else [flag]
+    with caplog.at_level(logging.WARNING, logger="serve"):
+        args = parse_args(argv)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and warnings[0].startswith(flag)
+    assert args.ignored_flags == tuple(warnings)
+
+
+def test_every_help_states_the_default():
+    actions = [a for a in build_parser()._actions if a.dest != "help"]
+    assert [a.dest for a in actions if "default" not in (a.help or "")] == []
+
+
+# ---- errors: one line on stderr, exit status 2 ----------------------------------------------------
+@pytest.mark.parametrize("argv, named", [
+    (["--port", "70000"], "--port"),
+    (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization"),
+    (["--block-size", "100"], "--block-size"),
+    (["--default-chat-template-kwargs", "{thinking: false}"], "--default-chat-template-kwargs"),
+    (["--default-chat-template-kwargs", "[1]"], "--default-chat-template-kwargs"),
+    (["/a", "--model", "/b"], "--model"),
+    (["--enable-auto-tool-choice"], "--tool-call-parser"),
+    (["--quantization", "fp8"], "--quantization"),
+    (["--max-model", "10"], "--max-model"),  # no prefix matching of --max-model-len
+    (["--dtype", "half"], "--dtype"),
+    (["--speculative-config", '{"method": "mtp"}'], "--speculative-config"),
+    (["--enable-prefix-caching"], "--enable-prefix-caching"),
+    (["--attention-backend", "FLASHINFER"], "--attention-backend"),
+    (["--kv-cache-dtype", "int8"], "--kv-cache-dtype"),
+    (["-tp", "0"], "--tensor-parallel-size"),
+    (["--max-num-seqs", "many"], "--max-num-seqs"),
+    (["--max-model-len", "1.5K"], "--max-model-len"),
+    (["--max-logprobs", "21"], "--max-logprobs"),
+    (["--max-waiting-requests", "0"], "--max-waiting-requests"),
+])
+def test_bad_command_line_is_one_line_naming_the_flag(argv, named, capsys):
+    assert named in _error_line(argv, capsys)
+
+
+def test_half_precision_points_to_bfloat16_or_float32(capsys):
+    assert "bfloat16 or float32" in _error_line(["--dtype", "float16"], capsys)
+
+
+# ---- what the server makes of them -------------------------------------------------------------
+def test_engine_kwargs_are_llm_arguments():
+    from dsv4_jax.engine.llm import LLM
+
+    args = parse_args(["/ckpt", "--max-model-len", "2048", "--seed", "3", "--attention-backend", "xla"])
+    kwargs = engine_kwargs(args)
+    assert set(kwargs) <= set(inspect.signature(LLM.__init__).parameters)
+    assert (kwargs["model"], kwargs["max_model_len"], kwargs["seed"]) == ("/ckpt", 2048, 3)
+    assert kwargs["attention_backend"] == "xla"
+
+
+def test_mirrored_names_agree_with_their_owners():
+    from dsv4_jax.engine import llm
+    from dsv4_jax.kv_cache import planner, resolver
+    from serve import args
+
+    assert args.BUILTIN_MODEL in llm.BUILTIN_NAMES and set(args.DTYPES) == set(llm.DTYPES)
+    assert set(args.KV_CACHE_DTYPES) <= set(resolver.ACCEPTED_REQUESTS)
+    assert set(args.ATTENTION_BACKENDS) == set(resolver.ATTENTION_BACKENDS)
+    assert args.BLOCK_SIZE_MULTIPLE == planner.BLOCK_SIZE_MULTIPLE
+
+
+def _write_generation_config(folder, content) -> None:
+    folder.mkdir(exist_ok=True)
+    text = content if isinstance(content, str) else json.dumps(content)
+    (folder / "generation_config.json").write_text(text)
+
+
+def test_generation_defaults_take_vllms_keys_from_the_model_directory(tmp_path):
+    _write_generation_config(tmp_path, {"do_sample": True, "temperature": 0.6, "top_p": 0.95, "top_k": None,
+                                        "max_new_tokens": 100, "eos_token_id": 1})
+    expected = {"temperature": 0.6, "top_p": 0.95, "max_tokens": 100}
+    assert generation_defaults(parse_args([]), tmp_path) == expected
+    assert generation_defaults(parse_args(["--generation-config", "vllm"]), tmp_path) == {}
+    assert generation_defaults(parse_args([]), tmp_path / "elsewhere") == {}  # auto without the file
+
+
+def test_generation_defaults_from_a_named_folder(tmp_path):
+    _write_generation_config(tmp_path / "gen", {"top_k": 20, "min_p": 0.1, "repetition_penalty": 1.1})
+    args = parse_args(["--generation-config", str(tmp_path / "gen")])
+    assert generation_defaults(args, tmp_path) == {"top_k": 20, "min_p": 0.1, "repetition_penalty": 1.1}
+    with pytest.raises(ValueError, match="--generation-config"):
+        generation_defaults(parse_args(["--generation-config", str(tmp_path)]), tmp_path)
+
+
+@pytest.mark.parametrize("content, named", [("{oops", "JSON"), ("[0.6]", "list"), ({"temperature": -1}, "temperature")])
+def test_malformed_generation_config_names_the_file(tmp_path, content, named):
+    _write_generation_config(tmp_path, content)
+    with pytest.raises(ValueError) as err:
+        generation_defaults(parse_args([]), tmp_path)
+    assert str(tmp_path / "generation_config.json") in str(err.value) and named in str(err.value)

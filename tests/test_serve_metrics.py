@@ -1,0 +1,192 @@
+"""serve.metrics: vLLM's Prometheus names, labels and values, read back with prometheus_client's own parser
+from `render()`, against a scripted sequence of calls with explicit times. No jax, no compiles."""
+
+from __future__ import annotations
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from serve.metrics import EngineStats, ServerMetrics, token_count_buckets
+
+MODEL = "dsv4-tiny"
+IDLE = EngineStats(num_requests_running=0, num_requests_waiting=0, kv_cache_usage_perc=0.0, num_preemptions_total=0)
+
+# The exposed sample names a vLLM dashboard queries (vLLM's PrometheusStatLogger), with their family type.
+GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")
+COUNTERS = ("vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:num_preemptions_total")
+HISTOGRAMS = (
+    "vllm:time_to_first_token_seconds",
+    "vllm:inter_token_latency_seconds",
+    "vllm:e2e_request_latency_seconds",
+    "vllm:request_prompt_tokens",
+    "vllm:request_generation_tokens",
+)
+
+
+def scrape(metrics: ServerMetrics) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    """{(sample name, labels): value} of one render, parsed as Prometheus would."""
+    body, _ = metrics.render()
+    return {
+        (s.name, frozenset(s.labels.items())): s.value
+        for family in text_string_to_metric_families(body.decode())
+        for s in family.samples
+    }
+
+
+def value(samples: dict, name: str, model: str = MODEL, **labels: str) -> float:
+    return samples[(name, frozenset({"model_name": model, **labels}.items()))]
+
+
+def test_every_vllm_name_is_exposed_with_the_model_label_and_its_type():
+    body, content_type = ServerMetrics(MODEL, lambda: IDLE).render()
+    assert content_type.startswith("text/plain; version=0.0.4")
+    families = {f.name: f for f in text_string_to_metric_families(body.decode())}
+    sample_names = {s.name: s for f in families.values() for s in f.samples}
+    for name in GAUGES + COUNTERS + ("vllm:request_success_total",):
+        assert name in sample_names, name
+    for name in GAUGES:
+        assert families[name].type == "gauge"
+    for name in COUNTERS:
+        assert families[name.removesuffix("_total")].type == "counter"
+    for name in HISTOGRAMS:
+        assert families[name].type == "histogram"
+        assert f"{name}_count" in sample_names and f"{name}_sum" in sample_names
+    for family in families.values():
+        for sample in family.samples:
+            assert sample.labels["model_name"] == MODEL, sample
+    # vLLM's exact counter names: prometheus_client appends "_total" itself, a second one would break dashboards.
+    lines = [line.split("{")[0].split(" ")[0] for line in body.decode().splitlines() if not line.startswith("#")]
+    assert not [n for n in lines if "_total_total" in n]
+    assert {"vllm:prompt_tokens_total", "vllm:request_success_total", "vllm:num_preemptions_total"} <= set(lines)
+
+
+def test_scripted_requests_give_counters_and_histograms():
+    m = ServerMetrics(MODEL, lambda: IDLE)
+    # a: ttft 0.5; then 3 tokens over 0.375 s (3 ITL of 0.125) and 1 token after 0.25 s; stop at 1.25.
+    m.request_started("a", prompt_tokens=7, now=0.0)
+    m.tokens_generated("a", 1, now=0.5)
+    m.tokens_generated("a", 3, now=0.875)
+    m.tokens_generated("a", 0, now=0.9)  # nothing new: no observation, the gap still runs from 0.875
+    m.tokens_generated("a", 1, now=1.125)
+    m.request_finished("a", "stop", now=1.25)
+    # b: its first batch has 2 tokens, which is a time to first token only (0.125); length at 2.0.
+    m.request_started("b", prompt_tokens=4, now=0.25)
+    m.tokens_generated("b", 2, now=0.375)
+    m.request_finished("b", "length", now=2.0)
+    # c: aborted before any token: e2e 0.5, not a success.
+    m.request_started("c", prompt_tokens=3, now=1.0)
+    m.request_finished("c", "abort", now=1.5)
+    # unknown ids (aborted before their start was recorded) are ignored.
+    m.tokens_generated("ghost", 5, now=1.0)
+    m.request_finished("ghost", "error", now=1.0)
+
+    s = scrape(m)
+    assert value(s, "vllm:prompt_tokens_total") == 14
+    assert value(s, "vllm:generation_tokens_total") == 7
+    assert value(s, "vllm:request_success_total", finished_reason="stop") == 1
+    assert value(s, "vllm:request_success_total", finished_reason="length") == 1
+    assert not [k for k in s if k[0] == "vllm:request_success_total" and ("finished_reason", "abort") in k[1]]
+
+    assert value(s, "vllm:time_to_first_token_seconds_count") == 2
+    assert value(s, "vllm:time_to_first_token_seconds_sum") == pytest.approx(0.625)
+    assert value(s, "vllm:time_to_first_token_seconds_bucket", le="0.1") == 0
+    assert value(s, "vllm:time_to_first_token_seconds_bucket", le="0.25") == 1
+    assert value(s, "vllm:time_to_first_token_seconds_bucket", le="0.5") == 2
+
+    assert value(s, "vllm:inter_token_latency_seconds_count") == 4
+    assert value(s, "vllm:inter_token_latency_seconds_sum") == pytest.approx(0.375 + 0.25)
+    # The 3-token gap is spread: three observations of 0.125, not one of 0.375.
+    assert value(s, "vllm:inter_token_latency_seconds_bucket", le="0.1") == 0
+    assert value(s, "vllm:inter_token_latency_seconds_bucket", le="0.15") == 3
+    assert value(s, "vllm:inter_token_latency_seconds_bucket", le="0.3") == 4
+
+    assert value(s, "vllm:e2e_request_latency_seconds_count") == 3
+    assert value(s, "vllm:e2e_request_latency_seconds_sum") == pytest.approx(1.25 + 1.75 + 0.5)
+    assert value(s, "vllm:request_prompt_tokens_count") == 3
+    assert value(s, "vllm:request_prompt_tokens_sum") == 14
+    assert value(s, "vllm:request_generation_tokens_count") == 3
+    assert value(s, "vllm:request_generation_tokens_sum") == 7
+    assert value(s, "vllm:request_generation_tokens_bucket", le="1.0") == 1  # c's 0 tokens
+
+    # A finished request is forgotten: its id starts afresh and later tokens of the old one are ignored.
+    m.request_started("a", prompt_tokens=1, now=5.0)
+    m.tokens_generated("a", 1, now=5.25)
+    assert value(scrape(m), "vllm:time_to_first_token_seconds_count") == 3
+
+
+def test_engine_gauges_and_preemptions_are_read_at_scrape_time():
+    calls = []
+    current = [EngineStats(num_requests_running=2, num_requests_waiting=1, kv_cache_usage_perc=0.25,
+                           num_preemptions_total=0)]
+
+    def engine_stats() -> EngineStats:
+        calls.append(None)
+        return current[0]
+
+    m = ServerMetrics(MODEL, engine_stats)
+    assert not calls  # nothing is read before a scrape
+    s = scrape(m)
+    assert (value(s, "vllm:num_requests_running"), value(s, "vllm:num_requests_waiting")) == (2, 1)
+    assert value(s, "vllm:kv_cache_usage_perc") == 0.25
+    assert value(s, "vllm:num_preemptions_total") == 0
+    current[0] = EngineStats(num_requests_running=0, num_requests_waiting=3, kv_cache_usage_perc=0.875,
+                             num_preemptions_total=4)
+    s = scrape(m)
+    assert (value(s, "vllm:num_requests_running"), value(s, "vllm:num_requests_waiting")) == (0, 3)
+    assert value(s, "vllm:kv_cache_usage_perc") == 0.875
+    assert value(s, "vllm:num_preemptions_total") == 4
+    assert len(calls) == 2  # one consistent snapshot per scrape
+
+
+def test_two_instances_share_nothing():
+    busy = EngineStats(num_requests_running=5, num_requests_waiting=0, kv_cache_usage_perc=0.5,
+                       num_preemptions_total=2)
+    a, b = ServerMetrics("model-a", lambda: busy), ServerMetrics("model-b", lambda: IDLE)
+    a.request_started("r", prompt_tokens=9, now=0.0)
+    a.tokens_generated("r", 1, now=0.5)
+    b.request_started("r", prompt_tokens=2, now=0.0)  # same id in another instance is another request
+    sa, sb = scrape(a), scrape(b)
+    assert value(sa, "vllm:prompt_tokens_total", "model-a") == 9
+    assert value(sb, "vllm:prompt_tokens_total", "model-b") == 2
+    assert value(sb, "vllm:generation_tokens_total", "model-b") == 0
+    assert value(sb, "vllm:time_to_first_token_seconds_count", "model-b") == 0
+    assert value(sa, "vllm:num_requests_running", "model-a") == 5
+    assert value(sb, "vllm:num_requests_running", "model-b") == 0
+    assert not [k for k in sb if ("model_name", "model-a") in k[1]]
+
+
+def test_vllm_bucket_boundaries():
+    s = scrape(ServerMetrics(MODEL, lambda: IDLE, max_model_len=100))
+
+    def bounds(histogram: str) -> list[float]:
+        return sorted(float(dict(k[1])["le"]) for k in s if k[0] == f"{histogram}_bucket")[:-1]  # drop +Inf
+
+    # Counts and ends of vLLM's lists (vllm/v1/metrics/loggers.py): TTFT 22, ITL 19, e2e 21 boundaries.
+    ttft, itl, e2e = (bounds(f"vllm:{n}") for n in
+                      ("time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds"))
+    assert (len(ttft), ttft[0], ttft[-1]) == (22, 0.001, 2560.0)
+    assert (len(itl), itl[0], itl[-1]) == (19, 0.01, 80.0)
+    assert (len(e2e), e2e[0], e2e[-1]) == (21, 0.3, 7680.0)
+    # vLLM's build_1_2_5_buckets docstring: build_1_2_5_buckets(100) == [1, 2, 5, 10, 20, 50, 100].
+    assert token_count_buckets(100) == (1, 2, 5, 10, 20, 50, 100)
+    assert token_count_buckets(99) == (1, 2, 5, 10, 20, 50)
+    assert bounds("vllm:request_prompt_tokens") == [1, 2, 5, 10, 20, 50, 100]
+
+
+def test_bad_input_is_a_clear_value_error():
+    m = ServerMetrics(MODEL, lambda: IDLE)
+    m.request_started("r", prompt_tokens=1, now=0.0)
+    with pytest.raises(ValueError, match=r"finish_reason.*'cancelled'.*stop, length, abort, error"):
+        m.request_finished("r", "cancelled", now=1.0)
+    with pytest.raises(ValueError, match=r"count.*-1"):
+        m.tokens_generated("r", -1, now=1.0)
+    with pytest.raises(ValueError, match=r"request_id 'r'.*already started"):
+        m.request_started("r", prompt_tokens=1, now=1.0)
+    with pytest.raises(ValueError, match=r"prompt_tokens.*-3"):
+        m.request_started("s", prompt_tokens=-3, now=1.0)
+    with pytest.raises(ValueError, match=r"kv_cache_usage_perc: got 1.5"):
+        EngineStats(num_requests_running=0, num_requests_waiting=0, kv_cache_usage_perc=1.5, num_preemptions_total=0)
+    with pytest.raises(ValueError, match=r"num_requests_waiting: got -1"):
+        EngineStats(num_requests_running=0, num_requests_waiting=-1, kv_cache_usage_perc=0.0, num_preemptions_total=0)
+    with pytest.raises(ValueError, match=r"max_model_len: got 0"):
+        ServerMetrics(MODEL, lambda: IDLE, max_model_len=0)

@@ -1,0 +1,593 @@
+"""OpenAI request validation (`serve.protocol`): each rule with its status, `param` and message,
+the defaults, and, with hypothesis, that any JSON body or field value gives a typed request or an
+OpenAIError (400/404) with a JSON body, never another exception. Plain Python: no compiles."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from dsv4_jax.chat import build_prompt
+from dsv4_jax.engine.sampling_params import SamplingParams
+from serve.protocol import (
+    CHAT_FIELDS,
+    COMPLETION_FIELDS,
+    TOKENIZE_FIELDS,
+    OpenAIError,
+    ServerLimits,
+    ToolChoice,
+    parse_chat_request,
+    parse_completion_request,
+    parse_detokenize_request,
+    parse_tokenize_request,
+)
+
+VOCAB = 1000
+LIMITS = ServerLimits(served_model_names=("dsv4", "alias"), vocab_size=VOCAB, max_logprobs=5, max_n=4)
+AUTO_TOOLS = ServerLimits(served_model_names=("dsv4",), vocab_size=VOCAB, enable_auto_tool_choice=True)
+USER = [{"role": "user", "content": "Hi"}]
+TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+
+
+def chat(limits: ServerLimits = LIMITS, **fields):
+    return parse_chat_request({"messages": USER, **fields}, limits)
+
+
+def complete(limits: ServerLimits = LIMITS, **fields):
+    return parse_completion_request({"prompt": "Hi", **fields}, limits)
+
+
+def refused(parse, body, limits: ServerLimits = LIMITS, status: int = 400) -> OpenAIError:
+    with pytest.raises(OpenAIError) as caught:
+        parse(body, limits)
+    assert caught.value.status == status, caught.value.body()
+    json.dumps(caught.value.body(), allow_nan=False)
+    return caught.value
+
+
+def chat_refused(param: str | None, words: str, limits: ServerLimits = LIMITS, **fields) -> OpenAIError:
+    error = refused(parse_chat_request, {"messages": USER, **fields}, limits)
+    assert error.param == param, error.body()
+    assert words in error.message, error.message
+    return error
+
+
+# ---- errors and limits --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("status", "kind", "code"),
+    [
+        (400, "invalid_request_error", None),
+        (413, "invalid_request_error", None),
+        (422, "invalid_request_error", None),
+        (401, "authentication_error", "invalid_api_key"),
+        (404, "invalid_request_error", "model_not_found"),
+        (503, "service_unavailable_error", None),
+        (500, "internal_server_error", None),
+    ],
+)
+def test_error_type_and_code_follow_the_status(status, kind, code):
+    error = OpenAIError("boom", status=status, param="x")
+    assert error.body() == {"error": {"message": "boom", "type": kind, "param": "x", "code": code}}
+    assert OpenAIError("boom", status=status, type="custom", code=7).body()["error"] | {"message": ""} == {
+        "message": "",
+        "type": "custom",
+        "param": None,
+        "code": 7,
+    }
+
+
+@pytest.mark.parametrize(
+    ("fields", "words"),
+    [
+        ({"served_model_names": ()}, "served_model_names"),
+        ({"vocab_size": 0}, "vocab_size"),
+        ({"max_logprobs": 21}, "max_logprobs"),
+        ({"max_n": 0}, "max_n"),
+        ({"default_sampling": {"temprature": 0.5}}, "temprature"),
+        ({"default_sampling": {"top_p": 0.0}}, "top_p"),
+        ({"default_chat_template_kwargs": {"thinking": "yes"}}, "thinking"),
+    ],
+)
+def test_bad_server_limits_name_the_field(fields, words):
+    with pytest.raises(ValueError, match=words):
+        ServerLimits(**{"served_model_names": ("m",), "vocab_size": 10, **fields})
+
+
+# ---- model and body -----------------------------------------------------------------------------
+
+
+def test_model_defaults_to_the_first_served_name_and_unknown_is_404():
+    assert chat().model == "dsv4"
+    assert chat(model=None).model == "dsv4"
+    assert chat(model="alias").model == "alias"
+    error = refused(parse_chat_request, {"model": "gpt-4", "messages": USER}, status=404)
+    assert (error.param, error.code, error.message) == ("model", "model_not_found", "The model `gpt-4` does not exist.")
+    assert refused(parse_completion_request, {"model": 3, "prompt": "x"}).param == "model"
+
+
+@pytest.mark.parametrize("parse", [parse_chat_request, parse_completion_request, parse_tokenize_request])
+@pytest.mark.parametrize("body", [None, [], "text", 3])
+def test_a_body_that_is_not_an_object_is_refused(parse, body):
+    error = refused(parse, body)
+    assert error.param is None and "JSON object" in error.message
+
+
+# ---- messages -----------------------------------------------------------------------------------
+
+
+def test_messages_must_be_a_non_empty_array():
+    chat_refused("messages", "non-empty", messages=[])
+    chat_refused("messages", "non-empty", messages="Hi")
+    chat_refused("messages", "non-empty", messages=None)
+
+
+def test_text_parts_are_joined_and_other_parts_refused():
+    parts = [{"type": "text", "text": "one"}, "two", {"type": "text", "text": "three"}]
+    request = chat(messages=[{"role": "user", "content": parts}])
+    assert request.messages == [{"role": "user", "content": "one\ntwo\nthree"}]
+    image = {"type": "image_url", "image_url": {"url": "http://x/cat.png"}}
+    error = chat_refused("messages[0].content[1]", "text only", messages=[{"role": "user", "content": ["a", image]}])
+    assert "image_url" in error.message
+    chat_refused("messages[0].content[0].text", "string", messages=[{"role": "user", "content": [{"type": "text"}]}])
+    chat_refused("messages[0].content", "content parts", messages=[{"role": "user", "content": 5}])
+
+
+def test_reasoning_is_an_alias_of_reasoning_content():
+    history = [*USER, {"role": "assistant", "content": "Hello", "reasoning": "greet"}, *USER]
+    request = chat(messages=history)
+    assert request.messages[1] == {"role": "assistant", "content": "Hello", "reasoning_content": "greet"}
+    assert history[1] == {"role": "assistant", "content": "Hello", "reasoning": "greet"}  # input left alone
+    same = {"role": "assistant", "content": "", "reasoning": "r", "reasoning_content": "r"}
+    assert chat(messages=[*USER, same]).messages[1]["reasoning_content"] == "r"
+    both = {"role": "assistant", "content": "", "reasoning": "a", "reasoning_content": "b"}
+    chat_refused("messages[1].reasoning", "reasoning_content", messages=[*USER, both])
+
+
+def test_encoder_checks_name_the_message_field():
+    chat_refused("messages[0].role", "role", messages=[{"role": "robot", "content": "x"}])
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{not json"}}
+    chat_refused(
+        "messages[1].tool_calls[0].function.arguments",
+        "JSON",
+        messages=[*USER, {"role": "assistant", "content": None, "tool_calls": [call]}],
+    )
+
+
+# ---- sampling -----------------------------------------------------------------------------------
+
+
+def test_a_full_chat_request_maps_onto_sampling_params():
+    request = chat(
+        AUTO_TOOLS,
+        n=2,
+        temperature=3.5,  # above OpenAI's 2: vLLM allows it
+        top_p=0.9,
+        top_k=40,
+        min_p=0.05,
+        seed=-7,
+        presence_penalty=0.5,
+        frequency_penalty=-0.5,
+        repetition_penalty=1.1,
+        logit_bias={"5": 250, "7": -3.5},
+        stop=["\n\n", "END"],
+        stop_token_ids=[1, 2],
+        max_completion_tokens=64,
+        min_tokens=3,
+        ignore_eos=True,
+        skip_special_tokens=False,
+        include_stop_str_in_output=True,
+        logprobs=True,
+        top_logprobs=4,
+    )
+    expected = SamplingParams(
+        n=2,
+        temperature=3.5,
+        top_p=0.9,
+        top_k=40,
+        min_p=0.05,
+        seed=-7,
+        presence_penalty=0.5,
+        frequency_penalty=-0.5,
+        repetition_penalty=1.1,
+        logit_bias={5: 100.0, 7: -3.5},
+        stop=["\n\n", "END"],
+        stop_token_ids=[1, 2],
+        max_tokens=64,
+        min_tokens=3,
+        ignore_eos=True,
+        skip_special_tokens=False,
+        include_stop_str_in_output=True,
+        logprobs=4,
+    )
+    assert request.params == expected
+
+
+def test_unset_fields_take_the_server_defaults_then_sampling_params_defaults():
+    limits = ServerLimits(
+        ("m",), VOCAB, default_sampling={"temperature": 0.6, "top_p": 0.95, "top_k": 20, "max_tokens": 300}
+    )
+    params = chat(limits, top_p=0.5).params
+    assert (params.temperature, params.top_p, params.top_k, params.max_tokens) == (0.6, 0.5, 20, 300)
+    assert (params.min_p, params.repetition_penalty, params.n, params.logprobs) == (0.0, 1.0, 1, None)
+    assert chat().params.max_tokens is None  # the engine fills the room left under max_model_len
+    assert complete().params.max_tokens == 16  # OpenAI's completions default, not the server's
+    assert complete(limits, max_tokens=None).params.max_tokens == 300
+    assert complete(max_tokens=None).params.max_tokens is None
+
+
+def test_max_completion_tokens_wins_over_max_tokens():
+    assert chat(max_tokens=10).params.max_tokens == 10
+    assert chat(max_tokens=10, max_completion_tokens=20).params.max_tokens == 20
+    chat_refused("max_completion_tokens", "integer", max_completion_tokens=0)
+    chat_refused("max_tokens", "integer", max_tokens=0)
+    chat_refused("max_tokens", "integer", max_tokens="10", max_completion_tokens=20)
+    chat_refused("min_tokens", "max_tokens", max_tokens=2, min_tokens=5)  # found by SamplingParams
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "words"),
+    [
+        ("n", True, "integer"),
+        ("n", 2.0, "integer"),
+        ("n", 1.5, "integer"),
+        ("n", "2", "integer"),
+        ("n", 5, "[1, 4]"),  # above max_n
+        ("n", 0, "[1, 4]"),
+        ("seed", 2**63, "int64"),
+        ("top_k", -2, ">= -1"),
+        ("temperature", "hot", "number"),
+        ("temperature", True, "number"),
+        ("temperature", math.inf, "finite"),
+        ("temperature", math.nan, "finite"),
+        ("temperature", 10**400, "finite"),
+        ("temperature", -0.5, ">= 0"),
+        ("top_p", 0, "(0, 1]"),
+        ("min_p", 1.5, "[0, 1]"),
+        ("presence_penalty", 3, "[-2, 2]"),
+        ("repetition_penalty", 0, "> 0"),
+        ("ignore_eos", 1, "boolean"),
+        ("skip_special_tokens", "true", "boolean"),
+        ("stream", 0, "boolean"),
+        ("logprobs", 1, "boolean"),
+        ("stop", "", "non-empty"),
+        ("stop", ["a", ""], "non-empty"),
+        ("stop", [3], "non-empty string"),
+        ("stop", 3, "string"),
+        ("stop_token_ids", [VOCAB], "token id"),
+        ("stop_token_ids", [-1], "token id"),
+        ("stop_token_ids", 5, "array"),
+        ("top_logprobs", 6, "[0, 5]"),
+    ],
+)
+def test_bad_sampling_values_are_400_naming_the_field(field, value, words):
+    chat_refused(field, words, **{field: value})
+
+
+def test_top_k_off_values_and_beyond_the_vocabulary():
+    assert chat(top_k=-1).params.top_k == 0
+    assert chat(top_k=0).params.top_k == 0
+    assert chat(top_k=10**12).params.top_k == 0  # keeps every token, as no top-k does
+
+
+def test_logit_bias_keys_are_token_ids_and_values_are_clamped():
+    assert chat(logit_bias={"0": 101, "999": -1e9, "3": 0.5}).params.logit_bias == {0: 100.0, 999: -100.0, 3: 0.5}
+    assert chat(logit_bias={"3": 10**30}).params.logit_bias == {3: 100.0}
+    for key in ("a", "1.5", " 5", "-1", "+5", "٣", str(VOCAB)):
+        chat_refused("logit_bias", "token id", logit_bias={key: 1})
+    chat_refused("logit_bias", "finite", logit_bias={"3": math.nan})
+    chat_refused("logit_bias", "number", logit_bias={"3": "1"})
+    chat_refused("logit_bias", "object", logit_bias=[1])
+    chat_refused("logit_bias", "300", logit_bias={str(t): 1 for t in range(301)})  # SamplingParams' limit
+
+
+def test_logprobs_and_top_logprobs():
+    assert chat().params.logprobs is None
+    assert chat(logprobs=False, top_logprobs=0).params.logprobs is None  # vLLM accepts 0 without logprobs
+    assert chat(logprobs=True).params.logprobs == 0
+    assert chat(logprobs=True, top_logprobs=5).params.logprobs == 5
+    chat_refused("top_logprobs", "logprobs", top_logprobs=2)
+
+
+def test_stream_options_only_with_stream():
+    assert (chat().stream, chat().include_usage) == (False, False)
+    assert chat(stream=True).include_usage is False
+    assert chat(stream=True, stream_options={}).include_usage is True  # vLLM's default once given
+    assert chat(stream=True, stream_options={"include_usage": False}).include_usage is False
+    chat_refused("stream_options", "stream", stream_options={"include_usage": True})
+    chat_refused("stream_options", "stream", stream=False, stream_options={})
+    chat_refused("stream_options.include_usage", "boolean", stream=True, stream_options={"include_usage": "yes"})
+    chat_refused("stream_options", "object", stream=True, stream_options=[])
+
+
+# ---- tools, formats, template options -----------------------------------------------------------
+
+
+def test_tool_choice_defaults_and_vllm_auto_rule():
+    assert (chat().tool_choice, chat().tools) == (ToolChoice("none"), None)
+    request = chat(AUTO_TOOLS, tools=[TOOL])
+    assert (request.tool_choice, request.tools) == (ToolChoice("auto"), [TOOL])
+    flag = "--enable-auto-tool-choice"
+    chat_refused("tool_choice", flag, tools=[TOOL])  # the implicit "auto" too, as vLLM
+    chat_refused("tool_choice", flag, tools=[TOOL], tool_choice="auto")
+    kept = chat(tools=[TOOL], tool_choice="none")
+    assert (kept.tool_choice, kept.tools) == (ToolChoice("none"), [TOOL])  # tools stay in the prompt
+    assert chat(tools=[], tool_choice=None).tool_choice == ToolChoice("none")
+
+
+def test_required_and_named_tool_choice():
+    assert chat(tools=[TOOL], tool_choice="required").tool_choice == ToolChoice("required")
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    assert chat(tools=[TOOL], tool_choice=named).tool_choice == ToolChoice("function", "get_weather")
+    emptied = chat(tools=[], tool_choice="required")
+    assert (emptied.tool_choice, emptied.tools) == (ToolChoice("none"), None)
+    chat_refused("tool_choice", "needs tools", tool_choice="required")
+    chat_refused("tool_choice", "needs tools", tool_choice=named)
+    chat_refused("tool_choice", "needs tools", AUTO_TOOLS, tool_choice="auto")
+    chat_refused("tool_choice", "not one of", tools=[TOOL], tool_choice={"type": "function", "function": {"name": "x"}})
+    chat_refused("tool_choice", "name a function", tools=[TOOL], tool_choice={"type": "function"})
+    chat_refused("tool_choice", "one of", tools=[TOOL], tool_choice="any")
+    chat_refused("tool_choice", "string or an object", tools=[TOOL], tool_choice=1)
+
+
+def test_tools_are_function_tools_the_encoder_can_write():
+    chat_refused("tools[0].type", "function tools", tools=[{"type": "web_search"}], tool_choice="none")
+    chat_refused("tools[0].function", "function object", tools=[{"type": "function"}], tool_choice="none")
+    chat_refused("tools[0].function.name", "non-empty", tools=[{"function": {"name": ""}}], tool_choice="none")
+    bad_name = {"type": "function", "function": {"name": "a<b"}}
+    chat_refused("tools[0].function.name", "'<'", tools=[bad_name], tool_choice="none")
+    chat_refused("tools", "array", tools={"a": TOOL}, tool_choice="none")
+    assert chat(parallel_tool_calls=False).parallel_tool_calls is False
+    assert chat().parallel_tool_calls is True
+    chat_refused("parallel_tool_calls", "boolean", parallel_tool_calls="no")
+
+
+def test_response_format():
+    schema = {"type": "json_schema", "json_schema": {"name": "answer", "schema": {"type": "object"}}}
+    for response_format in ({"type": "text"}, {"type": "json_object"}, schema):
+        assert chat(response_format=response_format).response_format == response_format
+    chat_refused("response_format.type", "json_schema", response_format={"type": "xml"})
+    chat_refused("response_format.type", "json_schema", response_format={"type": "structural_tag"})
+    chat_refused("response_format.json_schema", "json_schema object", response_format={"type": "json_schema"})
+    nameless = {"type": "json_schema", "json_schema": {"schema": {}}}
+    chat_refused("response_format.json_schema.name", "non-empty", response_format=nameless)
+    nan_schema = {"type": "json_schema", "json_schema": {"name": "a", "schema": {"max": math.nan}}}
+    chat_refused("response_format", "JSON", response_format=nan_schema)
+
+
+def test_chat_template_kwargs_and_reasoning_effort():
+    limits = ServerLimits(("m",), VOCAB, default_chat_template_kwargs={"thinking": False, "drop_thinking": True})
+    request = chat(limits, chat_template_kwargs={"thinking": True}, reasoning_effort="max")
+    assert request.chat_template_kwargs == {"thinking": True, "drop_thinking": True}
+    assert request.reasoning_effort == "max"
+    assert chat(limits).chat_template_kwargs == {"thinking": False, "drop_thinking": True}
+    chat_refused("chat_template_kwargs.thinking", "boolean", chat_template_kwargs={"thinking": "on"})
+    chat_refused("chat_template_kwargs", "object", chat_template_kwargs=["thinking"])
+    chat_refused("reasoning_effort", "unsupported", reasoning_effort="extreme")
+
+
+# ---- known, unsupported and unknown fields ------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("audio", {"voice": "alloy"}),
+        ("modalities", ["text", "audio"]),
+        ("prediction", {"type": "content", "content": "x"}),
+        ("functions", [{"name": "f"}]),
+        ("function_call", "auto"),
+        ("web_search_options", {}),
+        ("use_beam_search", True),
+        ("best_of", 2),
+        ("echo", True),
+        ("prompt_logprobs", 1),
+        ("guided_json", {"type": "object"}),
+        ("guided_regex", "a+"),
+        ("guided_choice", ["a"]),
+        ("guided_grammar", "root ::= 'a'"),
+        ("structured_outputs", {"json": {}}),
+    ],
+)
+def test_known_but_unsupported_chat_fields_are_400(field, value):
+    chat_refused(field, "not supported by dsv4-jax", **{field: value})
+
+
+def test_harmless_and_unknown_fields():
+    request = chat(
+        user="u1",
+        store=False,
+        metadata={"k": "v"},
+        service_tier="auto",
+        request_id="r1",
+        use_beam_search=False,
+        modalities=["text"],
+        best_of=2,
+        n=2,
+        echo=False,
+        frobnicate=1,
+        dsv4_test_forced_output="x",  # the app strips it; here it is just unknown
+    )
+    assert request.ignored_fields == ("frobnicate", "dsv4_test_forced_output")
+    assert "dsv4_test_forced_output" not in CHAT_FIELDS | COMPLETION_FIELDS | TOKENIZE_FIELDS
+    chat_refused("user", "string", user=5)
+    assert chat(return_tokens_as_token_ids=True).return_tokens_as_token_ids is True
+
+
+# ---- completions --------------------------------------------------------------------------------
+
+
+def test_completion_prompt_shapes():
+    assert complete(prompt="a").prompts == ["a"]
+    assert complete(prompt=["a", "b"]).prompts == ["a", "b"]
+    assert complete(prompt=[1, 2, 3]).prompts == [[1, 2, 3]]
+    assert complete(prompt=[[1], [2, 3]]).prompts == [[1], [2, 3]]
+    for prompt, param in (([], "prompt"), (None, "prompt"), ([[]], "prompt[0]"), ([[1], "a"], "prompt[1]")):
+        error = refused(parse_completion_request, {"prompt": prompt})
+        assert error.param == param, error.body()
+    assert "token id" in refused(parse_completion_request, {"prompt": [1, VOCAB]}).message
+    assert refused(parse_completion_request, {"prompt": [[1, True]]}).param == "prompt[0]"
+    assert refused(parse_completion_request, {}).param == "prompt"
+
+
+def test_completion_logprobs_echo_and_unsupported():
+    assert complete(logprobs=3).params.logprobs == 3
+    assert complete(echo=True, logprobs=2).params.prompt_logprobs == 2  # echoed tokens carry logprobs
+    assert complete(echo=True, logprobs=2, prompt_logprobs=0).params.prompt_logprobs == 0
+    assert complete(logprobs=2).params.prompt_logprobs is None
+    for fields, param in (
+        ({"logprobs": 6}, "logprobs"),
+        ({"logprobs": True}, "logprobs"),
+        ({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
+        ({"suffix": "tail"}, "suffix"),
+        ({"best_of": 3}, "best_of"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"echo": "yes"}, "echo"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"stream_options": {}}, "stream_options"),
+    ):
+        error = refused(parse_completion_request, {"prompt": "x", **fields})
+        assert error.param == param, (fields, error.body())
+    assert complete(suffix="", response_format={"type": "text"}, extra=1).ignored_fields == ("extra",)
+    streamed = complete(stream=True, stream_options={"include_usage": True}, return_tokens_as_token_ids=True)
+    assert (streamed.stream, streamed.include_usage, streamed.return_tokens_as_token_ids) == (True, True, True)
+
+
+# ---- tokenize / detokenize ----------------------------------------------------------------------
+
+
+def test_tokenize_prompt_or_messages():
+    by_prompt = parse_tokenize_request({"prompt": "Hi"}, LIMITS)
+    assert (by_prompt.model, by_prompt.prompt, by_prompt.messages, by_prompt.add_special_tokens) == (
+        "dsv4",
+        "Hi",
+        None,
+        True,
+    )
+    body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}], "tools": [TOOL]}
+    by_chat = parse_tokenize_request({**body, "reasoning_effort": "high", "return_token_strs": True}, LIMITS)
+    assert by_chat.prompt is None and by_chat.add_special_tokens is False and by_chat.return_token_strs
+    assert (by_chat.messages, by_chat.tools, by_chat.reasoning_effort) == (USER, [TOOL], "high")
+    assert parse_tokenize_request({"messages": USER, "add_special_tokens": True}, LIMITS).add_special_tokens
+    assert (
+        refused(parse_tokenize_request, {"messages": USER, "chat_template_kwargs": 1}).param == "chat_template_kwargs"
+    )
+    assert refused(parse_tokenize_request, {}).param == "prompt"
+    assert refused(parse_tokenize_request, {"prompt": "a", "messages": USER}).param == "prompt"
+    assert refused(parse_tokenize_request, {"prompt": 5}).param == "prompt"
+    assert refused(parse_tokenize_request, {"messages": USER, "model": "nope"}, status=404).param == "model"
+
+
+def test_detokenize_tokens():
+    request = parse_detokenize_request({"tokens": [0, 5, VOCAB - 1], "x": 1}, LIMITS)
+    assert (request.model, request.tokens, request.ignored_fields) == ("dsv4", [0, 5, VOCAB - 1], ("x",))
+    for tokens in ([VOCAB], [1.0], "1 2", None, [True]):
+        assert refused(parse_detokenize_request, {"tokens": tokens}).param == "tokens"
+
+
+# ---- any input: only OpenAIError ---------------------------------------------------------------
+
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4),
+    max_leaves=12,
+)
+# Values near what clients send, so that many examples pass and the accepted path is exercised too.
+PLAUSIBLE = st.sampled_from(
+    [None, 0, 1, -1, 2, 0.5, 1.5, 100, True, False, "", "a", "auto", "none", "required", "text", "max", [], {},
+     ["a"], [1, 2], [[1]], {"1": 5}, {"type": "text"}, {"type": "json_object"}, {"include_usage": True},
+     {"thinking": False}, {"type": "function", "function": {"name": "get_weather"}}, [TOOL], USER]
+)  # fmt: skip
+FIELD_VALUES = JSON_VALUES | PLAUSIBLE
+
+
+def _nested_setters():
+    """Places inside a valid chat body where a value may go, besides its top-level fields."""
+
+    def content(body, value):
+        body["messages"][0]["content"] = value
+
+    def role(body, value):
+        body["messages"][0]["role"] = value
+
+    def part(body, value):
+        body["messages"][0]["content"] = ["a", value]
+
+    def extra_message(body, value):
+        body["messages"].append(value)
+
+    def assistant_field(body, value):
+        body["messages"].append({"role": "assistant", "content": "x", "tool_calls": value, "reasoning": "r"})
+
+    def parameters(body, value):
+        body["tools"] = [{"type": "function", "function": {"name": "f", "parameters": value}}]
+        body["tool_choice"] = "none"
+
+    return [content, role, part, extra_message, assistant_field, parameters]
+
+
+def _only_openai_errors(parse, body, limits):
+    try:
+        request = parse(body, limits)
+    except OpenAIError as error:
+        assert error.status in (400, 404), error.body()
+        assert error.param is None or isinstance(error.param, str)
+        json.dumps(error.body(), allow_nan=False)
+        return None
+    return request
+
+
+HYPOTHESIS = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+PARSERS = [parse_chat_request, parse_completion_request, parse_tokenize_request, parse_detokenize_request]
+
+
+@HYPOTHESIS
+@given(
+    parse=st.sampled_from(PARSERS),
+    body=JSON_VALUES
+    | st.dictionaries(st.sampled_from(sorted(CHAT_FIELDS | COMPLETION_FIELDS)), FIELD_VALUES, max_size=6),
+)
+def test_any_body_gives_a_request_or_an_openai_error(parse, body):  # fmt: skip
+    _only_openai_errors(parse, body, AUTO_TOOLS)
+
+
+@HYPOTHESIS
+@given(
+    field=st.sampled_from(sorted(CHAT_FIELDS)) | st.sampled_from(_nested_setters()),
+    value=FIELD_VALUES,
+    limits=st.sampled_from([LIMITS, AUTO_TOOLS]),
+)
+def test_any_chat_field_value_gives_a_request_or_an_openai_error(field, value, limits):
+    body = {"messages": copy.deepcopy(USER), "tools": [TOOL], "tool_choice": "none", "stream": True}
+    if callable(field):
+        field(body, value)
+    else:
+        body[field] = value
+    request = _only_openai_errors(parse_chat_request, body, limits)
+    if request is not None:  # what the parser accepts, the encoder can write
+        build_prompt(
+            request.messages,
+            tools=request.tools,
+            response_format=request.response_format,
+            chat_template_kwargs=request.chat_template_kwargs,
+            reasoning_effort=request.reasoning_effort,
+        )
+
+
+@HYPOTHESIS
+@given(
+    field=st.sampled_from(sorted(COMPLETION_FIELDS | TOKENIZE_FIELDS | {"tokens"})),
+    value=FIELD_VALUES,
+    parse=st.sampled_from(PARSERS[1:]),
+)
+def test_any_other_field_value_gives_a_request_or_an_openai_error(field, value, parse):
+    body = {"prompt": "Hi", "tokens": [1, 2], field: value}
+    if parse is parse_tokenize_request and field != "messages":
+        body.pop("messages", None)
+    _only_openai_errors(parse, body, LIMITS)

@@ -1,0 +1,350 @@
+"""`python -m serve` as users run it: one real server process on a free localhost port, driven by
+the official `openai` client and by raw HTTP for what the client hides (SSE framing, status codes,
+metrics).
+
+The server starts with exactly the flags of the `chat_llm` fixture (tests/conftest.py) and the same
+compilation cache, which that fixture fills first, so its warm-up compiles nothing: the fixture
+checks it in the server's log. The test-only forced-output hook (serve/state.py) is switched on
+by the environment of this process only; through it, reasoning and tool-call text runs through
+the real engine, detokenizer, parser and usage accounting.
+
+Comparison rule for greedy streams (tests/test_engine.py): tokens equal wherever the reference's
+top-1/top-2 logprob gap exceeds 1e-3, logprobs within 1e-4.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import numpy as np
+import openai
+import pytest
+
+from dsv4_jax import SamplingParams
+from dsv4_jax.chat import EOS, THINK_END, render_tool_calls
+from conftest import CHAT_SERVER_FLAGS, REPO  # tests/ is on sys.path (rootdir-relative import)
+
+KEY = "test-key"
+NAME = "dsv4-test"
+MAX_MODEL_LEN = 512
+GAP, LOGPROB_TOL = 1e-3, 1e-4
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Weather of a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+HELLO = [{"role": "user", "content": "Hello"}]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(chat_llm, chat_checkpoint, tmp_path_factory):
+    port = _free_port()
+    log_path = tmp_path_factory.mktemp("server") / "server.log"
+    env = {**os.environ, "DSV4_TEST_FORCED_OUTPUT": "1", "JAX_PLATFORMS": "cpu",
+           "JAX_COMPILATION_CACHE_DIR": jax_cache_dir()}
+    command = [sys.executable, "-m", "serve", str(chat_checkpoint), *CHAT_SERVER_FLAGS, "--port", str(port),
+               "--served-model-name", NAME, "--api-key", KEY, "--enable-auto-tool-choice",
+               "--tool-call-parser", "deepseek_v4", "--reasoning-parser", "deepseek_v4"]
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 180
+    seen_503 = False
+    while True:
+        assert process.poll() is None, log_path.read_text()
+        assert time.monotonic() < deadline, log_path.read_text()
+        try:
+            status = httpx.get(f"{base}/health", timeout=5).status_code
+        except httpx.TransportError:
+            status = None
+        seen_503 |= status == 503
+        if status == 200:
+            break
+        time.sleep(0.2)
+    log_text = log_path.read_text()
+    # Nothing compiled: the chat_llm fixture put every executable in the cache.
+    assert "warm-up: 0 compiles" in log_text, log_text
+    assert "Using" in log_text or "float32" in log_text  # the resolved KV spec is logged
+    yield {"base": base, "process": process, "log": log_path, "seen_503": seen_503}
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) == 0, log_path.read_text()[-3000:]
+
+
+def jax_cache_dir() -> str:
+    import jax
+
+    return jax.config.jax_compilation_cache_dir
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server['base']}/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+def _http(server, method: str, path: str, **kwargs) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {KEY}", **kwargs.pop("headers", {})}
+    return httpx.request(method, f"{server['base']}{path}", headers=headers, timeout=120, **kwargs)
+
+
+def _metrics(server) -> dict[str, float]:
+    text = httpx.get(f"{server['base']}/metrics", timeout=10).text
+    values = {}
+    for line in text.splitlines():
+        if line.startswith("vllm:") and "{" in line:
+            name, value = line.split("{")[0], float(line.rsplit(" ", 1)[1])
+            values[name] = values.get(name, 0.0) + value if name.endswith("_total") else value
+    return values
+
+
+def _sse(response: httpx.Response) -> list:
+    """The data payloads of a server-sent event stream; `[DONE]` must come last, exactly once."""
+    events = [line[len("data: "):] for line in response.iter_lines() if line.startswith("data: ")]
+    assert events and events[-1] == "[DONE]" and events.count("[DONE]") == 1, events[-3:]
+    return [json.loads(e) for e in events[:-1]]
+
+
+# ---- start-up, models, health, auth ------------------------------------------------------------------
+def test_models_lists_the_served_name_with_its_kv_spec(server, client):
+    assert server["seen_503"]  # /health answered 503 while the model loaded, then 200
+    assert [m.id for m in client.models.list().data] == [NAME]
+    body = _http(server, "GET", "/v1/models").json()
+    (model,) = body["data"]
+    assert model["max_model_len"] == MAX_MODEL_LEN
+    assert model["dsv4"]["kv_cache_dtype"] == "float32" and model["dsv4"]["attention_backend"] == "xla"
+    assert _http(server, "GET", "/version").json()["version"]
+
+
+def test_api_key_guards_the_api_but_not_health_or_metrics(server):
+    assert httpx.get(f"{server['base']}/v1/models").status_code == 401
+    wrong = httpx.get(f"{server['base']}/v1/models", headers={"Authorization": "Bearer nope"})
+    assert wrong.status_code == 401 and wrong.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(f"{server['base']}/health").status_code == 200
+    metrics = httpx.get(f"{server['base']}/metrics").text
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                 "vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:time_to_first_token_seconds",
+                 "vllm:inter_token_latency_seconds", "vllm:e2e_request_latency_seconds",
+                 "vllm:request_success_total", "vllm:num_preemptions_total"):
+        assert f'{name}{{' in metrics or f"{name}_bucket{{" in metrics, name
+    assert f'model_name="{NAME}"' in metrics
+
+
+# ---- chat and completions ----------------------------------------------------------------------------
+def test_chat_usage_matches_tokenize_and_stream_matches_whole(server, client):
+    messages = [{"role": "user", "content": "What is 2 + 2?"}]
+    extra = {"ignore_eos": True, "chat_template_kwargs": {"thinking": False}}
+    whole = client.chat.completions.create(model=NAME, messages=messages, max_tokens=8, temperature=0,
+                                           extra_body=extra)
+    tokenized = _http(server, "POST", "/tokenize", json={"model": NAME, "messages": messages,
+                                                         "chat_template_kwargs": {"thinking": False}}).json()
+    assert whole.usage.prompt_tokens == tokenized["count"] == len(tokenized["tokens"])
+    assert tokenized["tokens"].count(0) == 1 and tokenized["tokens"][0] == 0  # exactly one BOS
+    assert (whole.usage.completion_tokens, whole.usage.total_tokens) == (8, tokenized["count"] + 8)
+    assert whole.choices[0].finish_reason == "length" and whole.choices[0].message.role == "assistant"
+
+    chunks = list(client.chat.completions.create(model=NAME, messages=messages, max_tokens=8, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True},
+                                                 extra_body=extra))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert all(c.usage is None for c in chunks[:-1])
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 8
+    assert chunks[-1].usage.prompt_tokens == tokenized["count"]
+    text = "".join(c.choices[0].delta.content or "" for c in chunks[:-1])
+    assert text == whole.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in chunks[:-1]][-1] == "length"
+    assert len({c.id for c in chunks}) == 1
+
+
+def test_completions_whole_streamed_and_with_token_ids(server, client, chat_llm):
+    prompt = [0, 4000, 5000, 6000, 7000]
+    whole = client.completions.create(model=NAME, prompt=prompt, max_tokens=6, temperature=0, logprobs=2,
+                                      extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
+    (offline,) = chat_llm.generate([{"prompt_token_ids": prompt}],
+                                   SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=2),
+                                   use_tqdm=False)
+    ids = [int(t.split(":")[1]) for t in whole.choices[0].logprobs.tokens]
+    _assert_gap_rule(offline.outputs[0], ids, whole.choices[0].logprobs.token_logprobs)
+    assert whole.usage.prompt_tokens == len(prompt) and whole.usage.completion_tokens == 6
+    streamed = list(client.completions.create(model=NAME, prompt=prompt, max_tokens=6, temperature=0, stream=True,
+                                              extra_body={"ignore_eos": True}))
+    assert "".join(c.choices[0].text for c in streamed) == whole.choices[0].text
+    echoed = client.completions.create(model=NAME, prompt="Hi there", max_tokens=2, echo=True,
+                                       extra_body={"ignore_eos": True})
+    assert echoed.choices[0].text.startswith("Hi there")
+    assert echoed.usage.prompt_tokens == _http(server, "POST", "/tokenize", json={"prompt": "Hi there"}).json()["count"]
+    detok = _http(server, "POST", "/detokenize", json={"tokens": prompt}).json()["prompt"]
+    assert detok == chat_llm.tokenizer.decode(prompt, skip_special_tokens=False)
+
+
+def test_n_choices_and_logprobs(server, client):
+    out = client.chat.completions.create(model=NAME, messages=HELLO, max_tokens=4, n=2, temperature=1.0, seed=5,
+                                         logprobs=True, top_logprobs=3, extra_body={"ignore_eos": True})
+    assert sorted(c.index for c in out.choices) == [0, 1]
+    assert out.usage.completion_tokens == 8
+    for choice in out.choices:
+        items = choice.logprobs.content
+        assert len(items) == 4
+        for item in items:
+            assert len(item.top_logprobs) == 3 and item.logprob <= 0
+            ranked = [t.logprob for t in item.top_logprobs]
+            assert ranked == sorted(ranked, reverse=True) and item.logprob <= ranked[0] + 1e-6
+
+
+# ---- reasoning and tool calls, forced through the real engine --------------------------------------------
+CALL = {"type": "function", "function": {"name": "get_weather", "arguments": json.dumps({"city": "Paris"})}}
+FORCED = "Check the weather." + THINK_END + "Let me look." + "\n\n" + render_tool_calls([CALL]) + EOS
+
+
+def test_reasoning_and_tool_calls_whole_and_streamed(server, client, chat_llm):
+    extra = {"dsv4_test_forced_output": FORCED}
+    forced_tokens = len(chat_llm.tokenizer.encode(FORCED, add_special_tokens=False).ids)
+    whole = client.chat.completions.create(model=NAME, messages=HELLO, tools=TOOLS, max_tokens=100, extra_body=extra)
+    message = whole.choices[0].message
+    assert whole.choices[0].finish_reason == "tool_calls"
+    assert message.model_extra["reasoning_content"] == message.model_extra["reasoning"] == "Check the weather."
+    assert message.content == "Let me look."
+    (call,) = message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("call_")
+    assert json.loads(call.function.arguments) == {"city": "Paris"}
+    assert whole.usage.completion_tokens == forced_tokens  # the EOS included
+
+    chunks = list(client.chat.completions.create(model=NAME, messages=HELLO, tools=TOOLS, max_tokens=100,
+                                                 stream=True, extra_body=extra))
+    reasoning = "".join(c.choices[0].delta.model_extra.get("reasoning_content") or "" for c in chunks)
+    content = "".join(c.choices[0].delta.content or "" for c in chunks)
+    calls = [tc for c in chunks for tc in (c.choices[0].delta.tool_calls or [])]
+    assert (reasoning, content) == ("Check the weather.", "Let me look.")
+    assert calls[0].id and calls[0].type == "function" and calls[0].function.name == "get_weather"
+    assert all(tc.id is None and tc.type is None and tc.function.name is None for tc in calls[1:])
+    assert {tc.index for tc in calls} == {0}
+    assert "".join(tc.function.arguments or "" for tc in calls) == call.function.arguments
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_tool_choice_forces_the_dsml_prefix(server, client, chat_llm, choice):
+    named = isinstance(choice, dict)
+    prefix = '\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="' + ('get_weather">\n' if named else "")
+    prefix_ids = chat_llm.tokenizer.encode(prefix, add_special_tokens=False).ids
+    out = client.chat.completions.create(
+        model=NAME, messages=HELLO, tools=TOOLS, tool_choice=choice, max_tokens=len(prefix_ids) + 2, temperature=0,
+        logprobs=True, extra_body={"chat_template_kwargs": {"thinking": False}, "ignore_eos": True,
+                                   "return_tokens_as_token_ids": True})
+    ids = [int(item.token.split(":")[1]) for item in out.choices[0].logprobs.content]
+    assert ids[: len(prefix_ids)] == prefix_ids  # forced, and counted as completion tokens
+    assert out.usage.completion_tokens == len(prefix_ids) + 2
+
+
+# ---- many clients --------------------------------------------------------------------------------------------
+def _assert_gap_rule(reference, tokens: list[int], logprobs: list[float]) -> None:
+    for i, (want, got) in enumerate(zip(reference.token_ids, tokens)):
+        entry = reference.logprobs[i]
+        if want != got:
+            ranked = sorted((lp.logprob for lp in entry.values()), reverse=True)
+            assert ranked[0] - ranked[1] <= GAP, (i, reference.token_ids, tokens)
+            return
+        assert abs(entry[want].logprob - logprobs[i]) <= LOGPROB_TOL, i
+    assert len(tokens) == len(reference.token_ids)
+
+
+def test_sixteen_concurrent_streams_each_match_the_request_alone(server, chat_llm):
+    rng = np.random.default_rng(7)
+    prompts = [[0, *rng.integers(1000, 100000, size=int(rng.integers(4, 40))).tolist()] for _ in range(16)]
+    tokens = 64
+    results: dict[int, tuple[list[int], list[float]]] = {}
+    running_seen: list[float] = []
+
+    def stream(i: int) -> None:
+        body = {"model": NAME, "prompt": prompts[i], "max_tokens": tokens, "temperature": 0, "ignore_eos": True,
+                "logprobs": 2, "stream": True, "return_tokens_as_token_ids": True}
+        with httpx.stream("POST", f"{server['base']}/v1/completions", json=body, timeout=300,
+                          headers={"Authorization": f"Bearer {KEY}"}) as response:
+            assert response.status_code == 200
+            ids, lps = [], []
+            for event in _sse(response):
+                for choice in event["choices"]:
+                    if choice["logprobs"]:
+                        ids += [int(t.split(":")[1]) for t in choice["logprobs"]["tokens"]]
+                        lps += choice["logprobs"]["token_logprobs"]
+            results[i] = (ids, lps)
+
+    def watch_metrics() -> None:
+        while any(t.is_alive() for t in streams):
+            running_seen.append(_metrics(server).get("vllm:num_requests_running", 0))
+            time.sleep(0.05)
+
+    streams = [threading.Thread(target=stream, args=(i,)) for i in range(16)]
+    for t in streams:
+        t.start()
+    watcher = threading.Thread(target=watch_metrics)
+    watcher.start()
+    # Meanwhile, in this process, each request served alone by the same engine configuration.
+    params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True, logprobs=2)
+    alone = [chat_llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0].outputs[0] for p in prompts]
+    for t in [*streams, watcher]:
+        t.join()
+    assert sum(len(set(a.token_ids)) >= 4 for a in alone) >= 12  # not a model that repeats one token
+    assert len(results) == 16
+    assert max(running_seen) >= 8, running_seen
+    for i, reference in enumerate(alone):
+        _assert_gap_rule(reference, *results[i])
+    after = _metrics(server)
+    assert after["vllm:num_requests_running"] == 0 and after["vllm:kv_cache_usage_perc"] == 0
+
+
+def test_a_disconnect_aborts_the_request_and_frees_its_blocks(server):
+    prompt = [0, 11, 12, 13]
+    body = {"model": NAME, "prompt": prompt, "max_tokens": MAX_MODEL_LEN - len(prompt), "ignore_eos": True,
+            "stream": True}
+    with httpx.stream("POST", f"{server['base']}/v1/completions", json=body, timeout=60,
+                      headers={"Authorization": f"Bearer {KEY}"}) as response:
+        lines = response.iter_lines()
+        for _ in range(6):
+            next(lines)
+        assert _metrics(server)["vllm:num_requests_running"] == 1
+    closed = time.monotonic()
+    while True:
+        m = _metrics(server)
+        if m["vllm:num_requests_running"] == 0 and m["vllm:kv_cache_usage_perc"] == 0:
+            break
+        assert time.monotonic() - closed < 2.0, m
+        time.sleep(0.05)
+
+
+# ---- errors -------------------------------------------------------------------------------------------------
+def _error(response: httpx.Response, status: int) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    return error
+
+
+def test_bad_requests_get_openai_errors_and_harm_no_one(server):
+    chat = "/v1/chat/completions"
+    assert "JSON" in _error(_http(server, "POST", chat, content=b"{not json",
+                                  headers={"content-type": "application/json"}), 400)["message"]
+    assert _error(_http(server, "POST", chat, json={"model": NAME, "messages": []}), 400)["param"] == "messages"
+    assert _error(_http(server, "POST", chat, json={"model": "gpt-4", "messages": HELLO}), 404)["code"] == \
+        "model_not_found"
+    too_long = _error(_http(server, "POST", chat, json={"model": NAME, "messages": HELLO, "max_tokens": 600}), 400)
+    assert "512" in too_long["message"] and "600" in too_long["message"]
+    outside = _error(_http(server, "POST", "/v1/completions", json={"model": NAME, "prompt": [0, 129280]}), 400)
+    assert "129280" in outside["message"]
+    assert _error(_http(server, "POST", chat, json={"model": NAME, "messages": HELLO, "temperature": -1}), 400)[
+        "param"] == "temperature"
+    _error(_http(server, "POST", chat, content=b"x" * (17 * 2**20), headers={"content-type": "application/json"}), 413)
+    ok = _http(server, "POST", "/v1/completions", json={"model": NAME, "prompt": [0, 5], "max_tokens": 2})
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1
+    assert httpx.get(f"{server['base']}/health").status_code == 200
