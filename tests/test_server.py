@@ -348,3 +348,65 @@ def test_bad_requests_get_openai_errors_and_harm_no_one(server):
     ok = _http(server, "POST", "/v1/completions", json={"model": NAME, "prompt": [0, 5], "max_tokens": 2})
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1
     assert httpx.get(f"{server['base']}/health").status_code == 200
+
+
+# ---- without the parsers, and bad command lines ---------------------------------------------------------
+def test_without_parser_flags_there_is_no_reasoning_split_and_auto_tool_choice_is_refused(chat_llm):
+    """As vLLM: no --reasoning-parser means the whole text is content; tool_choice "auto" without
+    --enable-auto-tool-choice is a 400 naming the flag. The app runs in this process over the
+    chat_llm engine (the same routes as the server process, without its flags)."""
+    import asyncio
+
+    from dsv4_jax.engine.async_engine import AsyncLLMEngine
+    from serve.app import build_app
+    from serve.args import parse_args
+    from serve.metrics import EngineStats, ServerMetrics
+    from serve.protocol import ServerLimits
+    from serve.state import ServingState
+
+    async def main():
+        state = ServingState(parse_args(["ckpt", *CHAT_SERVER_FLAGS]), served_model_names=(NAME,),
+                             forced_output_hook=True)
+        state.llm, state.engine = chat_llm, AsyncLLMEngine(chat_llm.engine)
+        state.limits = ServerLimits(served_model_names=(NAME,), vocab_size=chat_llm.config.vocab_size)
+        state.metrics = ServerMetrics(NAME, lambda: EngineStats(0, 0, 0.0, 0))
+        state.ready = True
+        await state.engine.start()
+        transport = httpx.ASGITransport(app=build_app(state))
+        try:
+            async with httpx.AsyncClient(transport=transport, base_url="http://app") as http:
+                plain = await http.post("/v1/chat/completions", json={
+                    "model": NAME, "messages": HELLO, "max_tokens": 100, "dsv4_test_forced_output": FORCED})
+                auto = await http.post("/v1/chat/completions", json={
+                    "model": NAME, "messages": HELLO, "tools": TOOLS, "tool_choice": "auto"})
+        finally:
+            await state.engine.shutdown()
+        return plain, auto
+
+    plain, auto = asyncio.run(main())
+    message = plain.json()["choices"][0]["message"]
+    assert message["content"] == FORCED[: -len(EOS)]  # everything, </think> and DSML included; EOS skipped
+    assert message["reasoning_content"] is None and message["tool_calls"] == []
+    assert auto.status_code == 400 and "--enable-auto-tool-choice" in auto.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("flags, names", [(["--port", "70000"], "--port"),
+                                          (["--tensor-parallel-size", "2"], "--tensor-parallel-size")])
+def test_bad_flags_fail_fast_with_one_line_and_status_2(chat_checkpoint, flags, names):
+    result = subprocess.run([sys.executable, "-m", "serve", str(chat_checkpoint), *flags], capture_output=True,
+                            text=True, timeout=120, cwd=REPO, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    errors = [line for line in result.stderr.splitlines() if line.startswith("serve: error:")]
+    assert result.returncode == 2 and len(errors) == 1 and names in errors[0], result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_forced_tool_prefix_follows_think_end_in_thinking_mode(chat_llm):
+    from serve.chat import forced_tool_prefix
+    from serve.protocol import ToolChoice
+
+    tok = chat_llm.tokenizer
+    named = forced_tool_prefix(ToolChoice("function", "get_weather"), True, tok)
+    assert named.after_token == tok.token_to_id(THINK_END)
+    assert tok.decode(list(named.token_ids), skip_special_tokens=False).endswith('name="get_weather">\n')
+    required = forced_tool_prefix(ToolChoice("required"), False, tok)
+    assert required.after_token is None and forced_tool_prefix(ToolChoice("auto"), False, tok) is None

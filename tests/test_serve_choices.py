@@ -1,0 +1,347 @@
+"""serve/choices.py: the reasoning splitter, a choice followed through cumulative engine outputs
+(deltas, tool-call fragments, finish reason, final message), token texts and the logprobs shapes.
+
+Expectations come from elsewhere: `str.partition` for the reasoning split, the strict
+`parse_completion` and `json.dumps` for tool calls, the tokenizer's own decoder for token bytes.
+No model, no jax.
+"""
+
+import json
+import random
+
+import pytest
+
+from dsv4_jax.chat import (
+    BOS,
+    EOS,
+    THINK_END,
+    ChatStreamParser,
+    ContentDelta,
+    ReasoningDelta,
+    parse_completion,
+    render_tool_calls,
+)
+from dsv4_jax.engine.outputs import CompletionOutput, Logprob
+from dsv4_jax.tokenizer import load_tokenizer
+from serve.choices import (
+    ChoiceState,
+    ReasoningSplitter,
+    TokenTexts,
+    chat_logprobs,
+    completion_logprobs,
+)
+
+# `</th`, `<｜`-like and DSML text in the reasoning and after `</think>` exercise the held-back tail.
+SPLIT_TEXT = (
+    "Let me think: is </thi a tag? <think> no, </ THINK> neither. 日本語 <"
+    f"{THINK_END}"
+    f"The answer </think> stays here.\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name=\"f\">"
+)
+
+REASONING = 'Two cities, so two calls. "</thin" is not an end tag; naïve quoting \\ stays.'
+CONTENT = "Checking both cities — one moment."
+CALLS = [
+    {"type": "function", "function": {"name": "get_weather",
+                                      "arguments": {"city": 'Île "de" France\nnorth', "days": 3}}},
+    {"type": "function", "function": {"name": "convert",
+                                      "arguments": {"values": [1.5, {"a": None}], "unit": "°C", "exact": True}}},
+]
+TOOL_TEXT = REASONING + THINK_END + CONTENT + "\n\n" + render_tool_calls(CALLS)
+
+
+def random_chunks(text: str, rng: random.Random, pieces: int) -> list[str]:
+    cuts = sorted(rng.sample(range(1, len(text)), min(pieces, len(text)) - 1))
+    return [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+
+
+def chunkings(text: str) -> list[list[str]]:
+    """Char by char and three random chunkings (fixed seeds)."""
+    return [list(text)] + [random_chunks(text, random.Random(seed), pieces)
+                           for seed, pieces in ((0, 5), (1, 17), (2, 60))]
+
+
+# ---- ReasoningSplitter ----------------------------------------------------------------------------
+
+
+def split(chunks: list[str]) -> tuple[str, str]:
+    """Feed the chunks, then finish; the concatenated reasoning and content."""
+    splitter, events = ReasoningSplitter(), []
+    for chunk in chunks:
+        events += splitter.feed(chunk)
+    events += splitter.finish()
+    assert all(isinstance(e, (ReasoningDelta, ContentDelta)) and e.text for e in events)
+    kinds = [type(e) for e in events]
+    assert ContentDelta not in kinds or ReasoningDelta not in kinds[kinds.index(ContentDelta):]
+    return ("".join(e.text for e in events if isinstance(e, ReasoningDelta)),
+            "".join(e.text for e in events if isinstance(e, ContentDelta)))
+
+
+def test_reasoning_splitter_matches_partition_at_every_cut():
+    reasoning, _, content = SPLIT_TEXT.partition(THINK_END)
+    for cut in range(len(SPLIT_TEXT) + 1):
+        assert split([SPLIT_TEXT[:cut], SPLIT_TEXT[cut:]]) == (reasoning, content), cut
+    for chunks in chunkings(SPLIT_TEXT):
+        assert split(chunks) == (reasoning, content)
+
+
+def test_reasoning_splitter_cut_inside_think_end_emits_no_fragment_of_it():
+    head, tail = "abc", " tail"
+    for cut in range(1, len(THINK_END)):
+        splitter = ReasoningSplitter()
+        before = splitter.feed(head + THINK_END[:cut])
+        assert before == [ReasoningDelta(head)], cut
+        assert splitter.feed(THINK_END[cut:] + tail) == [ContentDelta(tail)], cut
+        assert splitter.finish() == []
+
+
+def test_reasoning_splitter_without_think_end_is_all_reasoning():
+    text = "only thoughts, no end tag < / think > </thinking"
+    for chunks in chunkings(text):
+        assert split(chunks) == (text, "")
+
+
+def test_reasoning_splitter_partial_think_end_then_finish_is_reasoning():
+    splitter = ReasoningSplitter()
+    assert splitter.feed("thought </th") == [ReasoningDelta("thought ")]
+    assert splitter.finish() == [ReasoningDelta("</th")]
+
+
+def test_reasoning_splitter_keeps_dsml_after_think_end_as_content():
+    dsml = "\n\n" + render_tool_calls(CALLS) + EOS
+    for chunks in chunkings("r" + THINK_END + "c" + dsml):
+        assert split(chunks) == ("r", "c" + dsml)
+
+
+# ---- ChoiceState ----------------------------------------------------------------------------------
+
+
+def engine_outputs(chunks: list[str], finish_reason: str, stop_reason=None, seed: int = 0,
+                   with_logprobs: bool = True) -> list[CompletionOutput]:
+    """Cumulative outputs as the engine gives them: 0-3 new tokens per step (0 new characters for
+    a token that completes no character yet), the last one finished."""
+    rng = random.Random(seed)
+    text, token_ids, logprobs, outputs = "", [], [], []
+    for i, chunk in enumerate(chunks):
+        text += chunk
+        for _ in range(rng.randint(1 if chunk else 0, 3)):
+            token = rng.randrange(128000)
+            token_ids.append(token)
+            logprobs.append({token: Logprob(-rng.random(), rank=1)})
+        last = i == len(chunks) - 1
+        outputs.append(CompletionOutput(0, text, list(token_ids), None, list(logprobs) if with_logprobs else None,
+                                        finish_reason if last else None, stop_reason if last else None))
+    return outputs
+
+
+def stream(state: ChoiceState, outputs: list[CompletionOutput]) -> list[dict]:
+    deltas = []
+    for output in outputs:
+        assert state.finish_reason is None
+        deltas.append(state.advance(output)[0])
+    return deltas
+
+
+def joined(deltas: list[dict], key: str) -> str:
+    return "".join(d.get(key, "") for d in deltas)
+
+
+@pytest.mark.parametrize("finish_reason,stop_reason", [("stop", "###"), ("length", None), ("stop", 7)])
+def test_choice_without_parser_streams_all_text_as_content(finish_reason, stop_reason):
+    text = f"plain <think>x{THINK_END} and \n\n<｜DSML｜tool_calls> stay content"
+    state = ChoiceState(0, None)
+    deltas = stream(state, engine_outputs(random_chunks(text, random.Random(3), 9) + [""], finish_reason, stop_reason))
+    assert all(set(d) <= {"content"} for d in deltas)
+    assert joined(deltas, "content") == text
+    assert (state.finish_reason, state.stop_reason) == (finish_reason, stop_reason)
+    assert state.message(with_reasoning=False) == {"role": "assistant", "content": text, "reasoning": None,
+                                                   "reasoning_content": None, "tool_calls": []}
+
+
+def streamed_tool_calls(deltas: list[dict]) -> dict[int, dict]:
+    """Assemble the tool-call fragments per index, checking which fields each fragment carries."""
+    calls: dict[int, dict] = {}
+    for delta in deltas:
+        for fragment in delta.get("tool_calls", []):
+            index = fragment["index"]
+            if index not in calls:
+                assert set(fragment) == {"index", "id", "type", "function"}
+                assert fragment["type"] == "function" and set(fragment["function"]) == {"name", "arguments"}
+                calls[index] = {"id": fragment["id"], "type": "function",
+                                "function": {"name": fragment["function"]["name"], "arguments": ""}}
+            else:
+                assert set(fragment) == {"index", "function"} and set(fragment["function"]) == {"arguments"}
+            calls[index]["function"]["arguments"] += fragment["function"]["arguments"]
+    return calls
+
+
+@pytest.mark.parametrize("chunk_index", range(4))
+def test_choice_with_tool_calls_streams_what_the_strict_parse_reports(chunk_index):
+    expected = parse_completion(TOOL_TEXT + EOS, "thinking")
+    assert len(expected["tool_calls"]) == len(CALLS)
+    chunks = chunkings(TOOL_TEXT)[chunk_index]
+    state = ChoiceState(0, ChatStreamParser("thinking"))
+    deltas = stream(state, engine_outputs(chunks, "stop", seed=chunk_index))
+
+    for delta in deltas:
+        assert set(delta) <= {"reasoning", "reasoning_content", "content", "tool_calls"}
+        assert delta.get("reasoning") == delta.get("reasoning_content")
+    assert joined(deltas, "reasoning") == expected["reasoning_content"] == REASONING
+    assert joined(deltas, "content") == expected["content"] == CONTENT
+
+    calls = streamed_tool_calls(deltas)
+    assert sorted(calls) == [0, 1]
+    for index, call in enumerate(CALLS):
+        function = calls[index]["function"]
+        assert function["name"] == call["function"]["name"]
+        assert function["arguments"] == expected["tool_calls"][index]["function"]["arguments"]
+        assert function["arguments"] == json.dumps(call["function"]["arguments"], ensure_ascii=False)
+    ids = [calls[i]["id"] for i in (0, 1)]
+    assert len(set(ids)) == 2 and all(isinstance(i, str) and i for i in ids)
+
+    assert state.finish_reason == "tool_calls" and state.stop_reason is None
+    assert state.message(with_reasoning=True) == {
+        "role": "assistant", "content": CONTENT, "reasoning": REASONING, "reasoning_content": REASONING,
+        "tool_calls": [calls[0], calls[1]]}
+    assert state.message(with_reasoning=False)["reasoning"] is None
+
+
+@pytest.mark.parametrize("chunk_index", range(4))
+def test_choice_with_max_one_tool_call_drops_later_calls_everywhere(chunk_index):
+    state = ChoiceState(0, ChatStreamParser("thinking"), max_tool_calls=1)
+    deltas = stream(state, engine_outputs(chunkings(TOOL_TEXT)[chunk_index], "stop", seed=chunk_index))
+    calls = streamed_tool_calls(deltas)
+    assert sorted(calls) == [0]
+    assert calls[0]["function"]["name"] == CALLS[0]["function"]["name"]
+    assert joined(deltas, "content") == CONTENT  # the dropped call does not leak into the text
+    message = state.message(with_reasoning=True)
+    assert message["tool_calls"] == [calls[0]] and message["content"] == CONTENT
+    assert state.finish_reason == "tool_calls"
+
+
+def test_choice_tool_calls_keep_a_length_finish_reason():
+    state = ChoiceState(0, ChatStreamParser("thinking"))
+    stream(state, engine_outputs(random_chunks(TOOL_TEXT, random.Random(5), 8), "length"))
+    assert state.finish_reason == "length" and len(state.message(True)["tool_calls"]) == 2
+
+
+def test_choice_with_splitter_flushes_held_tail_at_finish():
+    state = ChoiceState(0, ReasoningSplitter())
+    deltas = stream(state, engine_outputs(["thinking about ", "</th"], "length"))
+    assert deltas[-1] == {"reasoning": "</th", "reasoning_content": "</th"}
+    assert state.message(with_reasoning=True) == {"role": "assistant", "content": "",
+                                                  "reasoning": "thinking about </th",
+                                                  "reasoning_content": "thinking about </th", "tool_calls": []}
+
+
+@pytest.mark.parametrize("with_logprobs", [True, False])
+def test_choice_advance_returns_exactly_the_new_tokens_and_logprobs(with_logprobs):
+    chunks = random_chunks(TOOL_TEXT, random.Random(11), 20)
+    chunks[3:3] = ["", ""]  # steps whose tokens complete no character yet
+    outputs = engine_outputs(chunks, "stop", seed=11, with_logprobs=with_logprobs)
+    state = ChoiceState(0, ChatStreamParser("thinking"))
+    seen_tokens, seen_entries = [], []
+    previous = 0
+    for output in outputs:
+        _, new_tokens, entries = state.advance(output)
+        count = len(output.token_ids)
+        assert new_tokens == output.token_ids[previous:count]
+        if with_logprobs:
+            assert len(entries) == len(new_tokens)
+            assert all(a is b for a, b in zip(entries, output.logprobs[previous:count]))
+            seen_entries += entries
+        else:
+            assert entries is None
+        seen_tokens += new_tokens
+        previous = count
+    assert seen_tokens == outputs[-1].token_ids
+    if with_logprobs:
+        assert seen_entries == outputs[-1].logprobs
+
+
+# ---- TokenTexts -----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer()
+
+
+def test_token_bytes_concatenate_to_the_tokenizer_decode(tokenizer):
+    texts = TokenTexts(tokenizer, as_token_ids=False)
+    rng = random.Random(1234)
+    ids = rng.sample(range(128000), 2000)
+    by_id = {i: texts.bytes_of(i) for i in ids}
+    assert all(by_id.values())
+    # A single token's text: U+FFFD where it holds part of a character, as the decoder shows it.
+    assert all(texts.text_of(i) == tokenizer.decode([i], skip_special_tokens=False) for i in ids)
+    rng.shuffle(ids)
+    for start in range(0, len(ids), 25):
+        window = ids[start:start + 25]
+        decoded = b"".join(by_id[i] for i in window).decode("utf-8", errors="replace")
+        assert decoded == tokenizer.decode(window, skip_special_tokens=False), window
+    assert b"".join(by_id[i] for i in ids).decode("utf-8", errors="replace") == tokenizer.decode(ids, skip_special_tokens=False)
+
+
+@pytest.mark.parametrize("special", [THINK_END, EOS, BOS])
+def test_special_token_bytes_are_its_own_utf8(tokenizer, special):
+    token_id = tokenizer.token_to_id(special)
+    assert token_id is not None
+    texts = TokenTexts(tokenizer, as_token_ids=False)
+    assert texts.bytes_of(token_id) == special.encode("utf-8")
+    assert texts.text_of(token_id) == special
+
+
+def test_token_texts_as_token_ids(tokenizer):
+    texts = TokenTexts(tokenizer, as_token_ids=True)
+    for token_id in (*tokenizer.encode("Héllo wörld").ids, tokenizer.token_to_id(THINK_END)):
+        assert texts.text_of(token_id) == f"token_id:{token_id}"
+        assert texts.bytes_of(token_id) == tokenizer.decode([token_id], skip_special_tokens=False).encode()
+
+
+# ---- chat_logprobs / completion_logprobs ------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def logprob_case(tokenizer):
+    """Three sampled tokens with hand-made entries (dict order deliberately not rank order), and
+    the expected (text, logprob) alternatives per token for top=2."""
+    sampled = tokenizer.encode("Hello world!").ids
+    alt = tokenizer.encode(" the a of to and in").ids
+    assert len(sampled) == 3 and len(set(alt)) == 6 and not set(alt) & set(sampled)
+    text = lambda t: tokenizer.decode([t], skip_special_tokens=False)
+    entries = [
+        # sampled at rank 2 among the top: listed between rank 1 and rank 3 is cut
+        {alt[1]: Logprob(-2.5, rank=3), sampled[0]: Logprob(-0.9, rank=2), alt[0]: Logprob(-0.6, rank=1)},
+        # sampled at rank 5: not among the two alternatives; a -inf alternative is clamped
+        {sampled[1]: Logprob(-7.0, rank=5), alt[3]: Logprob(float("-inf"), rank=2), alt[2]: Logprob(-0.1, rank=1),
+         alt[4]: Logprob(-3.0, rank=3)},
+        # sampled with -inf logprob at rank 1
+        {alt[5]: Logprob(-1.0, rank=2), sampled[2]: Logprob(float("-inf"), rank=1)},
+    ]
+    sampled_logprobs = [-0.9, -7.0, -9999.0]
+    top2 = [[(alt[0], -0.6), (sampled[0], -0.9)], [(alt[2], -0.1), (alt[3], -9999.0)],
+            [(sampled[2], -9999.0), (alt[5], -1.0)]]
+    return sampled, entries, sampled_logprobs, top2, text
+
+
+@pytest.mark.parametrize("top", [0, 1, 2])
+def test_chat_logprobs(tokenizer, logprob_case, top):
+    sampled, entries, sampled_logprobs, top2, text = logprob_case
+    items = chat_logprobs(TokenTexts(tokenizer, as_token_ids=False), sampled, entries, top)
+    assert items == [
+        {"token": text(t), "logprob": lp, "bytes": list(text(t).encode()),
+         "top_logprobs": [{"token": text(a), "logprob": alp, "bytes": list(text(a).encode())} for a, alp in alts[:top]]}
+        for t, lp, alts in zip(sampled, sampled_logprobs, top2)
+    ]
+
+
+@pytest.mark.parametrize("as_token_ids", [False, True])
+def test_completion_logprobs(tokenizer, logprob_case, as_token_ids):
+    sampled, entries, sampled_logprobs, top2, text = logprob_case
+    shown = (lambda t: f"token_id:{t}") if as_token_ids else text
+    out = completion_logprobs(TokenTexts(tokenizer, as_token_ids), sampled, entries, 2, text_offset=17)
+    assert out["tokens"] == [shown(t) for t in sampled]
+    assert out["token_logprobs"] == sampled_logprobs
+    assert [list(d.items()) for d in out["top_logprobs"]] == [[(shown(a), lp) for a, lp in alts] for alts in top2]
+    lengths = [len(shown(t)) for t in sampled]
+    assert out["text_offset"] == [17, 17 + lengths[0], 17 + lengths[0] + lengths[1]]
