@@ -21,8 +21,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import httpx
-
 from benchmarks.runner import positive
 
 REPO = Path(__file__).resolve().parents[1]
@@ -35,6 +33,8 @@ def _free_port() -> int:
 
 
 def one_start(model: str | None, max_model_len: int, cache: Path) -> dict[str, float]:
+    import httpx
+
     port = _free_port()
     command = [sys.executable, "-m", "serve", *([model] if model else []), "--port", str(port),
                "--max-model-len", str(max_model_len)]
