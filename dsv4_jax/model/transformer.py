@@ -214,7 +214,7 @@ class DeepseekV4(nnx.Module):
             norm_eps=c.rms_norm_eps, hc_eps=c.hc_eps,
         )
         h = owner.norm(h)
-        return self.head(h.astype(jnp.float32), jnp.float32)  # logits in fp32
+        return self.head.float32(h)  # logits in fp32
 
     def __call__(
         self,
