@@ -361,6 +361,37 @@ def test_eos_stops_unless_ignore_eos(llm, greedy_run):
     assert ignored.outputs[0].token_ids == [EOS] * 5 and ignored.outputs[0].finish_reason == "length"
 
 
+def test_async_scheduling_gives_the_synchronous_outputs(llm, greedy_run, monkeypatch):
+    """The next step is scheduled and launched before this one's tokens reach the host: outputs
+    equal one-step-at-a-time's (greedy under the comparison rule, seeded exactly), max_tokens is
+    exact, and a token sampled after a request stopped is dropped."""
+    prompt, free = greedy_run
+    stop_at = next(i for i in range(2, 12) if free.token_ids[i] not in free.token_ids[:i])
+    prompts = [prompt, _prompt(31, 5), _prompt(32, 40), _prompt(33, 17)]
+    params = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2,
+                             stop_token_ids=[free.token_ids[stop_at]]),
+              SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2),
+              SamplingParams(temperature=1.0, seed=7, max_tokens=9, ignore_eos=True, logprobs=2),
+              SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True, logprobs=2)]
+    taken = []
+    take = llm.engine.scheduler._take_as_done
+    monkeypatch.setattr(llm.engine.scheduler, "_take_as_done", lambda output: (taken.append(1), take(output)))
+    runs = {}
+    for mode in (False, True):
+        monkeypatch.setattr(llm.engine, "async_scheduling", mode)
+        taken.clear()
+        runs[mode] = [o.outputs[0] for o in _generate(llm, prompts, params)]
+        assert bool(taken) == mode  # steps overlapped only in async mode
+        _assert_idle(llm)
+    sync, overlapped = runs[False], runs[True]
+    for a, b, p in zip(sync, overlapped, params):
+        assert_same_under_gap_rule(a, b, greedy=p.temperature == 0)
+        assert (b.finish_reason, len(b.token_ids)) == (a.finish_reason, len(a.token_ids))
+    # The stop token ends the first request exactly there; the others run to max_tokens.
+    assert overlapped[0].token_ids == free.token_ids[: stop_at + 1] and overlapped[0].finish_reason == "stop"
+    assert [len(c.token_ids) for c in overlapped[1:]] == [12, 9, 7]
+
+
 def test_forced_tokens_replace_samples_from_the_token_after_the_arming_one(llm, greedy_run):
     """A tool call forced after the model's own `</think>` (serve/chat.py), with an ordinary token of
     the free greedy run standing in for `</think>`: the model's tokens up to and including it, then

@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dsv4_jax.engine.block_manager import BlockManager
-from dsv4_jax.engine.request import Request, RequestStatus
+from dsv4_jax.engine.request import PLACEHOLDER, Request, RequestStatus
 from dsv4_jax.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 
 # Small pools: 600 + 64 tokens need 42 blocks of 16, and 96 usable blocks hold few such requests at
@@ -46,8 +46,11 @@ class FakeRunner:
         self.pools = [{} for _ in range(config.dp_size)]  # block id -> {offset: (request id, position, token)}
         self.slot_end = [{} for _ in range(config.dp_size)]  # slot -> (request id, positions written)
 
-    def step(self, output: SchedulerOutput) -> dict[str, int]:
+    def step(self, output: SchedulerOutput, previous: dict[str, int] | None = None) -> dict[str, int]:
+        """`previous`: the last step's samples, which stand in for PLACEHOLDER tokens (async
+        scheduling: the real runner reads them on the device)."""
         c, sampled = self.config, {}
+        self.previous = previous or {}
         for rank in range(c.dp_size):
             rows = output.rows_of(rank)
             lengths = [len(row.token_ids) for row in rows]
@@ -75,7 +78,8 @@ class FakeRunner:
         assert row.is_sampling == (row.start + n == request.num_tokens)
         for p in range(row.start, row.start + n):
             block = self.pools[rank].setdefault(row.compressed_blocks[p // bs], {})
-            block[p % bs] = (request.request_id, p, row.token_ids[p - row.start])
+            token = row.token_ids[p - row.start]
+            block[p % bs] = (request.request_id, p, self.previous[request.request_id] if token == PLACEHOLDER else token)
         self.slot_end[rank][row.slot] = (request.request_id, row.start + n)
 
     def read_back(self, request: Request, blocks: list[int], rank: int) -> list[int]:
@@ -105,10 +109,11 @@ def check_holdings(scheduler: Scheduler) -> None:
 
 
 def simulate(config: SchedulerConfig, num_requests: int, max_prompt: int, max_out: int, abort_share: float,
-             seed: int) -> Scheduler:
+             seed: int, overlap: bool = False) -> Scheduler:
     """Random arrivals and aborts (a share of the requests, some steps after arrival, before
     scheduling or between schedule and update) run to the end; checks every step and every
-    finished request."""
+    finished request. `overlap`: async scheduling, each step scheduled before the last one's
+    update (its tokens still placeholders)."""
     rng = random.Random(seed)
     scheduler, runner = Scheduler(config), FakeRunner(config)
     arrivals = sorted((rng.randrange(num_requests + 1), i) for i in range(num_requests))
@@ -116,7 +121,19 @@ def simulate(config: SchedulerConfig, num_requests: int, max_prompt: int, max_ou
     abort_at = {(t + rng.randrange(3 * max_out), rng.random() < 0.5): f"r{i}" for t, i in arrivals
                 if rng.random() < abort_share}  # (step, between schedule and update) -> request id
     aborted, finished, step = set(), {}, 0
-    while arrivals or scheduler.has_unfinished():
+    in_flight = None  # (output, sampled, blocks) of a step scheduled but not updated (overlap)
+
+    def apply(output, sampled, blocks) -> None:
+        for request in scheduler.update(output, sampled):
+            if request.status.finished:
+                assert request.status is RequestStatus.FINISHED_LENGTH
+                finished[request.request_id] = request
+                if request.num_computed_tokens == 0:  # preempted after its last step (overlap): no cache left
+                    continue
+                cached = runner.read_back(request, blocks[request.request_id], request.dp_rank)
+                assert cached == request.all_token_ids[:-1]
+
+    while arrivals or scheduler.has_unfinished() or in_flight:
         while arrivals and arrivals[0][0] <= step:
             rid = f"r{arrivals.pop(0)[1]}"
             scheduler.add(new_request(rid, *specs[rid]))
@@ -125,17 +142,17 @@ def simulate(config: SchedulerConfig, num_requests: int, max_prompt: int, max_ou
         output = scheduler.schedule()
         for bm in scheduler.block_managers:
             bm.check_invariants()
-        sampled = runner.step(output)
+        sampled = runner.step(output, in_flight[1] if in_flight else None)
         blocks = {row.request.request_id: list(row.compressed_blocks) for row in output.rows}
         if scheduler.abort(abort_at.get((step, True), "")):
             aborted.add(abort_at[step, True])
-        for request in scheduler.update(output, sampled):
-            if request.status.finished:
-                assert request.status is RequestStatus.FINISHED_LENGTH
-                finished[request.request_id] = request
-                cached = runner.read_back(request, blocks[request.request_id], request.dp_rank)
-                assert cached == request.all_token_ids[:-1]
-        check_holdings(scheduler)
+        if overlap:
+            if in_flight:
+                apply(*in_flight)
+            in_flight = (output, sampled, blocks) if output.rows else None
+        else:
+            apply(output, sampled, blocks)
+            check_holdings(scheduler)
         step += 1
         assert step < 50 * num_requests * (max_prompt + max_out), "the scheduler stopped making progress"
     assert set(finished) | aborted == set(specs) and not set(finished) & aborted
@@ -151,8 +168,10 @@ def simulate(config: SchedulerConfig, num_requests: int, max_prompt: int, max_ou
     return scheduler
 
 
-def test_thousand_mixed_requests_with_aborts_and_preemption_run_to_completion():
-    scheduler = simulate(CONFIG, num_requests=1000, max_prompt=600, max_out=64, abort_share=0.1, seed=0)
+@pytest.mark.parametrize("overlap", [False, True])
+def test_thousand_mixed_requests_with_aborts_and_preemption_run_to_completion(overlap):
+    scheduler = simulate(CONFIG, num_requests=1000, max_prompt=600, max_out=64, abort_share=0.1, seed=0,
+                         overlap=overlap)
     assert scheduler.num_preemptions > 20  # the small cap did force recomputes
 
 
@@ -253,17 +272,25 @@ def test_abort_between_schedule_and_update_is_ignored_and_frees_everything():
         scheduler.finish("b", RequestStatus.RUNNING)
 
 
-def test_schedule_twice_without_update_and_missing_samples_are_refused():
+def test_a_third_schedule_and_updates_out_of_order_are_refused():
     scheduler = Scheduler(CONFIG)
     scheduler.add(new_request("a", 5, 4))
-    output = scheduler.schedule()
-    with pytest.raises(RuntimeError, match="without update"):
+    first = scheduler.schedule()
+    second = scheduler.schedule()  # async scheduling: the first is taken as done
+    assert first.rows[0].request.output_token_ids == [PLACEHOLDER]
+    assert second.rows[0].token_ids == (PLACEHOLDER,) and second.rows[0].start == 5
+    with pytest.raises(RuntimeError, match="two steps not updated"):
         scheduler.schedule()
+    with pytest.raises(ValueError, match="oldest step not updated"):
+        scheduler.update(second, {"a": 2})
     with pytest.raises(ValueError, match=r"no sampled token for the sampling rows of requests \['a'\]"):
-        scheduler.update(output, {})
-    scheduler.update(output, {"a": 1})
-    with pytest.raises(ValueError, match="output of the last schedule"):
-        scheduler.update(output, {"a": 1})
+        scheduler.update(first, {})
+    scheduler.update(first, {"a": 1})
+    assert first.rows[0].request.output_token_ids == [1]
+    with pytest.raises(ValueError, match="oldest step not updated"):
+        scheduler.update(first, {"a": 1})
+    scheduler.update(second, {"a": 2})
+    assert first.rows[0].request.output_token_ids == [1, 2]
 
 
 def test_preemption_frees_the_newest_and_it_recomputes_prompt_and_output():

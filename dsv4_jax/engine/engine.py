@@ -21,20 +21,38 @@ import logging
 from typing import Any, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from dsv4_jax.engine.detokenizer import IncrementalDetokenizer
 from dsv4_jax.engine.outputs import CompletionOutput, Logprob, RequestOutput
-from dsv4_jax.engine.request import ForcedTokens, Request, RequestStatus
-from dsv4_jax.engine.runner import ModelRunner, StepBuckets
-from dsv4_jax.engine.sampler import SamplerConfig, SamplingRow, build_sampling_batch, sample
+from dsv4_jax.engine.request import PLACEHOLDER, ForcedTokens, Request, RequestStatus
+from dsv4_jax.engine.runner import ModelRunner, StepBuckets, StepOutput
+from dsv4_jax.engine.sampler import SampledTokens, SamplerConfig, SamplingRow, build_sampling_batch, sample
 from dsv4_jax.engine.sampling_params import SamplingParams
-from dsv4_jax.engine.scheduler import Scheduler, SchedulerConfig
+from dsv4_jax.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from dsv4_jax.kv_cache.paged import PagedCacheLayout
 
 logger = logging.getLogger(__name__)
 
 _FILLER = SamplingParams(temperature=0.0, max_tokens=1)  # rows that sample nothing this step
+
+
+@jax.jit
+def _fill_placeholders(tokens: np.ndarray, source: np.ndarray, previous: jax.Array) -> jax.Array:
+    """tokens [B, S] with each PLACEHOLDER replaced by the previous step's sample of row
+    `source[b]` (previous: [pad_rows] int32): one compile per bucket."""
+    return jnp.where(tokens == PLACEHOLDER, previous[jnp.maximum(source, 0)][:, None], tokens)
+
+
+@dataclasses.dataclass
+class _InFlight:
+    """A launched step: its rows, the runner's output and the sampled tokens, still on the device."""
+
+    scheduled: SchedulerOutput
+    out: StepOutput
+    sampled: SampledTokens
+    position: dict[str, int]  # request id -> its row
 
 
 @dataclasses.dataclass
@@ -84,12 +102,15 @@ class LLMEngine:
         seed: int = 0,
         sampler_config: SamplerConfig = SamplerConfig(),
         usable_blocks_cap: int | None = None,  # test-only: forces preemption (BlockManager)
+        async_scheduling: bool = True,
     ):
         self.config = model.config
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.seed = seed
-        self.sampler_config = sampler_config
+        # Sampled tokens padded to the widest bucket: one placeholder-filling compile per bucket.
+        self.sampler_config = dataclasses.replace(sampler_config, pad_rows=max(b for b, _ in buckets.all))
+        self.async_scheduling = async_scheduling  # may be switched between steps
         eos = self.config.eos_token_id
         self.eos_token_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
         self.runner = ModelRunner(model, layout, attention_backend=attention_backend, buckets=buckets)
@@ -100,6 +121,7 @@ class LLMEngine:
         self._tracked: dict[str, _Tracked] = {}
         self._numbers = itertools.count()
         self._steps = 0
+        self._in_flight: _InFlight | None = None  # launched, not completed (async scheduling)
 
     # ---- requests ---------------------------------------------------------------------------------
     def add_request(
@@ -152,45 +174,79 @@ class LLMEngine:
 
     # ---- one step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one step; the outputs of the requests that got a token or finished."""
-        scheduled = self.scheduler.schedule()
-        if not scheduled.rows:
-            return []
-        out = self.runner.step(scheduled.rows)
-        rows = [
+        """Run one step; the outputs of the requests that got a token or finished.
+
+        With async scheduling the next step is scheduled and launched before this one's tokens
+        reach the host (its rows read them on the device), so host work hides behind device work;
+        it completes in the next call. Requests with penalties or forced tokens need their last
+        token on the host to build the next step, so while any runs, steps go one at a time."""
+        if self._in_flight is None:
+            scheduled = self.scheduler.schedule()
+            if not scheduled.rows:
+                return []
+            self._in_flight = self._launch(scheduled, None)
+        current, self._in_flight = self._in_flight, None
+        if self.async_scheduling and self._can_overlap():
+            scheduled = self.scheduler.schedule()  # current's tokens are placeholders until its update
+            if scheduled.rows:
+                self._in_flight = self._launch(scheduled, current)
+        return self._complete(current)
+
+    def _can_overlap(self) -> bool:
+        return not any(t.params.has_penalties or t.forced for t in self._tracked.values())
+
+    def _launch(self, scheduled: SchedulerOutput, previous: _InFlight | None) -> _InFlight:
+        """Dispatch a step and its sampling to the device; nothing waits for the results."""
+        rows = scheduled.rows
+        token_ids = None
+        if previous is not None:  # rows holding a placeholder read the previous step's sample
+            bucket, tokens, _ = self.runner.build(rows)
+            source = np.full(bucket[0], -1, np.int32)
+            for i, r in enumerate(rows):
+                if PLACEHOLDER in r.token_ids:
+                    source[i] = previous.position[r.request.request_id]
+            if (source >= 0).any():
+                token_ids = _fill_placeholders(tokens, source, previous.sampled.token_ids)
+        out = self.runner.step(rows, token_ids=token_ids)
+        sampling = [
             SamplingRow(self._tracked[r.request.request_id].params, self._tracked[r.request.request_id].index,
                         r.request.prompt_token_ids, r.request.output_token_ids)
             if r.is_sampling else SamplingRow(_FILLER, 0)
-            for r in scheduled.rows
+            for r in rows
         ]
         batch = build_sampling_batch(
-            rows, out.bucket[0], vocab_size=self.config.vocab_size, eos_token_ids=self.eos_token_ids,
+            sampling, out.bucket[0], vocab_size=self.config.vocab_size, eos_token_ids=self.eos_token_ids,
             engine_seed=self.seed, step=self._steps, config=self.sampler_config,
         )
         self._steps += 1
         sampled = sample(out.logits, jax.device_put(batch), config=self.sampler_config)
-        self._prompt_logprobs(scheduled.rows, out)
-        want_logprobs = any(r.is_sampling and self._tracked[r.request.request_id].logprobs is not None
-                            for r in scheduled.rows)
+        return _InFlight(scheduled, out, sampled, {r.request.request_id: i for i, r in enumerate(rows)})
+
+    def _complete(self, step: _InFlight) -> list[RequestOutput]:
+        """Fetch a launched step's tokens, apply them and decide which requests stop."""
+        scheduled, out, sampled = step.scheduled, step.out, step.sampled
+        rows = [r for r in scheduled.rows if r.request.request_id in self._tracked]  # not aborted since
+        self._prompt_logprobs(rows, out)
+        want_logprobs = any(r.is_sampling and self._tracked[r.request.request_id].logprobs is not None for r in rows)
         # One device-to-host transfer for the tokens and, when asked for, their logprobs.
         fetched = jax.device_get((sampled.token_ids, sampled.logprobs, sampled.top_token_ids, sampled.top_logprobs,
                                   sampled.ranks) if want_logprobs else (sampled.token_ids,))
         tokens, logprob_arrays = fetched[0], (fetched[1:] if want_logprobs else None)
         chosen = {r.request.request_id: int(tokens[i]) for i, r in enumerate(scheduled.rows) if r.is_sampling}
-        forced_now = {rid: t for rid in chosen if (t := self._tracked[rid].next_forced()) is not None}
+        forced_now = {rid: t for rid in chosen if rid in self._tracked
+                      and (t := self._tracked[rid].next_forced()) is not None}
         chosen.update(forced_now)
         got = self.scheduler.update(scheduled, chosen)
         outputs = []
-        position = {r.request.request_id: i for i, r in enumerate(scheduled.rows)}
         for request in got:
             tracked = self._tracked[request.request_id]
             if request.request_id in forced_now:
                 tracked.forced.popleft()
             if logprob_arrays is not None and tracked.logprobs is not None:
                 # np.asarray first: indexing the device array would compile a slice after warm-up.
-                forced_logits = np.asarray(out.logits)[position[request.request_id]] \
+                forced_logits = np.asarray(out.logits)[step.position[request.request_id]] \
                     if request.request_id in forced_now else None
-                self._record_logprobs(tracked, logprob_arrays, position[request.request_id], forced_logits)
+                self._record_logprobs(tracked, logprob_arrays, step.position[request.request_id], forced_logits)
             self._after_token(tracked)
             outputs.append(tracked.output())
             if request.status.finished:
@@ -208,14 +264,15 @@ class LLMEngine:
             # vLLM reports the stop string then (the request is out of the scheduler already).
             request.status = RequestStatus.FINISHED_STOPPED
             tracked.stop_reason = tracked.detokenizer.stopped_by
-        if request.status is RequestStatus.RUNNING and request.num_output_tokens >= params.min_tokens:
+        # Not finished: running, or preempted since its step was scheduled (async scheduling).
+        if not request.status.finished and request.num_output_tokens >= params.min_tokens:
             if not params.ignore_eos and token in self.eos_token_ids:
                 self._finish(tracked, RequestStatus.FINISHED_STOPPED, None)
             elif token in params.stop_token_ids:
                 self._finish(tracked, RequestStatus.FINISHED_STOPPED, token)
             elif tracked.detokenizer.stopped_by is not None:
                 self._finish(tracked, RequestStatus.FINISHED_STOPPED, tracked.detokenizer.stopped_by)
-        if request.status is RequestStatus.RUNNING and request.num_tokens >= self.max_model_len:
+        if not request.status.finished and request.num_tokens >= self.max_model_len:
             self._finish(tracked, RequestStatus.FINISHED_LENGTH, None)
         if request.status.finished:
             tracked.detokenizer.finish()
@@ -274,8 +331,9 @@ class LLMEngine:
 
     # ---- warm-up ----------------------------------------------------------------------------------
     def warmup(self) -> int:
-        """Compile every runner bucket and the sampler for each bucket's row count (with and without
-        penalties). Returns the compiles it took; after it, serving compiles nothing."""
+        """Compile every runner bucket, the sampler for each bucket's row count (with and without
+        penalties) and the placeholder filling of async scheduling. Returns the compiles it took;
+        after it, serving compiles nothing."""
         compiled = self.runner.warmup()
         self.runner.compiles.reset()
         vocab = self.config.vocab_size
@@ -285,6 +343,9 @@ class LLMEngine:
                 batch = build_sampling_batch([SamplingRow(params, 0, [0], [])], b, vocab_size=vocab,
                                              config=self.sampler_config)
                 jax.block_until_ready(sample(logits, jax.device_put(batch), config=self.sampler_config))
+        previous = jax.device_put(np.zeros(self.sampler_config.pad_rows, np.int32))
+        for b, s in self.runner.buckets.all:  # async scheduling's placeholder filling
+            jax.block_until_ready(_fill_placeholders(np.zeros((b, s), np.int32), np.zeros(b, np.int32), previous))
         compiled += self.runner.compiles.compiles
         self.runner.compiles.reset()
         return compiled

@@ -9,6 +9,11 @@ import time
 from typing import Any
 
 
+# A sampled token not known on the host yet (async scheduling): the next step is scheduled while
+# the device still computes it, and the device puts the real token in its place (engine.py).
+PLACEHOLDER = -1
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"  # not started, or preempted (its KV is recomputed from scratch)
     RUNNING = "running"  # holds a slot and blocks

@@ -61,12 +61,16 @@ class SamplerConfig:
     candidates: int = 1024  # K: random rows draw among the K most likely tokens
     max_banned_ids: int = 64  # EOS + stop token ids masked per row while below min_tokens
     penalty_history: int = 8192  # distinct prompt + output tokens of a row with penalties
+    # token_ids padded to at least this many rows, so the next step (of any bucket) can read them
+    # on the device with one compiled gather (async scheduling); 0 = B rows
+    pad_rows: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("candidates", "max_banned_ids", "penalty_history"):
+        for name in ("candidates", "max_banned_ids", "penalty_history", "pad_rows"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"SamplerConfig.{name} must be an int >= 1, got {value!r}")
+            if not isinstance(value, int) or isinstance(value, bool) or value < (0 if name == "pad_rows" else 1):
+                raise ValueError(f"SamplerConfig.{name} must be an int >= {0 if name == 'pad_rows' else 1}, "
+                                 f"got {value!r}")
 
 
 @jax.tree_util.register_dataclass
@@ -103,7 +107,7 @@ class SamplingBatch:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class SampledTokens:
-    token_ids: jax.Array  # [B] int32
+    token_ids: jax.Array  # [max(B, config.pad_rows)] int32 (rows past B: 0)
     logprobs: jax.Array  # [B] float32: raw logprob of the sampled token
     top_token_ids: jax.Array  # [B, L] int32, L = min(MAX_LOGPROBS, V), most likely first
     top_logprobs: jax.Array  # [B, L] float32; a row reads its first `num_logprobs`
@@ -266,6 +270,8 @@ def _sample(logits: jax.Array, batch: SamplingBatch, config: SamplerConfig = Sam
     none = (jnp.zeros(b, jnp.float32), jnp.zeros((b, top), jnp.int32), jnp.zeros((b, top), jnp.float32),
             jnp.zeros(b, jnp.int32))
     logprobs = jax.lax.cond(jnp.any(batch.num_logprobs >= 0), lambda: _raw_logprobs(logits, tokens), lambda: none)
+    if config.pad_rows > b:
+        tokens = jnp.zeros(config.pad_rows, jnp.int32).at[:b].set(tokens)
     return SampledTokens(tokens, *logprobs)
 
 

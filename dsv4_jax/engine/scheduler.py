@@ -27,6 +27,11 @@ Policy, per rank:
   refused); the recompute of a preempted request is still split, as it must be.
 * `update` finishes a request that reached max_tokens ("length", checked before any stop
   condition, as vLLM does); the engine finishes it for a stop token or string with `finish`.
+* Async scheduling: `schedule` may run once more before the last step's `update` (the device
+  still computes it). It then takes that step as done: each row's chunk counts as computed and
+  each sampling row's token is a PLACEHOLDER, which the next step reads on the device and
+  `update` fills in later. A request whose placeholder brings it to max_tokens gets no new row;
+  one that the engine stops at `update` loses the row already scheduled (its token is dropped).
 
 Data parallelism: each rank has its own allocators, queues and step; a request is pinned at `add`
 to the rank with the fewest unfinished requests. Plain Python: no jax here.
@@ -40,7 +45,7 @@ import math
 from typing import Any
 
 from dsv4_jax.engine.block_manager import BlockManager
-from dsv4_jax.engine.request import Request, RequestStatus
+from dsv4_jax.engine.request import PLACEHOLDER, Request, RequestStatus
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,7 +163,10 @@ class Scheduler:
         self._requests: dict[str, Request] = {}  # every unfinished request
         self._last_served: dict[str, int] = {}  # request id -> step it last had a row in
         self._decode_turn = [False] * c.dp_size  # alternation when decodes fill a prefill step
-        self._pending: SchedulerOutput | None = None  # scheduled, not yet updated
+        # Scheduled, not yet updated: at most two (async scheduling), oldest first; the ids of
+        # those already taken as done by a later schedule().
+        self._pending: collections.deque[SchedulerOutput] = collections.deque()
+        self._taken_as_done: set[int] = set()
         self._step = 0
         self.num_preemptions = 0  # vllm:num_preemptions_total
 
@@ -241,9 +249,12 @@ class Scheduler:
 
     # ---- one step ---------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        """The rows of the next runner step, every rank's; `update` must follow before the next."""
-        if self._pending is not None:
-            raise RuntimeError("schedule() called twice without update(): the last step's rows are not applied")
+        """The rows of the next runner step, every rank's. With one step not yet updated, it is
+        taken as done (async scheduling, module doc); with two, this is an error."""
+        if len(self._pending) > 1:
+            raise RuntimeError("schedule() called with two steps not updated: update() the oldest first")
+        if self._pending and id(self._pending[0]) not in self._taken_as_done:
+            self._take_as_done(self._pending[0])
         rows: list[ScheduledRow] = []
         preempted: list[str] = []
         for rank in range(self.config.dp_size):
@@ -253,12 +264,23 @@ class Scheduler:
             rows += plan.rows()
         self._step += 1
         output = SchedulerOutput(tuple(rows), tuple(preempted))
-        self._pending = output if rows else None
+        if rows:
+            self._pending.append(output)
         return output
+
+    def _take_as_done(self, output: SchedulerOutput) -> None:
+        self._taken_as_done.add(id(output))
+        for row in output.rows:
+            request = row.request
+            if request.status is RequestStatus.RUNNING:
+                request.num_computed_tokens += len(row.token_ids)
+                if row.is_sampling:
+                    request.output_token_ids.append(PLACEHOLDER)
 
     def _plan_rank(self, rank: int, preempted: list[str]) -> _StepPlan:
         c = self.config
-        running = self._running[rank]
+        # A request whose pending token is its last (max_tokens) is finished by update, not run.
+        running = [r for r in self._running[rank] if r.num_output_tokens < r.max_tokens]
         decodes = sorted((r for r in running if r.num_tokens - r.num_computed_tokens == 1),
                          key=lambda r: self._last_served[r.request_id])  # stable: admission order on ties
         partial = any(r.num_tokens - r.num_computed_tokens > 1 for r in running)
@@ -292,7 +314,8 @@ class Scheduler:
 
     def _add_prefills(self, rank: int, plan: _StepPlan, preempted: list[str]) -> None:
         c, running, waiting = self.config, self._running[rank], self._waiting[rank]
-        for request in [r for r in running if r.num_tokens - r.num_computed_tokens > 1]:
+        for request in [r for r in running if r.num_tokens - r.num_computed_tokens > 1
+                        and r.num_output_tokens < r.max_tokens]:
             if plan.full:
                 return
             if request.status is RequestStatus.RUNNING:
@@ -301,6 +324,8 @@ class Scheduler:
         bm = self.block_managers[rank]
         while waiting and not plan.full and len(running) < c.max_num_seqs and bm.num_free_slots:
             request = waiting[0]
+            if request.num_output_tokens >= request.max_tokens:  # preempted with its last token pending
+                return
             n = min(request.num_tokens, c.max_prefill_tokens, plan.budget_left)
             unsplit_prompt = not c.enable_chunked_prefill and not request.output_token_ids
             if (unsplit_prompt and n < request.num_tokens) or not bm.allocate_blocks(request, n):
@@ -329,23 +354,34 @@ class Scheduler:
         plan.add(request, n)
 
     def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Apply a finished runner step: advance each row's request by its chunk and append the
-        sampled token of its sampling rows (`sampled`: request id -> token). Rows of requests
-        finished or aborted since `schedule` are ignored. Returns the requests that got a token;
-        those that reached max_tokens are finished ("length")."""
-        if output.rows and output is not self._pending:
-            raise ValueError("update() takes the output of the last schedule(), once")
-        live = [row for row in output.rows if row.request.status is RequestStatus.RUNNING]
+        """Apply a finished runner step (the oldest not updated): advance each row's request by its
+        chunk and give each sampling row its token (`sampled`: request id -> token), or, for a step
+        already taken as done, fill in its placeholders. Rows of requests finished or aborted since
+        `schedule` are ignored. Returns the requests that got a token; those that reached
+        max_tokens are finished ("length")."""
+        if output.rows and (not self._pending or output is not self._pending[0]):
+            raise ValueError("update() takes the oldest step not updated yet, once")
+        taken = id(output) in self._taken_as_done
+        # Taken as done: a request preempted since still gets its token (its outputs hold it).
+        live = [row for row in output.rows if not row.request.status.finished
+                and (taken or row.request.status is RequestStatus.RUNNING)]
         missing = [row.request.request_id for row in live if row.is_sampling and row.request.request_id not in sampled]
         if missing:
             raise ValueError(f"no sampled token for the sampling rows of requests {missing}")
-        self._pending = None
+        if output.rows:
+            self._pending.popleft()
+            self._taken_as_done.discard(id(output))
         got = []
         for row in live:
             request = row.request
-            request.num_computed_tokens += len(row.token_ids)
+            if not taken:
+                request.num_computed_tokens += len(row.token_ids)
             if row.is_sampling:
-                request.output_token_ids.append(int(sampled[request.request_id]))
+                token = int(sampled[request.request_id])
+                if taken:  # the placeholder sits right after the row's chunk
+                    request.output_token_ids[row.start + len(row.token_ids) - len(request.prompt_token_ids)] = token
+                else:
+                    request.output_token_ids.append(token)
                 got.append(request)
                 if request.num_output_tokens >= request.max_tokens:
                     self.finish(request.request_id, RequestStatus.FINISHED_LENGTH)
