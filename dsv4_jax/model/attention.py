@@ -20,6 +20,7 @@ from dsv4_jax.model.indexer import Indexer
 from dsv4_jax.model.layers import Linear, RMSNorm, rms_normalize
 from dsv4_jax.model.options import ForwardOptions
 from dsv4_jax.model.rope import apply_rope
+from dsv4_jax.sharding import EMBED, GROUP_HEAD_DIMS, HEAD_DIMS, HEADS, KV_DIM, O_GROUP_RANKS, Q_LORA
 
 
 class Attention(nnx.Module):
@@ -29,15 +30,21 @@ class Attention(nnx.Module):
         self.n_heads, self.head_dim, self.rope_dim = c.num_attention_heads, c.head_dim, c.qk_rope_head_dim
         self.window, self.eps = c.sliding_window, c.rms_norm_eps
         self.o_groups, self.o_lora_rank = c.o_groups, c.o_lora_rank
-        self.wq_a = Linear(c.hidden_size, c.q_lora_rank, c, quantized=True)
+        self.wq_a = Linear(c.hidden_size, c.q_lora_rank, c, quantized=True, axes=(Q_LORA, EMBED))
         self.q_norm = RMSNorm(c.q_lora_rank, c.rms_norm_eps)
-        self.wq_b = Linear(c.q_lora_rank, c.num_attention_heads * c.head_dim, c, quantized=True)
-        self.wkv = Linear(c.hidden_size, c.head_dim, c, quantized=True)
+        # Heads split over the tensor axis: wq_b's rows are heads x head_dim, head-major.
+        self.wq_b = Linear(
+            c.q_lora_rank, c.num_attention_heads * c.head_dim, c, quantized=True, axes=(HEAD_DIMS, Q_LORA)
+        )
+        self.wkv = Linear(c.hidden_size, c.head_dim, c, quantized=True, axes=(KV_DIM, EMBED))
         self.kv_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
         group_in = c.num_attention_heads * c.head_dim // c.o_groups
-        self.wo_a = Linear(group_in, c.o_groups * c.o_lora_rank, c, quantized=True)
-        self.wo_b = Linear(c.o_groups * c.o_lora_rank, c.hidden_size, c, quantized=True)
-        self.attn_sink = nnx.Param(jnp.zeros((c.num_attention_heads,), jnp.float32))
+        # Output groups split with the heads they read (group g holds heads [g*H/G, (g+1)*H/G)).
+        self.wo_a = Linear(
+            group_in, c.o_groups * c.o_lora_rank, c, quantized=True, axes=(O_GROUP_RANKS, GROUP_HEAD_DIMS)
+        )
+        self.wo_b = Linear(c.o_groups * c.o_lora_rank, c.hidden_size, c, quantized=True, axes=(EMBED, O_GROUP_RANKS))
+        self.attn_sink = nnx.Param(jnp.zeros((c.num_attention_heads,), jnp.float32), axes=(HEADS,))
         if layer_type != SLIDING:
             self.compressor = Compressor(c, ratio, c.head_dim, overlap=layer_type == CSA)
         if layer_type == CSA:

@@ -15,6 +15,7 @@ from dsv4_jax.model.hyper_connection import hc_post, hc_pre
 from dsv4_jax.model.layers import RMSNorm
 from dsv4_jax.model.moe import MoE
 from dsv4_jax.model.options import ForwardOptions
+from dsv4_jax.sharding import HC
 
 
 class Block(nnx.Module):
@@ -28,9 +29,9 @@ class Block(nnx.Module):
         self.ffn = MoE(c, hash_routed)
         mix = (2 + n) * n
         for site in ("attn", "ffn"):
-            setattr(self, f"hc_{site}_fn", nnx.Param(jnp.zeros((mix, n * c.hidden_size), jnp.float32)))
-            setattr(self, f"hc_{site}_base", nnx.Param(jnp.zeros((mix,), jnp.float32)))
-            setattr(self, f"hc_{site}_scale", nnx.Param(jnp.zeros((3,), jnp.float32)))
+            setattr(self, f"hc_{site}_fn", nnx.Param(jnp.zeros((mix, n * c.hidden_size), jnp.float32), axes=(HC, HC)))
+            setattr(self, f"hc_{site}_base", nnx.Param(jnp.zeros((mix,), jnp.float32), axes=(HC,)))
+            setattr(self, f"hc_{site}_scale", nnx.Param(jnp.zeros((3,), jnp.float32), axes=(HC,)))
 
     def _hc_pre(self, streams: jax.Array, site: str):
         c = self.config

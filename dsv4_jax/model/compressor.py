@@ -19,6 +19,7 @@ from dsv4_jax.config import DeepseekV4Config
 from dsv4_jax.model.layers import Linear, RMSNorm
 from dsv4_jax.model.rope import apply_rope, rope_angles
 from dsv4_jax.pytrees import pytree_dataclass
+from dsv4_jax.sharding import COMPRESS, EMBED
 
 
 @pytree_dataclass
@@ -113,9 +114,9 @@ class Compressor(nnx.Module):
     def __init__(self, config: DeepseekV4Config, ratio: int, head_dim: int, overlap: bool):
         self.ratio, self.head_dim, self.overlap = ratio, head_dim, overlap
         width = (2 if overlap else 1) * head_dim
-        self.wkv = Linear(config.hidden_size, width, config, quantized=False)
-        self.wgate = Linear(config.hidden_size, width, config, quantized=False)
-        self.ape = nnx.Param(jnp.zeros((ratio, width), jnp.float32))
+        self.wkv = Linear(config.hidden_size, width, config, quantized=False, axes=(COMPRESS, EMBED))
+        self.wgate = Linear(config.hidden_size, width, config, quantized=False, axes=(COMPRESS, EMBED))
+        self.ape = nnx.Param(jnp.zeros((ratio, width), jnp.float32), axes=(COMPRESS, COMPRESS))
         self.norm = RMSNorm(head_dim, config.rms_norm_eps)
 
     def project(

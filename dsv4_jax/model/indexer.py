@@ -14,6 +14,7 @@ from dsv4_jax.model import kv_rounding
 from dsv4_jax.model.compressor import Compressor
 from dsv4_jax.model.layers import Linear
 from dsv4_jax.model.rope import apply_rope
+from dsv4_jax.sharding import EMBED, INDEXER, Q_LORA
 
 
 class Indexer(nnx.Module):
@@ -22,8 +23,12 @@ class Indexer(nnx.Module):
     def __init__(self, config: DeepseekV4Config, ratio: int):
         self.n_heads, self.head_dim, self.topk = config.index_n_heads, config.index_head_dim, config.index_topk
         self.ratio = ratio
-        self.wq_b = Linear(config.q_lora_rank, self.n_heads * self.head_dim, config, quantized=True)
-        self.weights_proj = Linear(config.hidden_size, self.n_heads, config, quantized=False)
+        # Replicated: its head-summed scores pick entries by top-k, and a sharded sum's
+        # reduction order could flip near-ties.
+        self.wq_b = Linear(
+            config.q_lora_rank, self.n_heads * self.head_dim, config, quantized=True, axes=(INDEXER, Q_LORA)
+        )
+        self.weights_proj = Linear(config.hidden_size, self.n_heads, config, quantized=False, axes=(INDEXER, EMBED))
         self.compressor = Compressor(config, ratio, self.head_dim, overlap=True)
 
     def queries(self, q_latent: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:

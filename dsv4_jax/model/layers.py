@@ -15,6 +15,7 @@ from flax import nnx
 
 from dsv4_jax import weights as wfmt
 from dsv4_jax.config import DeepseekV4Config, num_blocks
+from dsv4_jax.sharding import EMBED, NORM, VOCAB
 
 # Placeholder dtype of tensors DeepSeek stores in bf16 (the abstract model's shapes and dtypes);
 # loading takes whatever dtype the checkpoint file has (transformers saves float32).
@@ -34,7 +35,7 @@ def rms_normalize(x: jax.Array, eps: float) -> jax.Array:
 
 class RMSNorm(nnx.Module):
     def __init__(self, dim: int, eps: float):
-        self.weight = nnx.Param(jnp.ones((dim,), STORED_DTYPE))
+        self.weight = nnx.Param(jnp.ones((dim,), STORED_DTYPE), axes=(NORM,))
         self.eps = eps
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -42,20 +43,30 @@ class RMSNorm(nnx.Module):
 
 
 class Linear(nnx.Module):
-    """y = x @ W^T with W [out, in] in the checkpoint's format; `quantized` selects FP8 blocks."""
+    """y = x @ W^T with W [out, in] in the checkpoint's format; `quantized` selects FP8 blocks.
+    `axes` are the logical axis names (`dsv4_jax.sharding`) of [out, in]; the block scales
+    carry the same names, so they split along the same mesh axes as the weight (None: undeclared,
+    which `sharding.partition_spec` refuses; only standalone test linears leave it out)."""
 
-    def __init__(self, in_features: int, out_features: int, config: DeepseekV4Config, quantized: bool):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        config: DeepseekV4Config,
+        quantized: bool,
+        axes: tuple[str, str] | None = None,
+    ):
         self.quantized = quantized and config.quantized
         if self.quantized:
             bo, bi = config.quantization.weight_block_size
             scale_dtype = jnp.uint8 if config.quantization.scale_fmt == "ue8m0" else jnp.float32
             self.block = (bo, bi)
-            self.weight = nnx.Param(jnp.zeros((out_features, in_features), jnp.float8_e4m3fn))
+            self.weight = nnx.Param(jnp.zeros((out_features, in_features), jnp.float8_e4m3fn), axes=axes)
             self.scale = nnx.Param(
-                jnp.zeros((num_blocks(out_features, bo), num_blocks(in_features, bi)), scale_dtype)
+                jnp.zeros((num_blocks(out_features, bo), num_blocks(in_features, bi)), scale_dtype), axes=axes
             )
         else:
-            self.weight = nnx.Param(jnp.zeros((out_features, in_features), STORED_DTYPE))
+            self.weight = nnx.Param(jnp.zeros((out_features, in_features), STORED_DTYPE), axes=axes)
 
     def dequantized(self, dtype) -> jax.Array:  # [out, in]
         if self.quantized:
@@ -101,7 +112,7 @@ def float32_matmul_bf16(
 
 class Embedding(nnx.Module):
     def __init__(self, vocab_size: int, dim: int):
-        self.weight = nnx.Param(jnp.zeros((vocab_size, dim), STORED_DTYPE))
+        self.weight = nnx.Param(jnp.zeros((vocab_size, dim), STORED_DTYPE), axes=(VOCAB, EMBED))
 
     def __call__(self, token_ids: jax.Array, dtype) -> jax.Array:
         return self.weight[...][token_ids].astype(dtype)

@@ -21,29 +21,34 @@ from flax import nnx
 from dsv4_jax import weights as wfmt
 from dsv4_jax.config import DeepseekV4Config, num_blocks
 from dsv4_jax.model.layers import STORED_DTYPE, Linear
+from dsv4_jax.sharding import EMBED, EXPERTS, HASH_VOCAB, MOE_FFN, ROUTER, SHARED_FFN
 
 # Tiles at most this many at a time through the experts (bounds the gathered-weight memory).
 _TILES_PER_STEP = 64
 
 
 class ExpertWeights(nnx.Module):
-    """One projection of all routed experts, stacked: weight [experts, out, in] as stored."""
+    """One projection of all routed experts, stacked: weight [experts, out, in] as stored.
+    `axes`: logical names of [experts, out, in], shared by the scales."""
 
-    def __init__(self, n_experts: int, in_features: int, out_features: int, config: DeepseekV4Config):
+    def __init__(
+        self, n_experts: int, in_features: int, out_features: int, config: DeepseekV4Config, axes: tuple[str, str, str]
+    ):
         self.format = config.expert_dtype if config.quantized else None
         if self.format == "fp4":
-            self.weight = nnx.Param(jnp.zeros((n_experts, out_features, in_features // 2), jnp.uint8))
-            self.scale = nnx.Param(jnp.zeros((n_experts, out_features, in_features // 32), jnp.uint8))
+            self.weight = nnx.Param(jnp.zeros((n_experts, out_features, in_features // 2), jnp.uint8), axes=axes)
+            self.scale = nnx.Param(jnp.zeros((n_experts, out_features, in_features // 32), jnp.uint8), axes=axes)
         elif self.format == "fp8":
             bo, bi = config.quantization.weight_block_size
             self.block = (bo, bi)
             scale_dtype = jnp.uint8 if config.quantization.scale_fmt == "ue8m0" else jnp.float32
-            self.weight = nnx.Param(jnp.zeros((n_experts, out_features, in_features), jnp.float8_e4m3fn))
+            self.weight = nnx.Param(jnp.zeros((n_experts, out_features, in_features), jnp.float8_e4m3fn), axes=axes)
             self.scale = nnx.Param(
-                jnp.zeros((n_experts, num_blocks(out_features, bo), num_blocks(in_features, bi)), scale_dtype)
+                jnp.zeros((n_experts, num_blocks(out_features, bo), num_blocks(in_features, bi)), scale_dtype),
+                axes=axes,
             )
         else:
-            self.weight = nnx.Param(jnp.zeros((n_experts, out_features, in_features), STORED_DTYPE))
+            self.weight = nnx.Param(jnp.zeros((n_experts, out_features, in_features), STORED_DTYPE), axes=axes)
 
     def gather(self, experts: jax.Array, dtype) -> jax.Array:
         """Dequantised weights of the given experts. experts [n] -> [n, out, in]"""
@@ -68,9 +73,9 @@ def swiglu(gate: jax.Array, up: jax.Array, limit: float) -> jax.Array:
 class SharedExpert(nnx.Module):
     def __init__(self, config: DeepseekV4Config):
         width = config.n_shared_experts * config.moe_intermediate_size
-        self.w1 = Linear(config.hidden_size, width, config, quantized=True)
-        self.w2 = Linear(width, config.hidden_size, config, quantized=True)
-        self.w3 = Linear(config.hidden_size, width, config, quantized=True)
+        self.w1 = Linear(config.hidden_size, width, config, quantized=True, axes=(SHARED_FFN, EMBED))
+        self.w2 = Linear(width, config.hidden_size, config, quantized=True, axes=(EMBED, SHARED_FFN))
+        self.w3 = Linear(config.hidden_size, width, config, quantized=True, axes=(SHARED_FFN, EMBED))
         self.limit = config.swiglu_limit
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -84,11 +89,15 @@ class Gate(nnx.Module):
         self.top_k, self.scoring = config.num_experts_per_tok, config.scoring_func
         self.renormalize = config.norm_topk_prob or config.scoring_func != "softmax"
         self.scaling = config.routed_scaling_factor
-        self.weight = nnx.Param(jnp.zeros((config.n_routed_experts, config.hidden_size), STORED_DTYPE))
+        self.weight = nnx.Param(
+            jnp.zeros((config.n_routed_experts, config.hidden_size), STORED_DTYPE), axes=(ROUTER, EMBED)
+        )
         if hash_routed:
-            self.tid2eid = nnx.Param(jnp.zeros((config.vocab_size, config.num_experts_per_tok), jnp.int32))
+            self.tid2eid = nnx.Param(
+                jnp.zeros((config.vocab_size, config.num_experts_per_tok), jnp.int32), axes=(HASH_VOCAB, ROUTER)
+            )
         elif config.topk_method == "noaux_tc":
-            self.bias = nnx.Param(jnp.zeros((config.n_routed_experts,), jnp.float32))
+            self.bias = nnx.Param(jnp.zeros((config.n_routed_experts,), jnp.float32), axes=(ROUTER,))
 
     def __call__(self, x: jax.Array, token_ids: jax.Array) -> tuple[jax.Array, jax.Array]:
         """x [tokens, hidden], token_ids [tokens] -> (experts [tokens, k] int32, weights [tokens, k] f32)"""
@@ -144,9 +153,9 @@ class MoE(nnx.Module):
 class RoutedExperts(nnx.Module):
     def __init__(self, config: DeepseekV4Config):
         e, d, f = config.n_routed_experts, config.hidden_size, config.moe_intermediate_size
-        self.w1 = ExpertWeights(e, d, f, config)
-        self.w2 = ExpertWeights(e, f, d, config)
-        self.w3 = ExpertWeights(e, d, f, config)
+        self.w1 = ExpertWeights(e, d, f, config, axes=(EXPERTS, MOE_FFN, EMBED))
+        self.w2 = ExpertWeights(e, f, d, config, axes=(EXPERTS, EMBED, MOE_FFN))
+        self.w3 = ExpertWeights(e, d, f, config, axes=(EXPERTS, MOE_FFN, EMBED))
         self.n_experts = e
 
     def __call__(

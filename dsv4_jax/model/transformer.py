@@ -23,6 +23,7 @@ from dsv4_jax.model.hyper_connection import hc_head
 from dsv4_jax.model.layers import Embedding, Linear, RMSNorm
 from dsv4_jax.model.options import ForwardOptions
 from dsv4_jax.model.rope import layer_frequencies, rope_angles
+from dsv4_jax.sharding import EMBED, HC, LAYERS, VOCAB
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +86,11 @@ class BlockStack(nnx.Module):
             return nnx.List([Block(config, k.layer_type, k.ratio, k.hash_routed) for k in segment.kinds])
 
         self.units = nnx.vmap(make_unit, in_axes=0, out_axes=0)(jnp.arange(segment.count))
+        # nnx.vmap stacks the values, not the declared axes: name the new leading axis.
+        for _, variable in nnx.iter_graph(self.units):
+            axes = variable.get_metadata().get("axes") if isinstance(variable, nnx.Variable) else None
+            if axes is not None:  # undeclared axes stay None, for `sharding.partition_spec` to report
+                variable.set_metadata(axes=(LAYERS, *axes))
 
     def __call__(self, streams, token_ids, tables, options, core):
         kinds = self.segment.kinds
@@ -121,14 +127,14 @@ class MTPBlock(Block):
     def __init__(self, config: DeepseekV4Config):
         super().__init__(config, SLIDING, 0, hash_routed=False)
         c, n = config, config.hc_mult
-        self.e_proj = Linear(c.hidden_size, c.hidden_size, c, quantized=True)
-        self.h_proj = Linear(c.hidden_size, c.hidden_size, c, quantized=True)
+        self.e_proj = Linear(c.hidden_size, c.hidden_size, c, quantized=True, axes=(EMBED, EMBED))
+        self.h_proj = Linear(c.hidden_size, c.hidden_size, c, quantized=True, axes=(EMBED, EMBED))
         self.enorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.hnorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.hc_head_fn = nnx.Param(jnp.zeros((n, n * c.hidden_size), jnp.float32))
-        self.hc_head_base = nnx.Param(jnp.zeros((n,), jnp.float32))
-        self.hc_head_scale = nnx.Param(jnp.zeros((1,), jnp.float32))
+        self.hc_head_fn = nnx.Param(jnp.zeros((n, n * c.hidden_size), jnp.float32), axes=(HC, HC))
+        self.hc_head_base = nnx.Param(jnp.zeros((n,), jnp.float32), axes=(HC,))
+        self.hc_head_scale = nnx.Param(jnp.zeros((1,), jnp.float32), axes=(HC,))
 
 
 class DeepseekV4(nnx.Module):
@@ -144,10 +150,10 @@ class DeepseekV4(nnx.Module):
             ]
         )
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.head = Linear(c.hidden_size, c.vocab_size, c, quantized=False)
-        self.hc_head_fn = nnx.Param(jnp.zeros((n, n * c.hidden_size), jnp.float32))
-        self.hc_head_base = nnx.Param(jnp.zeros((n,), jnp.float32))
-        self.hc_head_scale = nnx.Param(jnp.zeros((1,), jnp.float32))
+        self.head = Linear(c.hidden_size, c.vocab_size, c, quantized=False, axes=(VOCAB, EMBED))
+        self.hc_head_fn = nnx.Param(jnp.zeros((n, n * c.hidden_size), jnp.float32), axes=(HC, HC))
+        self.hc_head_base = nnx.Param(jnp.zeros((n,), jnp.float32), axes=(HC,))
+        self.hc_head_scale = nnx.Param(jnp.zeros((1,), jnp.float32), axes=(HC,))
         self.mtp = nnx.List([MTPBlock(c) for _ in range(c.num_nextn_predict_layers if mtp else 0)])
 
     # ---- pieces -------------------------------------------------------------------------

@@ -1,0 +1,173 @@
+"""Sharding the model over a device mesh: logical axis names, the mesh, and the one rules table.
+
+Every parameter declares, where it is defined, one logical axis name per dimension (the
+`axes` metadata of its `nnx.Param`; block scales carry the axes of the weight they scale, so a
+scale always splits along the same mesh axis as its weight). `mesh_axis_rules` translates logical
+names to mesh axes in one place; `param_shardings` applies it to a model state and refuses a
+dimension that does not divide by its mesh axes (never a silent replicate) and two logical axes
+of one tensor claiming the same mesh axis.
+
+The mesh has two named axes, `data` x `tensor`. Query heads, the grouped output projection,
+the shared expert's intermediate dimension and the vocabulary go over `tensor`. Routed experts
+go over the expert axis (`data` x `tensor`) with expert parallelism, else along their
+intermediate dimension over `tensor` (replicating every expert on every device cannot fit
+DeepSeek-V4-Flash on two GPUs). Everything else (norms, mHC, router, compressors, the lightning
+indexer, the shared K=V projection) is small and replicated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+if TYPE_CHECKING:
+    from dsv4_jax.loading import CausalLM
+
+# ---- mesh axes -------------------------------------------------------------------------------
+DATA, TENSOR = "data", "tensor"
+MESH_AXES = (DATA, TENSOR)
+
+# ---- logical axes (the names parameters declare) ---------------------------------------------
+LAYERS = "layers"  # the repetition axis of stacked layers
+EMBED = "embed"  # hidden size
+VOCAB = "vocab"  # vocabulary rows of the embedding and the head
+NORM = "norm"  # an RMSNorm weight, whatever it normalises
+Q_LORA = "q_lora"  # the query latent
+HEADS = "heads"  # query heads (the attention sinks)
+HEAD_DIMS = "head_dims"  # query heads x head_dim, flattened (wq_b's rows, wo_a's columns)
+KV_DIM = "kv_dim"  # the single shared K=V head
+O_GROUP_RANKS = "o_group_ranks"  # o_groups x o_lora_rank, flattened (wo_a's rows, wo_b's columns)
+GROUP_HEAD_DIMS = "group_head_dims"  # one output group's heads x head_dim (wo_a's columns)
+COMPRESS = "compress"  # compressor projections and positional biases
+INDEXER = "indexer"  # lightning indexer heads and dims
+ROUTER = "router"  # gate rows (one per routed expert), its bias and the hash table
+HASH_VOCAB = "hash_vocab"  # tid2eid rows: small int32, replicated
+EXPERTS = "experts"  # routed experts
+MOE_FFN = "moe_ffn"  # a routed expert's intermediate dimension
+SHARED_FFN = "shared_ffn"  # the shared expert's intermediate dimension
+HC = "hc"  # mHC mixing parameters
+
+_REPLICATED = (LAYERS, EMBED, NORM, Q_LORA, KV_DIM, GROUP_HEAD_DIMS, COMPRESS, INDEXER, ROUTER, HASH_VOCAB, HC)
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelConfig:
+    """vLLM's `--tensor-parallel-size`, `--data-parallel-size`, `--enable-expert-parallel`."""
+
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    enable_expert_parallel: bool = False
+
+    def __post_init__(self):
+        for name in ("tensor_parallel_size", "data_parallel_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} (--{name.replace('_', '-')}) must be an integer >= 1, got {value!r}")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.data_parallel_size
+
+    @property
+    def expert_parallel_size(self) -> int:
+        return self.world_size if self.enable_expert_parallel else 1
+
+
+def mesh_axis_rules(parallel: ParallelConfig) -> dict[str, tuple[str, ...]]:
+    """THE table: logical axis -> the mesh axes it splits over (empty: replicated)."""
+    experts_split = (DATA, TENSOR) if parallel.enable_expert_parallel else ()
+    rules = {name: () for name in _REPLICATED}
+    rules |= {
+        VOCAB: (TENSOR,),
+        HEADS: (TENSOR,),
+        HEAD_DIMS: (TENSOR,),
+        O_GROUP_RANKS: (TENSOR,),
+        SHARED_FFN: (TENSOR,),
+        EXPERTS: experts_split,
+        MOE_FFN: () if parallel.enable_expert_parallel else (TENSOR,),
+    }
+    return rules
+
+
+def make_mesh(parallel: ParallelConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """A (data, tensor) mesh over the first data x tensor devices (as vLLM, extra ones stay idle)."""
+    devices = list(jax.devices() if devices is None else devices)
+    if len(devices) < parallel.world_size:
+        raise ValueError(
+            f"--tensor-parallel-size {parallel.tensor_parallel_size} x --data-parallel-size "
+            f"{parallel.data_parallel_size} needs {parallel.world_size} devices, but {len(devices)} are visible"
+        )
+    grid = np.array(devices[: parallel.world_size], dtype=object)
+    return Mesh(grid.reshape(parallel.data_parallel_size, parallel.tensor_parallel_size), MESH_AXES)
+
+
+def partition_spec(
+    name: str,
+    shape: tuple[int, ...],
+    axes: tuple[str, ...] | None,
+    rules: dict[str, tuple[str, ...]],
+    mesh_shape: Mapping[str, int],
+) -> PartitionSpec:
+    """The PartitionSpec of parameter `name` (shape, logical axes) under `rules` on a mesh of
+    `mesh_shape` ({axis name: size}, e.g. `Mesh.shape`)."""
+    if axes is None:
+        raise ValueError(f"parameter {name} {shape} declares no logical axes (nnx.Param(..., axes=...))")
+    if len(axes) != len(shape):
+        raise ValueError(f"parameter {name} has shape {shape} but declares {len(axes)} logical axes {axes}")
+    unknown = [a for a in axes if a not in rules]
+    if unknown:
+        raise ValueError(f"parameter {name} declares logical axes {unknown} that the sharding rules do not know")
+    claimed: dict[str, str] = {}
+    spec = []
+    for size, logical in zip(shape, axes):
+        mesh_axes = rules[logical]
+        for axis in mesh_axes:
+            if axis in claimed:
+                raise ValueError(
+                    f"parameter {name} {shape}: logical axes {claimed[axis]!r} and {logical!r} both claim "
+                    f"mesh axis {axis!r}"
+                )
+            claimed[axis] = logical
+        parts = math.prod(mesh_shape[a] for a in mesh_axes)
+        if size % parts:
+            raise ValueError(
+                f"parameter {name} {shape}: dimension {logical!r} of size {size} does not divide by mesh axes "
+                f"{mesh_axes} of size {parts}"
+            )
+        spec.append(None if not mesh_axes or parts == 1 else mesh_axes[0] if len(mesh_axes) == 1 else mesh_axes)
+    return PartitionSpec(*spec)
+
+
+def partition_specs(model_state: nnx.State, mesh_shape: Mapping[str, int], parallel: ParallelConfig) -> nnx.State:
+    """The PartitionSpec of every leaf of an NNX state (same tree), from its declared axes.
+    Needs only the mesh's shape, so abstract states (`nnx.eval_shape`) of any size can be checked."""
+    rules = mesh_axis_rules(parallel)
+
+    def spec(path: tuple[Any, ...], variable: nnx.Variable) -> PartitionSpec:
+        name = ".".join(str(p) for p in path)
+        shape = tuple(variable.get_value().shape)
+        return partition_spec(name, shape, variable.get_metadata().get("axes"), rules, mesh_shape)
+
+    return nnx.map_state(spec, model_state)
+
+
+def param_shardings(model_state: nnx.State, mesh: Mesh, parallel: ParallelConfig) -> nnx.State:
+    """The NamedSharding of every leaf of an NNX state (same tree), from its declared axes."""
+    specs = partition_specs(model_state, mesh.shape, parallel)
+    return jax.tree.map(
+        lambda spec: NamedSharding(mesh, spec), specs, is_leaf=lambda x: isinstance(x, PartitionSpec)
+    )
+
+
+def shard_model(model: CausalLM, mesh: Mesh, parallel: ParallelConfig) -> CausalLM:
+    """Place a loaded model's weights in their shards (in place; returns the model)."""
+    shardings = param_shardings(model.state, mesh, parallel)
+    model.state = jax.device_put(model.state, shardings)
+    return model

@@ -1,0 +1,187 @@
+"""Sharding (`dsv4_jax/sharding.py`): the rules table and the declared axes in this process (one
+device; abstract states for real sizes), the sharded full forward on 8 CPU devices in one
+subprocess (`tests/sharding_worker.py`; XLA_FLAGS must be set before jax is imported)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+import dsv4_jax
+from dsv4_jax import sharding as sh
+from dsv4_jax.model.transformer import DeepseekV4
+from dsv4_jax.presets import get_config
+
+WORKER = Path(__file__).with_name("sharding_worker.py")
+EP_MESHES = ("dp2_tp2_ep", "dp8_ep")
+LOGICAL_AXES = set(sh.mesh_axis_rules(sh.ParallelConfig()))
+
+
+def flat(state: nnx.State) -> dict[str, nnx.Variable]:
+    return {".".join(map(str, path)): v for path, v in nnx.to_flat_state(state)}
+
+
+def assert_every_parameter_declares_axes(state: nnx.State) -> None:
+    leaves = flat(state)
+    for name, variable in leaves.items():
+        axes, shape = variable.get_metadata().get("axes"), variable.get_value().shape
+        assert axes is not None and len(axes) == len(shape), (name, axes, shape)
+        assert set(axes) <= LOGICAL_AXES, (name, axes)
+        if name.endswith(".scale"):  # a block scale splits as the weight it scales
+            assert axes == leaves[name[: -len("scale")] + "weight"].get_metadata()["axes"], name
+
+
+# ---- declarations and rules (this process) ---------------------------------------------------
+def test_every_parameter_of_the_preset_declares_its_axes():
+    state = nnx.split(nnx.eval_shape(lambda: DeepseekV4(get_config("dsv4-tiny-test"))))[1]
+    assert_every_parameter_declares_axes(state)
+
+
+def test_a_loaded_quantized_checkpoint_keeps_the_axes(tmp_path):
+    dsv4_jax.testing.write_random_checkpoint(tmp_path, "dsv4-tiny-test", seed=0, quantize="fp8", tokenizer=False)
+    model = dsv4_jax.load_model(tmp_path, dtype="float32")
+    assert any(name.endswith(".scale") for name in flat(model.state))
+    assert_every_parameter_declares_axes(model.state)
+    mesh = sh.make_mesh(sh.ParallelConfig())
+    shardings = sh.param_shardings(model.state, mesh, sh.ParallelConfig())
+    assert {s.mesh for s in jax.tree.leaves(shardings)} == {mesh}
+
+
+@pytest.mark.parametrize(
+    "parallel",
+    [
+        sh.ParallelConfig(tensor_parallel_size=8),
+        sh.ParallelConfig(tensor_parallel_size=2, data_parallel_size=4, enable_expert_parallel=True),
+    ],
+    ids=["tp8", "dp4_tp2_ep"],
+)
+def test_deepseek_v4_flash_splits_with_the_issue_rules(parallel):
+    """The real sizes (abstract: no arrays), stored quantized: heads and output groups over
+    `tensor`, experts over data x tensor with EP or along their intermediate dim without,
+    scales with their weights, small tensors replicated."""
+    state = nnx.split(nnx.eval_shape(lambda: DeepseekV4(get_config("dsv4-flash"))))[1]
+    mesh_shape = {sh.DATA: parallel.data_parallel_size, sh.TENSOR: parallel.tensor_parallel_size}
+    specs = {name: spec for name, spec in flat(sh.partition_specs(state, mesh_shape, parallel)).items()}
+    ep = parallel.enable_expert_parallel
+    layer = "segments.1."  # layer 2 alone (DeepSeek-V4-Flash's plan), no stacked axis
+    expected = {
+        "attn.wq_b.weight": P("tensor", None),
+        "attn.wq_b.scale": P("tensor", None),
+        "attn.attn_sink": P("tensor"),
+        "attn.wo_a.weight": P("tensor", None),
+        "attn.wo_b.scale": P(None, "tensor"),
+        "attn.wkv.weight": P(None, None),
+        "attn.indexer.wq_b.weight": P(None, None),
+        "ffn.gate.weight": P(None, None),
+        "ffn.shared_experts.w2.weight": P(None, "tensor"),
+        "ffn.experts.w1.weight": P(("data", "tensor"), None, None) if ep else P(None, "tensor", None),
+        "ffn.experts.w2.scale": P(("data", "tensor"), None, None) if ep else P(None, None, "tensor"),
+        "hc_attn_fn": P(None, None),
+    }
+    assert {k: specs[layer + k] for k in expected} == expected
+    assert specs["segments.2.units.0.attn.wq_b.weight"] == P(None, "tensor", None)  # stacked layers
+    assert specs["head.weight"] == P("tensor", None)
+
+
+def test_two_logical_axes_claiming_one_mesh_axis_is_an_error():
+    ep = sh.ParallelConfig(tensor_parallel_size=2, enable_expert_parallel=True)
+    rules = sh.mesh_axis_rules(ep)
+    with pytest.raises(ValueError, match=r"w\.weight .*'experts' and 'shared_ffn' both claim mesh axis 'tensor'"):
+        sh.partition_spec("w.weight", (8, 8), (sh.EXPERTS, sh.SHARED_FFN), rules, {"data": 1, "tensor": 2})
+
+
+def test_a_dimension_that_does_not_divide_is_an_error():
+    rules = sh.mesh_axis_rules(sh.ParallelConfig(tensor_parallel_size=4))
+    message = r"attn\.wq_b\.scale \(3, 1\).*size 3 does not divide by mesh axes \('tensor',\)"
+    with pytest.raises(ValueError, match=message):
+        sh.partition_spec("attn.wq_b.scale", (3, 1), (sh.HEAD_DIMS, sh.Q_LORA), rules, {"data": 1, "tensor": 4})
+
+
+def test_a_parameter_without_axes_is_an_error():
+    class Undeclared(nnx.Module):
+        def __init__(self):
+            self.w = nnx.Param(np.zeros((2, 2), np.float32))
+
+    state = nnx.split(Undeclared())[1]
+    with pytest.raises(ValueError, match=r"parameter w \(2, 2\) declares no logical axes"):
+        sh.partition_specs(state, {"data": 1, "tensor": 1}, sh.ParallelConfig())
+
+
+def test_too_few_devices_and_bad_sizes_are_errors():
+    message = r"--tensor-parallel-size 2 x --data-parallel-size 2 needs 4 devices, but 1 are visible"
+    with pytest.raises(ValueError, match=message):
+        sh.make_mesh(sh.ParallelConfig(tensor_parallel_size=2, data_parallel_size=2), devices=jax.devices()[:1])
+    message = r"tensor_parallel_size \(--tensor-parallel-size\) must be an integer >= 1, got 0"
+    with pytest.raises(ValueError, match=message):
+        sh.ParallelConfig(tensor_parallel_size=0)
+
+
+# ---- the sharded forward on 8 CPU devices (one subprocess) ------------------------------------
+@pytest.fixture(scope="module")
+def worker(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("sharding") / "result.json"
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    command = [sys.executable, str(WORKER), str(out)]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def weight_collectives(mesh: dict, matrix_shapes: list[list[int]], kinds: tuple[str, ...]) -> list:
+    """Collectives of `kinds` whose result carries an expert weight matrix [..., out, in]
+    (activations here are at most [rows, hidden] with 8 tokens, so they never end that way)."""
+    matrices = {tuple(m) for m in matrix_shapes}
+    found = []
+    for kind, shape in mesh["collectives"]:
+        arrays = [tuple(int(d) for d in dims.split(",") if d) for dims in re.findall(r"\w+\[([\d,]*)\]", shape)]
+        if kind in kinds and any(len(a) >= 2 and a[-2:] in matrices for a in arrays):
+            found.append((kind, shape))
+    return found
+
+
+def test_sharded_forward_equals_one_device(worker):
+    assert worker["devices"] == 8
+    for label, mesh in worker["meshes"].items():
+        assert mesh["rel_diff"] <= 1e-5, (label, mesh["rel_diff"])
+        # With more devices visible than tp x dp, the first ones are used (as vLLM).
+        assert mesh["device_ids"] == list(range(sh.ParallelConfig(**mesh["parallel"]).world_size)), label
+
+
+def test_each_device_holds_its_share_of_the_weights(worker):
+    for label, mesh in worker["meshes"].items():
+        parallel = sh.ParallelConfig(**mesh["parallel"])
+        tp = parallel.tensor_parallel_size
+        expert_split = parallel.world_size if parallel.enable_expert_parallel else tp
+        devices = mesh["device_ids"]
+        assert mesh["expert_bytes"] == {str(d): worker["expert_bytes_total"] // expert_split for d in devices}, label
+        assert mesh["query_bytes"] == {str(d): worker["query_bytes_total"] // tp for d in devices}, label
+
+
+def test_the_compiled_forward_gathers_no_expert_weights(worker):
+    for label, mesh in worker["meshes"].items():
+        assert not weight_collectives(mesh, worker["expert_matrix_shapes"], ("all-gather",)), label
+        kinds = {kind for kind, _ in mesh["collectives"]}
+        # Tensor parallelism reduces partial sums; nothing here moves tokens between devices.
+        assert kinds <= {"all-reduce"}, (label, kinds)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="under expert parallelism XLA partitions the MoE's per-tile expert gather (weight[experts]) "
+    "as a masked local gather + all-reduce of the gathered weights: weights cross devices, tokens "
+    "do not. Needs the routed experts run under shard_map (docs/architecture.md, Sharding)",
+)
+def test_expert_parallelism_moves_no_expert_weights(worker):
+    for label in EP_MESHES:
+        mesh = worker["meshes"][label]
+        assert not weight_collectives(mesh, worker["expert_matrix_shapes"], ("all-reduce", "all-gather")), label
