@@ -129,13 +129,26 @@ def build_llm(args: argparse.Namespace):
     return llm, time.perf_counter() - t0, counter.compiles, dict(cache)
 
 
-def timed_generate(llm, prompts: list[list[int]], max_tokens: int) -> dict:
-    """One timed greedy `llm.generate` of `prompts` with ignore_eos; see the module docstring."""
+def timed_generate(llm, prompts: list[list[int]], max_tokens: int, async_scheduling: bool = True) -> dict:
+    """One timed greedy `llm.generate` of `prompts` with ignore_eos; see the module docstring.
+    `device_wait_s`: time the host spent waiting for sampled tokens (jax.device_get); the rest
+    of the wall time is host work that did not overlap the device."""
+    import jax
+
     from dsv4_jax import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     stamps: dict[str, list[float]] = {}
     engine_step = llm.engine.step
+    llm.engine.async_scheduling = async_scheduling
+    device_get, waited = jax.device_get, [0.0]
+
+    def timed_device_get(x):
+        t = time.perf_counter()
+        try:
+            return device_get(x)
+        finally:
+            waited[0] += time.perf_counter() - t
 
     def stamped_step():
         outputs = engine_step()
@@ -145,12 +158,15 @@ def timed_generate(llm, prompts: list[list[int]], max_tokens: int) -> dict:
         return outputs
 
     llm.engine.step = stamped_step  # an instance attribute: shadows the method for this call only
+    jax.device_get = timed_device_get
     try:
         start = time.perf_counter()
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         wall = time.perf_counter() - start
     finally:
         del llm.engine.step
+        jax.device_get = device_get
+        llm.engine.async_scheduling = True
     token_ids = [o.outputs[0].token_ids for o in outs]
     if any(len(t) != max_tokens for t in token_ids):
         raise RuntimeError(f"expected {max_tokens} tokens per request, got {sorted({len(t) for t in token_ids})}")
@@ -159,6 +175,7 @@ def timed_generate(llm, prompts: list[list[int]], max_tokens: int) -> dict:
     batch = len(prompts)
     return {
         "batch": batch, "new_tokens": max_tokens, "output_tokens": batch * max_tokens, "wall_s": wall,
+        "async_scheduling": async_scheduling, "device_wait_s": waited[0], "host_s": wall - waited[0],
         "tokens_per_s": batch * max_tokens / wall, "ttft_s": statistics.median(ttfts), "ttft_max_s": max(ttfts),
         "decode_step_median_s": statistics.median(steps) if steps else None,
         "decode_tokens_per_s": batch / statistics.median(steps) if steps else None,
@@ -184,9 +201,12 @@ def run_ours(args: argparse.Namespace) -> dict:
         report["results"] = []
         for n in args.token_counts:
             for b in args.batch_sizes:
-                report["results"].append(timed_generate(llm, prompts[:b], n))
-                r = report["results"][-1]
-                print(f"# ours B={b} N={n}: {r['tokens_per_s']:.1f} tok/s, TTFT {r['ttft_s']:.2f} s", flush=True)
+                for overlap in (True, False):  # async scheduling on (the default), then off
+                    r = timed_generate(llm, prompts[:b], n, async_scheduling=overlap)
+                    (report["results"] if overlap else report.setdefault("results_sync", [])).append(r)
+                    print(f"# ours B={b} N={n} async={overlap}: {r['tokens_per_s']:.1f} tok/s, TTFT "
+                          f"{r['ttft_s']:.2f} s, host {r['host_s']:.2f} s, device wait {r['device_wait_s']:.2f} s",
+                          flush=True)
         report["compiles_during_runs"] = counter.compiles
     Path(args.out).write_text(json.dumps(report) + "\n")
     return 0
@@ -316,7 +336,14 @@ def markdown(reports: list[dict], header: dict) -> str:
                 f"{', '.join(sorted(set(r['cache_layer_classes'])))}; median decode step in the last quarter / first "
                 f"quarter = {_f(r['step_time_growth'])}"
                 for rep in reports for r in rep["transformers"].get("results", [])]
-    lines += ["", *ratios, "", *verdicts, "", *evidence, "",
+    overlap = ["| model | B | async scheduling | output tok/s | host s (not overlapped) | device wait s |",
+               "|---|---|---|---|---|---|"]
+    for rep in reports:
+        runs = [*rep["ours"].get("results", []), *rep["ours"].get("results_sync", [])]
+        for r in sorted(runs, key=lambda r: (r["batch"], not r.get("async_scheduling", True))):
+            overlap.append(f"| {rep['model']} | {r['batch']} | {'on' if r.get('async_scheduling', True) else 'off'} | "
+                           f"{_f(r['tokens_per_s'], 1)} | {_f(r.get('host_s'))} | {_f(r.get('device_wait_s'))} |")
+    lines += ["", *ratios, "", *verdicts, "", *overlap, "", *evidence, "",
               ("| model | start | XLA compiles (CompileCounter) | persistent cache hits / misses | construction s | "
                "process s (import + load + warm-up) |"), "|---|---|---|---|---|---|"]
     for rep in reports:

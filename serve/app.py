@@ -2,7 +2,8 @@
 
 Routes: `GET /v1/models`, `POST /v1/chat/completions` (serve/chat.py), `POST /v1/completions`
 (serve/completions.py), `POST /tokenize`, `POST /detokenize`, `GET /version`, `GET /health`
-(503 until warm-up is done, and while shutting down), `GET /metrics` (Prometheus, vLLM's names).
+(503 until warm-up is done, and while shutting down), `GET /metrics` (Prometheus, vLLM's names),
+`GET /` (a chat page, unless `--no-web-ui`).
 With `--api-key`, every route but `/health`, `/metrics` and `/version` wants `Authorization:
 Bearer <key>` (vLLM leaves the first two open too). Bodies over `MAX_BODY_BYTES` get 413, bodies
 that are not JSON 400, anything unexpected 500: always `{"error": {...}}`, never a traceback.
@@ -15,11 +16,12 @@ import importlib.metadata
 import json
 import logging
 import time
+from pathlib import Path
 from typing import Any, Awaitable, Callable
 
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
 from dsv4_jax.chat import InvalidRequestField, build_prompt
@@ -33,7 +35,8 @@ from serve.state import ServingState
 logger = logging.getLogger("serve")
 
 MAX_BODY_BYTES = 16 * 2**20  # far above any prompt of max_model_len tokens written as JSON
-OPEN_PATHS = ("/health", "/metrics", "/version")
+OPEN_PATHS = ("/health", "/metrics", "/version", "/")  # the page itself; its API calls carry the key
+CHAT_PAGE = Path(__file__).resolve().parent / "web" / "chat.html"
 
 
 def _version() -> str:
@@ -157,6 +160,10 @@ def build_app(state: ServingState) -> Starlette:
         body, content_type = state.metrics.render()
         return Response(body, media_type=content_type)
 
+    async def chat_page(request: Request):
+        # One static file, no build step and no outside assets (serve/web/chat.html).
+        return HTMLResponse(CHAT_PAGE.read_text(encoding="utf-8"))
+
     routes = [
         Route("/v1/chat/completions", guarded(chat), methods=["POST"]),
         Route("/v1/completions", guarded(completions), methods=["POST"]),
@@ -167,6 +174,8 @@ def build_app(state: ServingState) -> Starlette:
         Route("/health", guarded(health, needs_engine=False), methods=["GET"]),
         Route("/metrics", guarded(metrics, needs_engine=False), methods=["GET"]),
     ]
+    if not state.args.no_web_ui:
+        routes.append(Route("/", guarded(chat_page, needs_engine=False), methods=["GET"]))
 
     async def not_found(request: Request, exc: Exception) -> Response:
         status = getattr(exc, "status_code", 404)

@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -30,10 +28,9 @@ import pytest
 
 from dsv4_jax import SamplingParams
 from dsv4_jax.chat import EOS, THINK_END, render_tool_calls
-from conftest import CHAT_SERVER_FLAGS, REPO  # tests/ is on sys.path (rootdir-relative import)
+from conftest import CHAT_SERVER_FLAGS, CHAT_SERVER_KEY, CHAT_SERVER_NAME, REPO  # tests/ is on sys.path
 
-KEY = "test-key"
-NAME = "dsv4-test"
+KEY, NAME = CHAT_SERVER_KEY, CHAT_SERVER_NAME
 MAX_MODEL_LEN = 512
 GAP, LOGPROB_TOL = 1e-3, 1e-4
 TOOLS = [{"type": "function", "function": {
@@ -42,51 +39,9 @@ TOOLS = [{"type": "function", "function": {
 HELLO = [{"role": "user", "content": "Hello"}]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def server(chat_llm, chat_checkpoint, tmp_path_factory):
-    port = _free_port()
-    log_path = tmp_path_factory.mktemp("server") / "server.log"
-    env = {**os.environ, "DSV4_TEST_FORCED_OUTPUT": "1", "JAX_PLATFORMS": "cpu",
-           "JAX_COMPILATION_CACHE_DIR": jax_cache_dir()}
-    command = [sys.executable, "-m", "serve", str(chat_checkpoint), *CHAT_SERVER_FLAGS, "--port", str(port),
-               "--served-model-name", NAME, "--api-key", KEY, "--enable-auto-tool-choice",
-               "--tool-call-parser", "deepseek_v4", "--reasoning-parser", "deepseek_v4"]
-    with open(log_path, "w") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    seen_503 = False
-    while True:
-        assert process.poll() is None, log_path.read_text()
-        assert time.monotonic() < deadline, log_path.read_text()
-        try:
-            status = httpx.get(f"{base}/health", timeout=5).status_code
-        except httpx.TransportError:
-            status = None
-        seen_503 |= status == 503
-        if status == 200:
-            break
-        time.sleep(0.2)
-    log_text = log_path.read_text()
-    # Nothing compiled: the chat_llm fixture put every executable in the cache.
-    assert "warm-up: 0 compiles" in log_text, log_text
-    assert "Using" in log_text or "float32" in log_text  # the resolved KV spec is logged
-    yield {"base": base, "process": process, "log": log_path, "seen_503": seen_503}
-    if process.poll() is None:
-        process.send_signal(signal.SIGTERM)
-        assert process.wait(timeout=60) == 0, log_path.read_text()[-3000:]
-
-
-def jax_cache_dir() -> str:
-    import jax
-
-    return jax.config.jax_compilation_cache_dir
+def server(chat_server):
+    return chat_server
 
 
 @pytest.fixture(scope="module")
