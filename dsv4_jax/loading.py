@@ -267,6 +267,11 @@ def load_model(
     placer = _Placer(config, stack_layers)
     report = load_checkpoint(path, config, placer)
     module = _assemble(config, report.mtp_enabled, stack_layers, placer.placed)
+    if jax.default_backend() == "cpu":
+        # XLA:CPU multiplies bf16 matrices slowly (no native bf16 dot): the vocabulary head, whose
+        # logits are float32 anyway, is kept in float32 (the same values, converted once here
+        # rather than on every step). GPUs read it as stored (Linear.float32).
+        module.head.weight.set_value(module.head.weight[...].astype(jnp.float32))
     core = _attention_core(attention_backend, config, kv_spec)
     model = CausalLM(module, options, report.mtp_enabled, core)
     model.kv_cache_spec = kv_spec  # what --kv-cache-dtype resolved to, or None

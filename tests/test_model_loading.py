@@ -66,7 +66,8 @@ def test_stacked_layers_equal_unrolled_layers(checkpoints, twin_logits):
 
 
 def test_live_device_bytes_equal_the_quantized_file_bytes(checkpoints):
-    """After loading and one forward, no dequantised copy of any weight stays on the device."""
+    """After loading and one forward, no dequantised copy of any weight stays on the device, except
+    the vocabulary head that CPU runs keep in float32 (loading.py): 2 more bytes per element."""
     script = textwrap.dedent(
         f"""
         import json, jax, numpy as np, dsv4_jax
@@ -79,7 +80,8 @@ def test_live_device_bytes_equal_the_quantized_file_bytes(checkpoints):
         for info in (ckpt.info(name) for name in ckpt.names()):
             n = int(np.prod(info.shape))
             stored += n * (4 if info.dtype == "I64" else np.dtype(dsv4_jax.weights.file_dtype(info.dtype)).itemsize)
-        print(json.dumps({{"live": live, "stored": stored}}))
+        head_upcast = 2 * model.config.vocab_size * model.config.hidden_size  # bf16 -> float32 on CPU
+        print(json.dumps({{"live": live, "stored": stored + head_upcast}}))
         """
     )
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
