@@ -212,3 +212,11 @@ def test_a_broken_tokenizer_json_is_one_clear_error(tmp_path):
     (tmp_path / "tokenizer.json").write_text("{not json", encoding="utf-8")
     with pytest.raises(ValueError, match=r"tokenizer\.json: not a valid tokenizer\.json"):
         load_tokenizer(tmp_path)
+
+
+def test_build_prompt_joins_text_parts_with_a_newline_as_vllm_and_refuses_images():
+    parts = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
+    assert build_prompt(parts) == build_prompt([{"role": "user", "content": "a\nb"}])
+    image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
+    with pytest.raises(InvalidRequestField, match=r"messages\[0\]\.content\[0\].*text only"):
+        build_prompt(image)

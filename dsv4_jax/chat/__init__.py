@@ -32,7 +32,13 @@ from dsv4_jax.chat.parser import (
     ToolCallStarted,
     parse_completion,
 )
-from dsv4_jax.chat.request import ChatOptions, attach_request_fields, build_prompt, resolve_chat_options
+from dsv4_jax.chat.request import (
+    ChatOptions,
+    attach_request_fields,
+    build_prompt,
+    join_text_parts,
+    resolve_chat_options,
+)
 from dsv4_jax.chat.tokens import (
     ASSISTANT,
     BLOCK_SEPARATOR,
@@ -96,5 +102,6 @@ __all__ = [
     "ChatOptions",
     "attach_request_fields",
     "build_prompt",
+    "join_text_parts",
     "resolve_chat_options",
 ]

@@ -67,6 +67,29 @@ def resolve_chat_options(
     )
 
 
+def join_text_parts(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Messages whose list-of-parts content is one string, text parts joined by a newline, as vLLM
+    does before the chat template (DeepSeek's encoder itself would join them with a blank line).
+    A non-text part raises InvalidRequestField: this model reads text only."""
+    out = []
+    for i, message in enumerate(messages):
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, list):
+            texts = []
+            for j, part in enumerate(content):
+                if isinstance(part, str):
+                    texts.append(part)
+                elif isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
+                    texts.append(part["text"])
+                else:
+                    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                    raise InvalidRequestField(f"messages[{i}].content[{j}]",
+                                              f"this model takes text only; cannot read a part of type {kind!r}")
+            message = {**message, "content": "\n".join(texts)}
+        out.append(message)
+    return out
+
+
 def attach_request_fields(
     messages: list[dict[str, Any]],
     tools: list[dict[str, Any]] | None = None,
@@ -111,6 +134,8 @@ def build_prompt(
 ) -> str:
     """The V4 prompt string for an OpenAI chat request's fields; InvalidRequestField if malformed."""
     options = resolve_chat_options(chat_template_kwargs, reasoning_effort)
+    if isinstance(messages, list):
+        messages = join_text_parts(messages)
     return encode_messages(
         attach_request_fields(messages, tools, response_format),
         thinking_mode=options.thinking_mode,
