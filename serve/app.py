@@ -28,6 +28,7 @@ from dsv4_jax.chat import InvalidRequestField, build_prompt
 from dsv4_jax.engine.async_engine import EngineDeadError
 from dsv4_jax.tokenizer import encode_prompt
 from serve.chat import create_chat_completion
+from serve.choices import TokenTexts
 from serve.completions import create_completion
 from serve.protocol import OpenAIError, parse_detokenize_request, parse_tokenize_request
 from serve.state import ServingState
@@ -133,8 +134,9 @@ def build_app(state: ServingState) -> Starlette:
 
     async def tokenize(request: Request):
         req = parse_tokenize_request(await _json_body(request), state.limits)
-        if req.prompt is not None:
-            ids = encode_prompt(state.tokenizer, req.prompt)
+        if req.prompt is not None:  # add_special_tokens (vLLM's, default true): the one BOS completions add
+            ids = encode_prompt(state.tokenizer, req.prompt) if req.add_special_tokens \
+                else state.tokenizer.encode(req.prompt, add_special_tokens=False).ids
         else:
             try:
                 prompt = build_prompt(req.messages, tools=req.tools, chat_template_kwargs=req.chat_template_kwargs,
@@ -142,7 +144,11 @@ def build_app(state: ServingState) -> Starlette:
             except InvalidRequestField as error:
                 raise OpenAIError(str(error), param=error.field) from None
             ids = encode_prompt(state.tokenizer, prompt)
-        return {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids}
+        body = {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids}
+        if req.return_token_strs:
+            texts = TokenTexts(state.tokenizer, as_token_ids=False)
+            body["token_strs"] = [texts.text_of(t) for t in ids]
+        return body
 
     async def detokenize(request: Request):
         req = parse_detokenize_request(await _json_body(request), state.limits)

@@ -365,3 +365,13 @@ def test_forced_tool_prefix_follows_think_end_in_thinking_mode(chat_llm):
     assert tok.decode(list(named.token_ids), skip_special_tokens=False).endswith('name="get_weather">\n')
     required = forced_tool_prefix(ToolChoice("required"), False, tok)
     assert required.after_token is None and forced_tool_prefix(ToolChoice("auto"), False, tok) is None
+
+
+def test_tokenize_options_as_vllm(server, chat_llm):
+    plain = _http(server, "POST", "/tokenize", json={"prompt": "Hi there", "add_special_tokens": False,
+                                                     "return_token_strs": True}).json()
+    tok = chat_llm.tokenizer
+    assert plain["tokens"] == tok.encode("Hi there", add_special_tokens=False).ids  # no BOS
+    assert "".join(plain["token_strs"]) == "Hi there" and plain["count"] == len(plain["tokens"])
+    with_bos = _http(server, "POST", "/tokenize", json={"prompt": "Hi there"}).json()["tokens"]
+    assert with_bos == [0, *plain["tokens"]]
