@@ -1,0 +1,56 @@
+"""docs/grafana_dashboard.json and docs/monitoring.md against what `GET /metrics` really exposes
+(a rendered ServerMetrics, parsed with prometheus_client's own parser). No jax, no compiles."""
+
+from __future__ import annotations
+
+import json
+import re
+
+from conftest import REPO  # tests/ is on sys.path
+from prometheus_client.parser import text_string_to_metric_families
+
+from serve.metrics import EngineStats, ServerMetrics
+
+DASHBOARD = REPO / "docs" / "grafana_dashboard.json"
+MONITORING = REPO / "docs" / "monitoring.md"
+METRIC_NAME = re.compile(r"vllm:[A-Za-z0-9_:]+")
+# A selector: a metric name and its label matchers, e.g. vllm:x_bucket{model_name="$model_name"}.
+SELECTOR = re.compile(r"(vllm:[A-Za-z0-9_:]+)(\{[^}]*\})?")
+
+
+def exposed() -> tuple[set[str], set[str]]:
+    """(sample names, family names) of one /metrics render, as Prometheus would read them."""
+    stats = EngineStats(num_requests_running=0, num_requests_waiting=0, kv_cache_usage_perc=0.0,
+                        num_preemptions_total=0)
+    body, _ = ServerMetrics("dsv4-tiny", lambda: stats).render()
+    families = list(text_string_to_metric_families(body.decode()))
+    return {s.name for f in families for s in f.samples}, {f.name for f in families}
+
+
+def queries(dashboard: dict) -> list[str]:
+    return [target["expr"] for panel in dashboard["panels"] for target in panel["targets"]]
+
+
+def test_dashboard_queries_only_names_the_server_exposes_selected_by_model_name():
+    dashboard = json.loads(DASHBOARD.read_text(encoding="utf-8"))
+    samples, families = exposed()
+    variables = {v["name"]: v for v in dashboard["templating"]["list"]}
+    assert variables["DS_PROMETHEUS"]["type"] == "datasource"
+    model_query = variables["model_name"]["query"]["query"]
+    used = {name for expr in [*queries(dashboard), model_query] for name in METRIC_NAME.findall(expr)}
+    assert used and not used - samples, f"not exposed by /metrics: {sorted(used - samples)}"
+    # Every family the server exposes has a panel (the family name is a prefix of its samples').
+    unpanelled = {f for f in families if not any(name.startswith(f) for name in used)}
+    assert not unpanelled, f"no panel queries {sorted(unpanelled)}"
+    for expr in queries(dashboard):
+        for name, matchers in SELECTOR.findall(expr):
+            assert 'model_name="$model_name"' in matchers, f"{name} in {expr!r} is not selected by $model_name"
+    for panel in dashboard["panels"]:
+        assert panel["datasource"]["uid"] == "${DS_PROMETHEUS}", panel["title"]
+
+
+def test_monitoring_page_lists_every_exposed_metric():
+    text = MONITORING.read_text(encoding="utf-8")
+    _, families = exposed()
+    listed = {name.removesuffix("_total") for name in METRIC_NAME.findall(text)}
+    assert not families - listed, f"docs/monitoring.md does not list {sorted(families - listed)}"
