@@ -71,6 +71,8 @@ async def _json_body(request: Request) -> Any:
         raise OpenAIError(f"request body is not valid UTF-8: {error}") from None
     except json.JSONDecodeError as error:
         raise OpenAIError(f"request body is not valid JSON: {error}") from None
+    except RecursionError:  # json.loads gives up around 1000 levels deep
+        raise OpenAIError("request body is not valid JSON: nested too deeply") from None
 
 
 def build_app(state: ServingState) -> Starlette:
