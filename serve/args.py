@@ -85,7 +85,7 @@ GENERATION_KEYS = {
 IGNORED_FLAGS = {
     "--tokenizer-mode": (True, "the tokenizer is always the model's tokenizer.json with the V4 chat encoder"),
     "--enforce-eager": (False, "there are no CUDA graphs to turn off: steps are jit-compiled for fixed shapes"),
-    "--async-scheduling": (False, "the engine has one scheduling mode"),
+    "--async-scheduling": (False, "async scheduling is on by default here (--no-async-scheduling turns it off)"),
     "--no-enable-prefix-caching": (False, "prefix caching is not built, so it is always off"),
     "--disable-log-stats": (False, "vLLM recipes pass it; logging is set by --uvicorn-log-level"),
     "--disable-log-requests": (False, "vLLM recipes pass it; logging is set by --uvicorn-log-level"),
@@ -130,6 +130,7 @@ class ServerArgs:
     max_logprobs: int
     max_waiting_requests: int
     no_web_ui: bool
+    async_scheduling: bool
     debug: bool
     ignored_flags: tuple[str, ...]  # one warning line per vLLM flag that changes nothing here
 
@@ -296,6 +297,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("--max-waiting-requests", type=_positive_int, default=1024,
         help="requests that may wait for a slot; beyond that new requests get 503 (default: %(default)s)")
     add("--no-web-ui", action="store_true", help="do not serve the browser chat page (default: off)")
+    add("--no-async-scheduling", action="store_true",
+        help="schedule each step only after the last one's tokens reach the host (default: off, i.e. the next "
+             "step is scheduled while the device runs this one)")
     add_debug_flag(parser)
     for flag, (takes_value, why) in IGNORED_FLAGS.items():
         _add_presence_flag(parser, flag, takes_value,
@@ -406,6 +410,7 @@ def parse_args(argv: Sequence[str] | None = None) -> ServerArgs:
         max_logprobs=namespace.max_logprobs,
         max_waiting_requests=namespace.max_waiting_requests,
         no_web_ui=namespace.no_web_ui,
+        async_scheduling=not namespace.no_async_scheduling,
         debug=namespace.debug,
         ignored_flags=tuple(ignored),
     )
@@ -459,4 +464,5 @@ def engine_kwargs(args: ServerArgs) -> dict[str, Any]:
         "seed": args.seed,
         "tokenizer": args.tokenizer,
         "block_size": args.block_size,
+        "async_scheduling": args.async_scheduling,
     }

@@ -67,7 +67,7 @@ def test_every_flag_by_its_vllm_name(tmp_path):
         "--trust-remote-code", "--enable-auto-tool-choice", "--tool-call-parser", "deepseek_v4",
         "--reasoning-parser", "deepseek_v4", "--api-key", "k", "--seed", "-7", "--generation-config", "vllm",
         "--uvicorn-log-level", "trace", "--default-chat-template-kwargs", '{"thinking": false}',
-        "--max-logprobs", "0", "--max-waiting-requests", "5", "--no-web-ui", "--debug",
+        "--max-logprobs", "0", "--max-waiting-requests", "5", "--no-web-ui", "--no-async-scheduling", "--debug",
     ]
     assert parse_args(argv) == ServerArgs(
         model=str(tmp_path), model_is_builtin=False, served_model_name=("deepseek-ai/DeepSeek-V4-Flash", "v4"),
@@ -77,7 +77,7 @@ def test_every_flag_by_its_vllm_name(tmp_path):
         attention_backend="pallas_bf16", block_size=384, enable_auto_tool_choice=True, tool_call_parser="deepseek_v4",
         reasoning_parser="deepseek_v4", api_key="k", seed=-7, generation_config="vllm", uvicorn_log_level="trace",
         default_chat_template_kwargs={"thinking": False}, max_logprobs=0, max_waiting_requests=5, no_web_ui=True,
-        debug=True, ignored_flags=(),
+        async_scheduling=False, debug=True, ignored_flags=(),
     )
 
 

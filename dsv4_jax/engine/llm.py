@@ -80,6 +80,7 @@ class LLM:
         block_size: int = 256,
         buckets: StepBuckets | None = None,
         usable_blocks_cap: int | None = None,  # test-only: forces preemption without resizing the pools
+        async_scheduling: bool = True,
     ):
         import dsv4_jax
         from dsv4_jax.engine.engine import LLMEngine
@@ -104,7 +105,7 @@ class LLM:
             self.model, self.tokenizer, self.layout, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
             buckets=buckets or default_buckets(max_num_seqs, max_model_len, max_num_batched_tokens),
             attention_backend=self.spec.attention_backend, max_num_batched_tokens=max_num_batched_tokens,
-            seed=seed, usable_blocks_cap=usable_blocks_cap,
+            seed=seed, usable_blocks_cap=usable_blocks_cap, async_scheduling=async_scheduling,
         )
         logger.info("%s", self.spec.summary())
         logger.info("KV cache: %d sequence slots, %d compressed blocks of %d positions (%.1f MiB)",
@@ -122,7 +123,7 @@ class LLM:
                         max_model_len: int = 4096, max_num_seqs: int = 8, max_num_batched_tokens: int | None = None,
                         num_gpu_blocks_override: int | None = None, gpu_memory_utilization: float = 0.9,
                         tensor_parallel_size: int = 1, seed: int = 0, block_size: int = 256,
-                        tokenizer: str | Path | None = None) -> Path:
+                        tokenizer: str | Path | None = None, async_scheduling: bool = True) -> Path:
         """Every check that needs no weights (seconds on a real checkpoint), as a ValueError naming
         the argument; returns the model directory (the built-in one is written on first use)."""
         from dsv4_jax.builtin import builtin_model_dir
@@ -131,6 +132,8 @@ class LLM:
                              gpu_memory_utilization, tensor_parallel_size, seed, block_size)
         path = builtin_model_dir() if str(model) in BUILTIN_NAMES else Path(model)
         cls._check_against_model(path, max_model_len, block_size, kv_cache_dtype, attention_backend)
+        if not isinstance(async_scheduling, bool):
+            raise ValueError(f"async_scheduling must be a bool, got {async_scheduling!r}")
         if tokenizer is not None and not Path(tokenizer).exists():
             raise FileNotFoundError(f"tokenizer {tokenizer}: no such file or directory")
         return path
