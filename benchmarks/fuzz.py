@@ -19,22 +19,15 @@ from collections.abc import Sequence
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # run as a script: the repository's packages (benchmarks) importable
+
+from benchmarks.runner import positive  # noqa: E402  (one flag parser for the benchmarks)
 PROPERTIES = REPO / "tests" / "test_fuzz.py"
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="benchmarks/fuzz.py", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--examples", type=_positive, default=5000, help="examples per property")
+    parser.add_argument("--examples", type=positive, default=5000, help="examples per property")
     parser.add_argument("--seed", type=int, help="hypothesis seed (default: random)")
     return parser.parse_args(argv)
 

@@ -43,6 +43,9 @@ from typing import Any
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # run as a script: the repository's packages (benchmarks) importable
+
+from benchmarks.runner import positive  # noqa: E402  (one flag parser for the benchmarks)
 GAP, LOGPROB_TOL = 1e-3, 1e-4  # the engine's comparison rule for greedy outputs
 RSS_GROWTH_LIMIT = 0.10
 # The built-in model with a float32 cache: exact, so the offline engine is a sharp reference.
@@ -312,22 +315,12 @@ def summary(run: LoadRun) -> dict[str, float]:
 
 
 # ---- the script -----------------------------------------------------------------------------------------
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
-
-
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="benchmarks/load.py", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--requests", type=_positive, default=500)
-    parser.add_argument("--concurrency", type=_positive, default=64, help="streaming clients at once")
-    parser.add_argument("--max-prompt-words", type=_positive, default=300)
-    parser.add_argument("--max-output-tokens", type=_positive, default=128)
+    parser.add_argument("--requests", type=positive, default=500)
+    parser.add_argument("--concurrency", type=positive, default=64, help="streaming clients at once")
+    parser.add_argument("--max-prompt-words", type=positive, default=300)
+    parser.add_argument("--max-output-tokens", type=positive, default=128)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--base-url", help="a running server (no offline comparison, no memory reading)")
     parser.add_argument("--api-key", default=os.environ.get("VLLM_API_KEY"))

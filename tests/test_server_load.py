@@ -13,27 +13,21 @@ through `vllm:kv_cache_usage_perc`; the in-process test below checks the allocat
 from __future__ import annotations
 
 import asyncio
-import importlib.util
-import sys
+import importlib
 import time
 
 import httpx
 import pytest
 
-from conftest import CHAT_SERVER_FLAGS, REPO  # tests/ is on sys.path
+from conftest import CHAT_SERVER_FLAGS  # tests/ is on sys.path
 
 HELLO = [{"role": "user", "content": "Hello"}]
 
 
 @pytest.fixture(scope="module")
 def load():
-    # Loaded from its file: benchmarks/ is a folder of scripts, not an installed package.
-    spec = importlib.util.spec_from_file_location("benchmarks_load", REPO / "benchmarks" / "load.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    yield module
-    del sys.modules[spec.name]
+    """benchmarks/load.py: the CI copy of the load run shares its functions."""
+    return importlib.import_module("benchmarks.load")
 
 
 def test_64_clients_100_requests_are_well_formed_and_match_the_offline_engine(load, chat_server, chat_llm,
