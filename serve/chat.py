@@ -26,7 +26,7 @@ from dsv4_jax.chat import (
 )
 from dsv4_jax.engine.request import ForcedTokens
 from dsv4_jax.tokenizer import encode_prompt
-from serve.choices import ChoiceState, ReasoningSplitter, TokenTexts, chat_logprobs
+from serve.choices import ChoiceState, ReasoningSplitter, TokenTexts, chat_logprobs, usage
 from serve.generation import Generation, new_request_id
 from serve.protocol import ChatRequest, OpenAIError, ToolChoice, parse_chat_request
 from serve.sse import sse_response
@@ -89,10 +89,6 @@ class _ChatPlan:
         return ReasoningSplitter() if self.split_reasoning else None
 
 
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
-
 
 async def create_chat_completion(state: ServingState, body: Any):
     plan = _ChatPlan(state, body)
@@ -121,7 +117,7 @@ async def create_chat_completion(state: ServingState, body: Any):
         "choices": [{"index": c.index, "message": c.message(plan.split_reasoning),
                      "logprobs": {"content": logprobs[c.index]} if req.params.logprobs is not None else None,
                      "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in choices],
-        "usage": _usage(len(plan.prompt_ids), sum(totals)),
+        "usage": usage(len(plan.prompt_ids), sum(totals)),
     }
     return body
 
@@ -156,4 +152,4 @@ async def _stream(state: ServingState, plan: _ChatPlan, request_id: str, created
     finally:
         generation.close()
     if req.include_usage:
-        yield {**head, "choices": [], "usage": _usage(len(plan.prompt_ids), sum(totals))}
+        yield {**head, "choices": [], "usage": usage(len(plan.prompt_ids), sum(totals))}

@@ -87,6 +87,12 @@ def completion_logprobs(texts: TokenTexts, token_ids: list[int], entries: list[d
     return out
 
 
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    """OpenAI's `usage` object."""
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
 class ReasoningSplitter:
     """The reasoning parser without tool calls (tool_choice "none", or no --enable-auto-tool-choice):
     text up to the model's `</think>` is reasoning, the rest content, DSML included. Same interface

@@ -10,7 +10,7 @@ import time
 from typing import Any, AsyncIterator
 
 from dsv4_jax.tokenizer import encode_prompt
-from serve.choices import TokenTexts, completion_logprobs
+from serve.choices import TokenTexts, completion_logprobs, usage
 from serve.generation import Generation, new_request_id
 from serve.protocol import CompletionRequest, parse_completion_request
 from serve.sse import sse_response
@@ -79,13 +79,9 @@ async def create_completion(state: ServingState, body: Any):
         "choices": [{"index": c.index, "text": "".join(c.text),
                      "logprobs": c.logprobs if req.params.logprobs is not None else None,
                      "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in choices],
-        "usage": _usage(usage_prompt, sum(c.sent_tokens for c in choices)),
+        "usage": usage(usage_prompt, sum(c.sent_tokens for c in choices)),
     }
 
-
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
 
 
 async def _stream(req: CompletionRequest, request_id: str, created: int, generation: Generation,
@@ -105,4 +101,4 @@ async def _stream(req: CompletionRequest, request_id: str, created: int, generat
     finally:
         generation.close()
     if req.include_usage:
-        yield {**head, "choices": [], "usage": _usage(usage_prompt, sum(c.sent_tokens for c in choices))}
+        yield {**head, "choices": [], "usage": usage(usage_prompt, sum(c.sent_tokens for c in choices))}

@@ -198,16 +198,16 @@ class LLMEngine:
     def _launch(self, scheduled: SchedulerOutput, previous: _InFlight | None) -> _InFlight:
         """Dispatch a step and its sampling to the device; nothing waits for the results."""
         rows = scheduled.rows
+        bucket, tokens, seqs = self.runner.build(rows)
         token_ids = None
         if previous is not None:  # rows holding a placeholder read the previous step's sample
-            bucket, tokens, _ = self.runner.build(rows)
             source = np.full(bucket[0], -1, np.int32)
             for i, r in enumerate(rows):
                 if PLACEHOLDER in r.token_ids:
                     source[i] = previous.position[r.request.request_id]
             if (source >= 0).any():
                 token_ids = _fill_placeholders(tokens, source, previous.sampled.token_ids)
-        out = self.runner.step(rows, token_ids=token_ids)
+        out = self.runner.run(bucket, tokens, seqs, len(rows), token_ids)
         sampling = [
             SamplingRow(self._tracked[r.request.request_id].params, self._tracked[r.request.request_id].index,
                         r.request.prompt_token_ids, r.request.output_token_ids)

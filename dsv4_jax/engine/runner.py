@@ -162,14 +162,19 @@ class ModelRunner:
     def step(self, rows: Sequence[StepRow], token_ids: jax.Array | None = None) -> StepOutput:
         """Run one step. `token_ids` ([B, S] on the device, e.g. the previous step's samples)
         replaces the rows' own ids when given."""
-        bucket, tokens, seqs = self.build(rows)
-        tokens_dev, seqs_dev = jax.device_put((tokens, seqs))  # one transfer for the whole batch
+        return self.run(*self.build(rows), len(rows), token_ids)
+
+    def run(self, bucket: tuple[int, int], tokens: np.ndarray, seqs: StepSequences, rows: int,
+            token_ids: jax.Array | None = None) -> StepOutput:
+        """`step` on arrays already built by `build` (for a caller that needed them first)."""
         if token_ids is not None:
             if tuple(token_ids.shape) != bucket:
                 raise ValueError(f"token_ids has shape {tuple(token_ids.shape)}, the step's bucket is {bucket}")
-            tokens_dev = token_ids.astype(jnp.int32)
+            tokens_dev, seqs_dev = token_ids.astype(jnp.int32), jax.device_put(seqs)
+        else:
+            tokens_dev, seqs_dev = jax.device_put((tokens, seqs))  # one transfer for the whole batch
         logits, streams, self.cache = self._step(self.state, self.cache, tokens_dev, seqs_dev)
-        return StepOutput(logits, streams, len(rows), bucket)
+        return StepOutput(logits, streams, rows, bucket)
 
     def all_logits(self, output: StepOutput) -> jax.Array:
         """Logits at every position of a step's rows, [B, S, vocab] (prompt logprobs): a separate
