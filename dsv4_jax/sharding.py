@@ -29,6 +29,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 if TYPE_CHECKING:
     from dsv4_jax.loading import CausalLM
+    from dsv4_jax.model.options import ForwardOptions
 
 # ---- mesh axes -------------------------------------------------------------------------------
 DATA, TENSOR = "data", "tensor"
@@ -166,8 +167,14 @@ def param_shardings(model_state: nnx.State, mesh: Mesh, parallel: ParallelConfig
     )
 
 
+def mesh_options(options: ForwardOptions, mesh: Mesh, parallel: ParallelConfig) -> ForwardOptions:
+    """The forward options of a model whose weights are sharded over `mesh` as `parallel` says."""
+    return dataclasses.replace(options, mesh=mesh, expert_parallel=parallel.enable_expert_parallel)
+
+
 def shard_model(model: CausalLM, mesh: Mesh, parallel: ParallelConfig) -> CausalLM:
     """Place a loaded model's weights in their shards (in place; returns the model)."""
     shardings = param_shardings(model.state, mesh, parallel)
     model.state = jax.device_put(model.state, shardings)
+    model.options = mesh_options(model.options, mesh, parallel)
     return model

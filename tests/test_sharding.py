@@ -175,13 +175,9 @@ def test_the_compiled_forward_gathers_no_expert_weights(worker):
         assert kinds <= {"all-reduce"}, (label, kinds)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="under expert parallelism XLA partitions the MoE's per-tile expert gather (weight[experts]) "
-    "as a masked local gather + all-reduce of the gathered weights: weights cross devices, tokens "
-    "do not. Needs the routed experts run under shard_map (docs/architecture.md, Sharding)",
-)
 def test_expert_parallelism_moves_no_expert_weights(worker):
+    """The routed experts run under shard_map: no expert weight is gathered or reduced (XLA's own
+    partitioning of the per-tile gather `weight[experts]` all-reduced gathered weights)."""
     for label in EP_MESHES:
         mesh = worker["meshes"][label]
         assert not weight_collectives(mesh, worker["expert_matrix_shapes"], ("all-reduce", "all-gather")), label

@@ -56,7 +56,7 @@ class Block(nnx.Module):
     ) -> jax.Array:
         x, post, comb = self._hc_pre(streams, "attn")
         out = self.attn(self.attn_norm(x), cos, sin, options, core)
-        return self._ffn(hc_post(out, streams, post, comb), token_ids)
+        return self._ffn(hc_post(out, streams, post, comb), token_ids, options)
 
     def step(
         self,
@@ -67,12 +67,13 @@ class Block(nnx.Module):
         ctx: CacheStep,
         seqs: StepSequences,
         place: LayerPlace,
+        options: ForwardOptions,
     ) -> tuple[jax.Array, PagedKVCache]:
         """The block on the paged cache (`Attention.step`); the MoE half is the same as above."""
         x, post, comb = self._hc_pre(streams, "attn")
         out, cache = self.attn.step(self.attn_norm(x), rotation, cache, ctx, seqs, place)
-        return self._ffn(hc_post(out, streams, post, comb), token_ids), cache
+        return self._ffn(hc_post(out, streams, post, comb), token_ids, options), cache
 
-    def _ffn(self, streams: jax.Array, token_ids: jax.Array) -> jax.Array:
+    def _ffn(self, streams: jax.Array, token_ids: jax.Array, options: ForwardOptions) -> jax.Array:
         x, post, comb = self._hc_pre(streams, "ffn")
-        return hc_post(self.ffn(self.ffn_norm(x), token_ids), streams, post, comb)
+        return hc_post(self.ffn(self.ffn_norm(x), token_ids, options), streams, post, comb)

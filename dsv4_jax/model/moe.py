@@ -12,16 +12,19 @@ Weight fetches (one per tile) number at most about 2 x the experts in use.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from dsv4_jax import weights as wfmt
 from dsv4_jax.config import DeepseekV4Config, num_blocks
 from dsv4_jax.model.layers import STORED_DTYPE, Linear
-from dsv4_jax.sharding import EMBED, EXPERTS, HASH_VOCAB, MOE_FFN, ROUTER, SHARED_FFN
+from dsv4_jax.model.options import ForwardOptions
+from dsv4_jax.sharding import DATA, EMBED, EXPERTS, HASH_VOCAB, MOE_FFN, ROUTER, SHARED_FFN, TENSOR
 
 # Tiles at most this many at a time through the experts (bounds the gathered-weight memory).
 _TILES_PER_STEP = 64
@@ -35,12 +38,12 @@ class ExpertWeights(nnx.Module):
         self, n_experts: int, in_features: int, out_features: int, config: DeepseekV4Config, axes: tuple[str, str, str]
     ):
         self.format = config.expert_dtype if config.quantized else None
+        self.block = tuple(config.quantization.weight_block_size) if self.format == "fp8" else None
         if self.format == "fp4":
             self.weight = nnx.Param(jnp.zeros((n_experts, out_features, in_features // 2), jnp.uint8), axes=axes)
             self.scale = nnx.Param(jnp.zeros((n_experts, out_features, in_features // 32), jnp.uint8), axes=axes)
         elif self.format == "fp8":
-            bo, bi = config.quantization.weight_block_size
-            self.block = (bo, bi)
+            bo, bi = self.block
             scale_dtype = jnp.uint8 if config.quantization.scale_fmt == "ue8m0" else jnp.float32
             self.weight = nnx.Param(jnp.zeros((n_experts, out_features, in_features), jnp.float8_e4m3fn), axes=axes)
             self.scale = nnx.Param(
@@ -50,16 +53,23 @@ class ExpertWeights(nnx.Module):
         else:
             self.weight = nnx.Param(jnp.zeros((n_experts, out_features, in_features), STORED_DTYPE), axes=axes)
 
-    def gather(self, experts: jax.Array, dtype) -> jax.Array:
-        """Dequantised weights of the given experts. experts [n] -> [n, out, in]"""
-        w = self.weight[...][experts]
-        if self.format == "fp4":
-            return jax.vmap(lambda p, s: wfmt.dequantize_mxfp4(p, s, dtype))(w, self.scale[...][experts])
-        if self.format == "fp8":
-            return jax.vmap(lambda q, s: wfmt.dequantize_fp8_blocks(q, s, self.block, dtype))(
-                w, self.scale[...][experts]
-            )
-        return w.astype(dtype)
+    def arrays(self) -> tuple[jax.Array, jax.Array | None]:
+        """(weight, block scales or None) as stored."""
+        return self.weight[...], self.scale[...] if self.format else None
+
+
+def gather_experts(
+    fmt: str | None, block: tuple[int, int] | None, stored: tuple[jax.Array, jax.Array | None], experts: jax.Array, dtype
+) -> jax.Array:
+    """Dequantised weights of the given experts from one stored projection (`ExpertWeights.arrays`,
+    or a shard of it). experts [n] -> [n, out, in]"""
+    weight, scale = stored
+    w = weight[experts]
+    if fmt == "fp4":
+        return jax.vmap(lambda p, s: wfmt.dequantize_mxfp4(p, s, dtype))(w, scale[experts])
+    if fmt == "fp8":
+        return jax.vmap(lambda q, s: wfmt.dequantize_fp8_blocks(q, s, block, dtype))(w, scale[experts])
+    return w.astype(dtype)
 
 
 def swiglu(gate: jax.Array, up: jax.Array, limit: float) -> jax.Array:
@@ -139,18 +149,25 @@ class MoE(nnx.Module):
         if c.n_shared_experts:
             self.shared_experts = SharedExpert(c)
 
-    def __call__(self, x: jax.Array, token_ids: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, token_ids: jax.Array, options: ForwardOptions = ForwardOptions()) -> jax.Array:
         """x [batch, seq, hidden] ffn_norm output, token_ids [batch, seq] -> [batch, seq, hidden]"""
         batch, seq, hidden = x.shape
         flat = x.reshape(-1, hidden)
         experts, weights = self.gate(flat, token_ids.reshape(-1))
-        out = self.experts(flat, experts, weights, self.limit)
+        out = self.experts(flat, experts, weights, self.limit, options)
         if hasattr(self, "shared_experts"):
             out = out + self.shared_experts(flat).astype(jnp.float32)
         return out.astype(x.dtype).reshape(batch, seq, hidden)
 
 
 class RoutedExperts(nnx.Module):
+    """The routed experts. On a mesh they run under `jax.shard_map`, so expert weights never move:
+    with expert parallelism each device holds experts / (data x tensor) whole experts, the tokens
+    of the data ranks are all-gathered, each device runs its own experts' pairs and the outputs
+    are summed over tensor and reduce-scattered back over data; without it each device holds
+    every expert's slice of the intermediate dimension and the partial outputs are summed over
+    tensor (SwiGLU is elementwise in that dimension, w2 contracts it)."""
+
     def __init__(self, config: DeepseekV4Config):
         e, d, f = config.n_routed_experts, config.hidden_size, config.moe_intermediate_size
         self.w1 = ExpertWeights(e, d, f, config, axes=(EXPERTS, MOE_FFN, EMBED))
@@ -164,52 +181,113 @@ class RoutedExperts(nnx.Module):
         experts: jax.Array,  # [tokens, k] int32
         weights: jax.Array,  # [tokens, k] float32
         limit: float,
+        options: ForwardOptions = ForwardOptions(),
     ) -> jax.Array:  # [tokens, hidden] float32
-        tokens, k = experts.shape
-        pairs = tokens * k
-        tile, n_tiles = tile_plan(pairs, self.n_experts)
-        rows = n_tiles * tile
+        run = functools.partial(
+            grouped_experts, fmt=self.w1.format, block=self.w1.block, limit=limit, n_experts=self.n_experts
+        )
+        stored = (self.w1.arrays(), self.w2.arrays(), self.w3.arrays())
+        mesh = options.mesh
+        if mesh is None or mesh.size == 1:
+            return run(x, experts, weights, stored, first=0)
+        return _sharded_experts(run, x, experts, weights, stored, mesh, options.expert_parallel)
 
-        pair_expert = experts.reshape(-1)
-        order = jnp.argsort(pair_expert, stable=True)
-        sorted_expert = pair_expert[order]
-        sorted_token = order // k
-        sorted_weight = weights.reshape(-1)[order]
-        if tile == 1:
-            dest, tile_expert = jnp.arange(pairs), sorted_expert
-        else:
-            counts = jnp.bincount(pair_expert, length=self.n_experts)
-            padded = (counts + tile - 1) // tile * tile
-            start = jnp.cumsum(counts) - counts
-            padded_start = jnp.cumsum(padded) - padded
-            dest = padded_start[sorted_expert] + jnp.arange(pairs) - start[sorted_expert]
-            # Expert of each tile: the last expert whose padded group starts at or before it.
-            tile_start = jnp.arange(n_tiles) * tile
-            tile_expert = jnp.searchsorted(padded_start + padded, tile_start, side="right")
-            tile_expert = jnp.minimum(tile_expert, self.n_experts - 1).astype(jnp.int32)
-        row_token = jnp.zeros((rows,), jnp.int32).at[dest].set(sorted_token.astype(jnp.int32))
-        row_weight = jnp.zeros((rows,), jnp.float32).at[dest].set(sorted_weight)  # padding rows weigh 0
-        is_pair = jnp.zeros((rows,), bool).at[dest].set(True)
-        x_rows = jnp.where(is_pair[:, None], x[row_token], 0).reshape(n_tiles, tile, -1)  # padding rows: zeros
-        w_rows = row_weight.reshape(n_tiles, tile)
-        dtype = x.dtype
 
-        def run_tiles(args):
-            xt, wt, et = args  # [n, tile, hidden], [n, tile], [n]
-            g = jnp.einsum("ntd,nfd->ntf", xt, self.w1.gather(et, dtype))
-            u = jnp.einsum("ntd,nfd->ntf", xt, self.w3.gather(et, dtype))
-            h = (swiglu(g.astype(jnp.float32), u.astype(jnp.float32), limit) * wt[..., None]).astype(dtype)
-            return jnp.einsum("ntf,ndf->ntd", h, self.w2.gather(et, dtype)).astype(jnp.float32)
+def _sharded_experts(run, x, experts, weights, stored, mesh, expert_parallel: bool) -> jax.Array:
+    """`grouped_experts` under shard_map (see RoutedExperts). Inside the runner's data-parallel
+    shard_map the data axis is already manual and each rank's tokens arrive local; elsewhere (the
+    dense forward) every data rank has all the tokens."""
+    split_tokens = DATA in jax.sharding.get_abstract_mesh().manual_axes  # else every rank has all tokens
+    if expert_parallel:
+        expert_spec = P(TENSOR) if split_tokens else P((DATA, TENSOR))
+        specs = tuple((expert_spec, expert_spec if s is not None else None) for _, s in stored)
+    else:  # the intermediate dimension: w1, w3 rows [E, F, D]; w2 columns [E, D, F]
+        rows, cols = P(None, TENSOR, None), P(None, None, TENSOR)
+        specs = tuple((spec, spec if s is not None else None) for spec, (_, s) in zip((rows, cols, rows), stored))
 
-        if n_tiles <= _TILES_PER_STEP:
-            y = run_tiles((x_rows, w_rows, tile_expert))
-        else:
-            y = jax.lax.map(
-                lambda a: run_tiles(jax.tree.map(lambda v: v[None], a))[0],
-                (x_rows, w_rows, tile_expert),
-                batch_size=_TILES_PER_STEP,
-            )
-        return jnp.zeros((tokens, x.shape[-1]), jnp.float32).at[row_token].add(y.reshape(rows, -1))
+    def body(x, experts, weights, stored):
+        if expert_parallel:
+            if split_tokens:
+                x, experts, weights = (jax.lax.all_gather(a, DATA, tiled=True) for a in (x, experts, weights))
+            local = stored[0][0].shape[0]
+            y = run(x, experts, weights, stored, first=jax.lax.axis_index((DATA, TENSOR)) * local)
+            y = jax.lax.psum(y, TENSOR)
+            return jax.lax.psum_scatter(y, DATA, tiled=True) if split_tokens else jax.lax.psum(y, DATA)
+        return jax.lax.psum(run(x, experts, weights, stored, first=0), TENSOR)
+
+    axes = {TENSOR} if split_tokens else {DATA, TENSOR}
+    return jax.shard_map(
+        body, mesh=mesh, in_specs=(P(), P(), P(), specs), out_specs=P(),
+        axis_names=axes, check_vma=False,
+    )(x, experts, weights, stored)
+
+
+def grouped_experts(
+    x: jax.Array,  # [tokens, hidden]
+    experts: jax.Array,  # [tokens, k] int32 global expert ids
+    weights: jax.Array,  # [tokens, k] float32
+    stored: tuple,  # (w1, w2, w3) `ExpertWeights.arrays()`, or the local experts' shards of them
+    *,
+    fmt: str | None,
+    block: tuple[int, int] | None,
+    limit: float,
+    n_experts: int,  # routed experts in the model (the tile plan counts them all)
+    first: int | jax.Array,  # global id of stored's expert 0: pairs of other experts weigh nothing
+) -> jax.Array:  # [tokens, hidden] float32
+    """The grouped matmul of the pairs whose expert is stored here (module docstring)."""
+    tokens, k = experts.shape
+    local = stored[0][0].shape[0]
+    pair_expert = experts.reshape(-1) - first
+    pair_weight = weights.reshape(-1)
+    if local < n_experts:  # expert parallelism: other devices run the other experts' pairs
+        mine = (pair_expert >= 0) & (pair_expert < local)
+        pair_weight = jnp.where(mine, pair_weight, 0.0)
+        pair_expert = jnp.where(mine, pair_expert, local)  # sorts after the local experts
+    pairs = tokens * k
+    tile, n_tiles = tile_plan(pairs, n_experts)
+    rows = n_tiles * tile
+    groups = local + 1 if local < n_experts else local  # + 1: the other devices' pairs
+
+    order = jnp.argsort(pair_expert, stable=True)
+    sorted_expert = pair_expert[order]
+    sorted_token = order // k
+    sorted_weight = pair_weight[order]
+    if tile == 1:
+        dest, tile_expert = jnp.arange(pairs), sorted_expert
+    else:
+        counts = jnp.bincount(pair_expert, length=groups)
+        padded = (counts + tile - 1) // tile * tile
+        start = jnp.cumsum(counts) - counts
+        padded_start = jnp.cumsum(padded) - padded
+        dest = padded_start[sorted_expert] + jnp.arange(pairs) - start[sorted_expert]
+        # Expert of each tile: the last expert whose padded group starts at or before it.
+        tile_start = jnp.arange(n_tiles) * tile
+        tile_expert = jnp.searchsorted(padded_start + padded, tile_start, side="right")
+    tile_expert = jnp.minimum(tile_expert, local - 1).astype(jnp.int32)  # other devices' tiles weigh 0
+    row_token = jnp.zeros((rows,), jnp.int32).at[dest].set(sorted_token.astype(jnp.int32))
+    row_weight = jnp.zeros((rows,), jnp.float32).at[dest].set(sorted_weight)  # padding rows weigh 0
+    is_pair = jnp.zeros((rows,), bool).at[dest].set(True)
+    x_rows = jnp.where(is_pair[:, None], x[row_token], 0).reshape(n_tiles, tile, -1)  # padding rows: zeros
+    w_rows = row_weight.reshape(n_tiles, tile)
+    dtype = x.dtype
+    w1, w2, w3 = (functools.partial(gather_experts, fmt, block, s, dtype=dtype) for s in stored)
+
+    def run_tiles(args):
+        xt, wt, et = args  # [n, tile, hidden], [n, tile], [n]
+        g = jnp.einsum("ntd,nfd->ntf", xt, w1(et))
+        u = jnp.einsum("ntd,nfd->ntf", xt, w3(et))
+        h = (swiglu(g.astype(jnp.float32), u.astype(jnp.float32), limit) * wt[..., None]).astype(dtype)
+        return jnp.einsum("ntf,ndf->ntd", h, w2(et)).astype(jnp.float32)
+
+    if n_tiles <= _TILES_PER_STEP:
+        y = run_tiles((x_rows, w_rows, tile_expert))
+    else:
+        y = jax.lax.map(
+            lambda a: run_tiles(jax.tree.map(lambda v: v[None], a))[0],
+            (x_rows, w_rows, tile_expert),
+            batch_size=_TILES_PER_STEP,
+        )
+    return jnp.zeros((tokens, x.shape[-1]), jnp.float32).at[row_token].add(y.reshape(rows, -1))
 
 
 def tile_plan(pairs: int, n_experts: int) -> tuple[int, int]:

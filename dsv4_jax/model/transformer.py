@@ -104,7 +104,7 @@ class BlockStack(nnx.Module):
 
         return run(streams, self.units)
 
-    def step(self, streams, token_ids, rotations, cache, ctx, seqs, places):
+    def step(self, streams, token_ids, rotations, cache, ctx, seqs, places, options):
         """`Block.step` of every layer; the cache is the scan carry and each layer's pool
         indices come in as xs (`places[position]`: int32 [count]), so no pool is copied."""
         kinds = self.segment.kinds
@@ -113,7 +113,9 @@ class BlockStack(nnx.Module):
         def run(carry, unit, unit_places):
             x, cache = carry
             for block, kind, place in zip(unit, kinds, unit_places):
-                x, cache = block.step(x, token_ids, rotations[kind.layer_type != SLIDING], cache, ctx, seqs, place)
+                x, cache = block.step(
+                    x, token_ids, rotations[kind.layer_type != SLIDING], cache, ctx, seqs, place, options
+                )
             return x, cache
 
         return run((streams, cache), self.units, places)
@@ -206,11 +208,11 @@ class DeepseekV4(nnx.Module):
             if plan.count > 1:
                 layers = np.array([[plan.layer(k, p) for k in range(plan.count)] for p in range(plan.period)])
                 places = tuple(ctx.places(row) for row in layers)
-                streams, cache = segment.step(streams, token_ids, rotations, cache, ctx, seqs, places)
+                streams, cache = segment.step(streams, token_ids, rotations, cache, ctx, seqs, places, options)
             else:
                 rotation = rotations[plan.kinds[0].layer_type != SLIDING]
                 place = ctx.places(np.array(plan.first))
-                streams, cache = segment.step(streams, token_ids, rotation, cache, ctx, seqs, place)
+                streams, cache = segment.step(streams, token_ids, rotation, cache, ctx, seqs, place, options)
         return streams, cache
 
     def logits_from_streams(self, streams: jax.Array, owner: "DeepseekV4 | MTPBlock") -> jax.Array:
