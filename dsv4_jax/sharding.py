@@ -28,6 +28,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 if TYPE_CHECKING:
+    from dsv4_jax.config import DeepseekV4Config
     from dsv4_jax.loading import CausalLM
     from dsv4_jax.model.options import ForwardOptions
 
@@ -165,6 +166,23 @@ def param_shardings(model_state: nnx.State, mesh: Mesh, parallel: ParallelConfig
     return jax.tree.map(
         lambda spec: NamedSharding(mesh, spec), specs, is_leaf=lambda x: isinstance(x, PartitionSpec)
     )
+
+
+def check_model_splits(config: DeepseekV4Config, parallel: ParallelConfig) -> None:
+    """ValueError naming the flags when `parallel` cannot split this model (checked on the
+    abstract model: no weights are read)."""
+    if parallel.world_size == 1:
+        return
+    from dsv4_jax.model.transformer import DeepseekV4
+
+    abstract = nnx.state(nnx.eval_shape(lambda: DeepseekV4(config, mtp=True, stack_layers=True)))
+    mesh_shape = {DATA: parallel.data_parallel_size, TENSOR: parallel.tensor_parallel_size}
+    try:
+        partition_specs(abstract, mesh_shape, parallel)
+    except ValueError as error:
+        flags = (f"--tensor-parallel-size {parallel.tensor_parallel_size} --data-parallel-size "
+                 f"{parallel.data_parallel_size}{' --enable-expert-parallel' if parallel.enable_expert_parallel else ''}")
+        raise ValueError(f"{flags} cannot split this model: {error}") from None
 
 
 def mesh_options(options: ForwardOptions, mesh: Mesh, parallel: ParallelConfig) -> ForwardOptions:

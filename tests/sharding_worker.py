@@ -6,7 +6,11 @@ It loads one tiny float32 checkpoint that splits cleanly (8 heads, 4 output grou
 experts), runs the full forward on one device and on each mesh, and writes JSON: per mesh the
 devices used, the relative difference to the single-device logits, the bytes each device holds
 of the routed experts and of the query projection, and every collective of the compiled
-forward's HLO (kind, result shape).
+forward's HLO (kind, result shape). Then it generates greedily through `LLM` (prefill + decode
+on the paged cache, one prefill and one decode bucket) on one device and on each of
+ENGINE_MESHES, and writes per mesh each request's tokens with their logprobs and the reference's
+top-1/top-2 gaps, the bytes each device holds of the KV cache, the cache's shapes, and the
+collectives of the compiled decode step.
 """
 
 from __future__ import annotations
@@ -22,6 +26,9 @@ import numpy as np
 from flax import nnx
 
 import dsv4_jax
+from dsv4_jax import LLM, SamplingParams
+from dsv4_jax.engine.runner import StepBuckets
+from dsv4_jax.model.cache_step import StepSequences
 from dsv4_jax.presets import get_config
 from dsv4_jax.sharding import ParallelConfig, make_mesh, shard_model
 
@@ -36,6 +43,13 @@ MESHES = {
     "dp2_tp2_ep": ParallelConfig(tensor_parallel_size=2, data_parallel_size=2, enable_expert_parallel=True),
     "dp8_ep": ParallelConfig(data_parallel_size=8, enable_expert_parallel=True),
 }
+ENGINE_MESHES = {
+    "one": ParallelConfig(),
+    "tp2": MESHES["tp2"],
+    "dp2_tp2_ep": MESHES["dp2_tp2_ep"],
+}
+# Prompts of 3..8 tokens: two per data-parallel rank, each prefilled in one row of the bucket.
+PROMPTS = [[int(t) for t in np.random.default_rng(i).integers(1, CONFIG.vocab_size, 3 + 2 * i)] for i in range(4)]
 IDS = np.array([[0, 17, 42, 99, 5, 311, 7, 256]], np.int32)  # 8 tokens: two CSA windows of 4
 EXPERT_WEIGHTS = (".experts.w1.weight", ".experts.w2.weight", ".experts.w3.weight")
 QUERY_WEIGHTS = (".attn.wq_b.weight",)
@@ -88,8 +102,53 @@ def main(out_path: str) -> None:
             "query_bytes": bytes_per_device(leaves(model.state, QUERY_WEIGHTS)),
             "collectives": [[kind, shape] for shape, kind in COLLECTIVE.findall(compiled.as_text())],
         }
+    with tempfile.TemporaryDirectory() as tmp:
+        dsv4_jax.testing.write_random_checkpoint(tmp, CONFIG, seed=0, tokenizer=True)
+        result["engine"] = {label: run_engine(tmp, parallel) for label, parallel in ENGINE_MESHES.items()}
     with open(out_path, "w") as f:
         json.dump(result, f)
+
+
+def run_engine(path: str, parallel: ParallelConfig) -> dict:
+    """Greedy generation through `LLM` on `parallel`'s mesh (see the module doc for the record)."""
+    llm = LLM(
+        path, dtype="float32", kv_cache_dtype="float32", max_model_len=128, max_num_seqs=2, block_size=128,
+        buckets=StepBuckets(prefill=((2, 8),), decode=(2,)), tensor_parallel_size=parallel.tensor_parallel_size,
+        data_parallel_size=parallel.data_parallel_size, enable_expert_parallel=parallel.enable_expert_parallel,
+    )
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                        SamplingParams(max_tokens=6, temperature=0.0, logprobs=2), use_tqdm=False)
+    runner = llm.engine.runner
+    b, s = runner.buckets.decode[0] * runner.dp, 1
+    seqs = StepSequences(
+        np.zeros((b, s), np.int32), np.zeros(b, np.int32), np.full(b, -1, np.int32),
+        np.full((b, runner.layout.sliding_ring), -1, np.int32),
+        np.full((b, runner.layout.max_blocks_per_seq), -1, np.int32),
+    )
+    step_hlo = runner._step.lower(runner.state, runner.cache, np.zeros((b, s), np.int32), seqs).compile().as_text()
+    requests = []
+    for out in outs:
+        completion = out.outputs[0]
+        gaps = []
+        for entry in completion.logprobs:
+            ranked = sorted((lp.logprob for lp in entry.values()), reverse=True)
+            gaps.append(ranked[0] - ranked[1])
+        requests.append({
+            "tokens": completion.token_ids,
+            "logprobs": [entry[t].logprob for t, entry in zip(completion.token_ids, completion.logprobs)],
+            "gaps": gaps,
+        })
+    cache = jax.tree.leaves(runner.cache)
+    return {
+        "requests": requests,
+        "devices": sorted({d.id for leaf in cache for d in leaf.devices()}),
+        "kv_bytes": bytes_per_device(cache),
+        "kv_bytes_total": sum(leaf.nbytes for leaf in cache),
+        "kv_shapes": sorted({leaf.shape for leaf in cache}),
+        "expert_bytes": bytes_per_device(leaves(runner.state, EXPERT_WEIGHTS)),
+        "step_collectives": [[kind, shape] for shape, kind in COLLECTIVE.findall(step_hlo)],
+        "idle_after": llm.engine.scheduler.num_running + llm.engine.scheduler.num_waiting,
+    }
 
 
 if __name__ == "__main__":

@@ -181,3 +181,58 @@ def test_expert_parallelism_moves_no_expert_weights(worker):
     for label in EP_MESHES:
         mesh = worker["meshes"][label]
         assert not weight_collectives(mesh, worker["expert_matrix_shapes"], ("all-reduce", "all-gather")), label
+
+
+# ---- the engine on meshes (same subprocess) ----------------------------------------------------
+def _result_shapes(shape: str) -> list[tuple[int, ...]]:
+    return [tuple(int(d) for d in dims.split(",") if d) for dims in re.findall(r"\w+\[([\d,]*)\]", shape)]
+
+
+def test_engine_on_meshes_matches_one_device_under_the_gap_rule(worker):
+    """Prefill + decode through `LLM` on tp=2 and dp=2 x tp=2 with expert parallelism: tokens equal
+    the single-device engine's wherever its top-1/top-2 gap exceeds 1e-3 (the first position that
+    may differ ends the comparison of a request), logprobs within 1e-4."""
+    reference = worker["engine"]["one"]["requests"]
+    compared = 0
+    for label in ("tp2", "dp2_tp2_ep"):
+        engine = worker["engine"][label]
+        assert engine["idle_after"] == 0, label
+        for want, got in zip(reference, engine["requests"], strict=True):
+            assert len(got["tokens"]) == len(want["tokens"]) == 6, label
+            for i, (t_want, t_got) in enumerate(zip(want["tokens"], got["tokens"])):
+                if t_want != t_got:
+                    assert want["gaps"][i] <= 1e-3, (label, i, t_want, t_got, want["gaps"][i])
+                    break
+                assert abs(got["logprobs"][i] - want["logprobs"][i]) <= 1e-4, (label, i)
+                compared += 1
+    assert compared >= 40  # most positions were compared, not skipped as near-ties
+
+
+def test_engine_kv_pools_split_over_data_and_replicate_over_tensor(worker):
+    single = worker["engine"]["one"]["kv_bytes_total"]
+    for label, parallel in (("tp2", sh.ParallelConfig(tensor_parallel_size=2)),
+                            ("dp2_tp2_ep", sh.ParallelConfig(2, 2, True))):
+        engine = worker["engine"][label]
+        dp, devices = parallel.data_parallel_size, list(range(parallel.world_size))
+        assert engine["devices"] == devices, label
+        # max_num_seqs is per rank: dp ranks hold dp times the pools, each device one rank's.
+        assert engine["kv_bytes_total"] == dp * single, label
+        assert engine["kv_bytes"] == {str(d): engine["kv_bytes_total"] // dp for d in devices}, label
+        expert_split = parallel.expert_parallel_size if parallel.enable_expert_parallel else parallel.tensor_parallel_size
+        total_experts = worker["engine"]["one"]["expert_bytes"]["0"]
+        assert engine["expert_bytes"] == {str(d): total_experts // expert_split for d in devices}, label
+
+
+def test_the_compiled_engine_step_moves_no_pool_and_no_expert_weight(worker):
+    """Collectives of the compiled decode step carry activations only: no result has the shape of a
+    KV-cache leaf (whole or one rank's) or of an expert weight matrix."""
+    matrices = {tuple(m) for m in worker["expert_matrix_shapes"]}
+    for label in ("tp2", "dp2_tp2_ep"):
+        engine = worker["engine"][label]
+        pools = {tuple(s) for s in engine["kv_shapes"] if len(s) >= 3}
+        pools |= {(s[0], s[1] // 2, *s[2:]) for s in pools}  # one data rank's blocks
+        for kind, shape in engine["step_collectives"]:
+            for result in _result_shapes(shape):
+                assert result not in pools and result[-2:] not in matrices, (label, kind, shape)
+        kinds = {kind for kind, _ in engine["step_collectives"]}
+        assert kinds <= ({"all-reduce"} if label == "tp2" else {"all-reduce", "all-gather", "reduce-scatter"}), kinds

@@ -109,14 +109,15 @@ class LLMEngine:
         self.max_model_len = max_model_len
         self.seed = seed
         # Sampled tokens padded to the widest bucket: one placeholder-filling compile per bucket.
-        self.sampler_config = dataclasses.replace(sampler_config, pad_rows=max(b for b, _ in buckets.all))
+        self.runner = ModelRunner(model, layout, attention_backend=attention_backend, buckets=buckets)
+        dp = self.runner.dp  # data-parallel ranks: a step holds dp x the bucket's rows
+        self.sampler_config = dataclasses.replace(sampler_config, pad_rows=dp * max(b for b, _ in buckets.all))
         self.async_scheduling = async_scheduling  # may be switched between steps
         eos = self.config.eos_token_id
         self.eos_token_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
-        self.runner = ModelRunner(model, layout, attention_backend=attention_backend, buckets=buckets)
         self.scheduler = Scheduler(SchedulerConfig.for_runner(
             buckets, layout, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-            max_num_batched_tokens=max_num_batched_tokens, usable_blocks_cap=usable_blocks_cap,
+            max_num_batched_tokens=max_num_batched_tokens, usable_blocks_cap=usable_blocks_cap, dp_size=dp,
         ))
         self._tracked: dict[str, _Tracked] = {}
         self._numbers = itertools.count()
@@ -199,40 +200,42 @@ class LLMEngine:
         """Dispatch a step and its sampling to the device; nothing waits for the results."""
         rows = scheduled.rows
         bucket, tokens, seqs = self.runner.build(rows)
+        position = self.runner.row_positions(rows, bucket[0])
         token_ids = None
         if previous is not None:  # rows holding a placeholder read the previous step's sample
             source = np.full(bucket[0], -1, np.int32)
-            for i, r in enumerate(rows):
+            for at, r in zip(position, rows):
                 if PLACEHOLDER in r.token_ids:
-                    source[i] = previous.position[r.request.request_id]
+                    source[at] = previous.position[r.request.request_id]
             if (source >= 0).any():
                 token_ids = _fill_placeholders(tokens, source, previous.sampled.token_ids)
         out = self.runner.run(bucket, tokens, seqs, len(rows), token_ids)
-        sampling = [
-            SamplingRow(self._tracked[r.request.request_id].params, self._tracked[r.request.request_id].index,
-                        r.request.prompt_token_ids, r.request.output_token_ids)
-            if r.is_sampling else SamplingRow(_FILLER, 0)
-            for r in rows
-        ]
+        sampling = [SamplingRow(_FILLER, 0)] * (max(position) + 1)  # rows after the last: padding
+        for at, r in zip(position, rows):
+            if r.is_sampling:
+                tracked = self._tracked[r.request.request_id]
+                sampling[at] = SamplingRow(tracked.params, tracked.index, r.request.prompt_token_ids,
+                                           r.request.output_token_ids)
         batch = build_sampling_batch(
             sampling, out.bucket[0], vocab_size=self.config.vocab_size, eos_token_ids=self.eos_token_ids,
             engine_seed=self.seed, step=self._steps, config=self.sampler_config,
         )
         self._steps += 1
         sampled = sample(out.logits, jax.device_put(batch), config=self.sampler_config)
-        return _InFlight(scheduled, out, sampled, {r.request.request_id: i for i, r in enumerate(rows)})
+        return _InFlight(scheduled, out, sampled, {r.request.request_id: at for at, r in zip(position, rows)})
 
     def _complete(self, step: _InFlight) -> list[RequestOutput]:
         """Fetch a launched step's tokens, apply them and decide which requests stop."""
         scheduled, out, sampled = step.scheduled, step.out, step.sampled
         rows = [r for r in scheduled.rows if r.request.request_id in self._tracked]  # not aborted since
-        self._prompt_logprobs(rows, out)
+        self._prompt_logprobs(rows, out, step.position)
         want_logprobs = any(r.is_sampling and self._tracked[r.request.request_id].logprobs is not None for r in rows)
         # One device-to-host transfer for the tokens and, when asked for, their logprobs.
         fetched = jax.device_get((sampled.token_ids, sampled.logprobs, sampled.top_token_ids, sampled.top_logprobs,
                                   sampled.ranks) if want_logprobs else (sampled.token_ids,))
         tokens, logprob_arrays = fetched[0], (fetched[1:] if want_logprobs else None)
-        chosen = {r.request.request_id: int(tokens[i]) for i, r in enumerate(scheduled.rows) if r.is_sampling}
+        chosen = {r.request.request_id: int(tokens[step.position[r.request.request_id]])
+                  for r in scheduled.rows if r.is_sampling}
         forced_now = {rid: t for rid in chosen if rid in self._tracked
                       and (t := self._tracked[rid].next_forced()) is not None}
         chosen.update(forced_now)
@@ -298,18 +301,18 @@ class LLMEngine:
         tracked.logprobs.append(entry)
         tracked.cumulative_logprob += logprob
 
-    def _prompt_logprobs(self, rows, out) -> None:
+    def _prompt_logprobs(self, rows, out, position: dict[str, int]) -> None:
         """Logprob of each prompt token given the tokens before it (vLLM's `prompt_logprobs`), from a
         separate head call over the step's streams; only when some row's chunk adds one."""
         wanted = []
-        for i, r in enumerate(rows):
+        for r in rows:
             recorded = self._tracked[r.request.request_id].prompt_logprobs
             # The next entry to record is for prompt token len(recorded), predicted at position
             # len(recorded) - 1. A chunk that ends before it was recomputed after a preemption; one
             # that starts at the prompt's last token (or later) predicts no prompt token.
             if recorded is not None and r.start < len(recorded) < len(r.request.prompt_token_ids) \
                     and r.start + len(r.token_ids) >= len(recorded):
-                wanted.append((i, r))
+                wanted.append((position[r.request.request_id], r))
         if not wanted:
             return
         # A one-token step's logits at its only position are the step's own (decode buckets have no
@@ -337,7 +340,7 @@ class LLMEngine:
         compiled = self.runner.warmup()
         self.runner.compiles.reset()
         vocab = self.config.vocab_size
-        for b in sorted({b for b, _ in self.runner.buckets.all}):
+        for b in sorted({self.runner.dp * b for b, _ in self.runner.buckets.all}):
             logits = jax.numpy.zeros((b, vocab), jax.numpy.float32)
             for params in (SamplingParams(temperature=1.0, logprobs=1), SamplingParams(repetition_penalty=1.1)):
                 batch = build_sampling_batch([SamplingRow(params, 0, [0], [])], b, vocab_size=vocab,
@@ -345,6 +348,7 @@ class LLMEngine:
                 jax.block_until_ready(sample(logits, jax.device_put(batch), config=self.sampler_config))
         previous = jax.device_put(np.zeros(self.sampler_config.pad_rows, np.int32))
         for b, s in self.runner.buckets.all:  # async scheduling's placeholder filling
+            b *= self.runner.dp
             jax.block_until_ready(_fill_placeholders(np.zeros((b, s), np.int32), np.zeros(b, np.int32), previous))
         compiled += self.runner.compiles.compiles
         self.runner.compiles.reset()

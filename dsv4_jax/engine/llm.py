@@ -75,6 +75,8 @@ class LLM:
         num_gpu_blocks_override: int | None = None,
         gpu_memory_utilization: float = 0.9,
         tensor_parallel_size: int = 1,
+        data_parallel_size: int = 1,
+        enable_expert_parallel: bool = False,
         seed: int = 0,
         tokenizer: str | Path | None = None,
         block_size: int = 256,
@@ -84,6 +86,7 @@ class LLM:
     ):
         import dsv4_jax
         from dsv4_jax.engine.engine import LLMEngine
+        from dsv4_jax.sharding import ParallelConfig, make_mesh, shard_model
         from dsv4_jax.tokenizer import load_tokenizer
 
         path = self.check_arguments(model, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
@@ -91,11 +94,16 @@ class LLM:
                                     max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                     num_gpu_blocks_override=num_gpu_blocks_override,
                                     gpu_memory_utilization=gpu_memory_utilization,
-                                    tensor_parallel_size=tensor_parallel_size, seed=seed, block_size=block_size,
+                                    tensor_parallel_size=tensor_parallel_size,
+                                    data_parallel_size=data_parallel_size,
+                                    enable_expert_parallel=enable_expert_parallel, seed=seed, block_size=block_size,
                                     tokenizer=tokenizer)
         compute = checkpoint_dtype(path) if dtype == "auto" else dtype
+        self.parallel = ParallelConfig(tensor_parallel_size, data_parallel_size, enable_expert_parallel)
         self.model = dsv4_jax.load_model(path, dtype=compute, kv_cache_dtype=kv_cache_dtype,
                                          attention_backend=attention_backend)
+        if self.parallel.world_size > 1:
+            shard_model(self.model, make_mesh(self.parallel), self.parallel)
         self.config = self.model.config
         self.spec = self.model.kv_cache_spec
         self.tokenizer = load_tokenizer(tokenizer or path)
@@ -108,9 +116,9 @@ class LLM:
             seed=seed, usable_blocks_cap=usable_blocks_cap, async_scheduling=async_scheduling,
         )
         logger.info("%s", self.spec.summary())
-        logger.info("KV cache: %d sequence slots, %d compressed blocks of %d positions (%.1f MiB)",
-                    self.layout.num_seq_slots, self.layout.num_compressed_blocks, self.layout.block_size,
-                    self.cache_bytes / 2**20)
+        logger.info("KV cache per data-parallel rank (%d): %d sequence slots, %d compressed blocks of %d "
+                    "positions; %.1f MiB on the mesh", data_parallel_size, self.layout.num_seq_slots,
+                    self.layout.num_compressed_blocks, self.layout.block_size, self.cache_bytes / 2**20)
         start = time.perf_counter()
         compiled = self.engine.warmup()
         logger.info("warm-up: %d compiles in %.1fs", compiled, time.perf_counter() - start)
@@ -122,16 +130,22 @@ class LLM:
                         attention_backend: str | None = None,
                         max_model_len: int = 4096, max_num_seqs: int = 8, max_num_batched_tokens: int | None = None,
                         num_gpu_blocks_override: int | None = None, gpu_memory_utilization: float = 0.9,
-                        tensor_parallel_size: int = 1, seed: int = 0, block_size: int = 256,
+                        tensor_parallel_size: int = 1, data_parallel_size: int = 1,
+                        enable_expert_parallel: bool = False, seed: int = 0, block_size: int = 256,
                         tokenizer: str | Path | None = None, async_scheduling: bool = True) -> Path:
         """Every check that needs no weights (seconds on a real checkpoint), as a ValueError naming
         the argument; returns the model directory (the built-in one is written on first use)."""
         from dsv4_jax.builtin import builtin_model_dir
+        from dsv4_jax.sharding import ParallelConfig
 
         cls._check_arguments(dtype, max_model_len, max_num_seqs, max_num_batched_tokens, num_gpu_blocks_override,
-                             gpu_memory_utilization, tensor_parallel_size, seed, block_size)
+                             gpu_memory_utilization, seed, block_size)
+        if not isinstance(enable_expert_parallel, bool):
+            raise ValueError(f"enable_expert_parallel must be a bool, got {enable_expert_parallel!r}")
+        ParallelConfig(tensor_parallel_size, data_parallel_size, enable_expert_parallel)  # sizes >= 1
         path = builtin_model_dir() if str(model) in BUILTIN_NAMES else Path(model)
         cls._check_against_model(path, max_model_len, block_size, kv_cache_dtype, attention_backend)
+        cls._check_parallel(path, tensor_parallel_size, data_parallel_size, enable_expert_parallel)
         if not isinstance(async_scheduling, bool):
             raise ValueError(f"async_scheduling must be a bool, got {async_scheduling!r}")
         if tokenizer is not None and not Path(tokenizer).exists():
@@ -140,7 +154,7 @@ class LLM:
 
     @staticmethod
     def _check_arguments(dtype, max_model_len, max_num_seqs, max_num_batched_tokens, num_gpu_blocks_override,
-                         gpu_memory_utilization, tensor_parallel_size, seed, block_size) -> None:
+                         gpu_memory_utilization, seed, block_size) -> None:
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
         _positive_int("max_model_len", max_model_len)
@@ -151,12 +165,6 @@ class LLM:
         if isinstance(gpu_memory_utilization, bool) or not isinstance(gpu_memory_utilization, (int, float)) \
                 or not 0 < gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r}")
-        _positive_int("tensor_parallel_size", tensor_parallel_size)
-        if tensor_parallel_size != 1:
-            raise ValueError(
-                f"tensor_parallel_size={tensor_parallel_size}: only 1 is supported until sharding over device "
-                "meshes lands; pass tensor_parallel_size=1"
-            )
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise ValueError(f"seed must be an integer, got {seed!r}")
 
@@ -178,19 +186,40 @@ class LLM:
         spec = resolve_for_device(kv_cache_dtype, jax.devices()[0], attention_backend, config=config)
         pool_usage(config, spec, max_model_len, block_size)  # block_size: whole blocks of every compress ratio
 
+    @staticmethod
+    def _check_parallel(path: Path, tensor_parallel_size: int, data_parallel_size: int,
+                        enable_expert_parallel: bool) -> None:
+        """The mesh's sizes against the visible devices and the model's dimensions (no weights read)."""
+        import jax
+
+        from dsv4_jax.config import DeepseekV4Config
+        from dsv4_jax.sharding import ParallelConfig, check_model_splits
+
+        parallel = ParallelConfig(tensor_parallel_size, data_parallel_size, enable_expert_parallel)
+        if parallel.world_size > jax.device_count():
+            raise ValueError(
+                f"--tensor-parallel-size {tensor_parallel_size} x --data-parallel-size {data_parallel_size} needs "
+                f"{parallel.world_size} devices, but {jax.device_count()} are visible"
+            )
+        check_model_splits(DeepseekV4Config.from_json(path), parallel)
+
     def _size_pools(self, max_model_len, max_num_seqs, block_size, gpu_memory_utilization, num_gpu_blocks_override):
         import jax
 
         from dsv4_jax.kv_cache.paged import PagedCacheLayout
-        from dsv4_jax.kv_cache.planner import live_device_memory, plan_capacity
+        from dsv4_jax.kv_cache.planner import MeshShape, live_device_memory, plan_capacity
 
         device = jax.devices()[0]
         memory = live_device_memory(device) if device.platform == "gpu" else None
-        weight_bytes = sum(x.nbytes for x in jax.tree.leaves(self.model.state))
+        # What the first device holds (every device holds the same share).
+        weight_bytes = sum(s.data.nbytes for x in jax.tree.leaves(self.model.state)
+                           for s in x.addressable_shards if s.device == device)
+        p = self.parallel
         plan = plan_capacity(
             self.config, self.spec, max_model_len=max_model_len, device_memory_bytes=memory,
             gpu_memory_utilization=gpu_memory_utilization, weight_bytes=weight_bytes, block_size=block_size,
             max_num_seqs=max_num_seqs,
+            mesh=MeshShape(p.tensor_parallel_size, p.data_parallel_size, p.expert_parallel_size),
         )
         layout = PagedCacheLayout.from_plan(self.config, plan)
         if num_gpu_blocks_override is not None:

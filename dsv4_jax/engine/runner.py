@@ -12,6 +12,15 @@ The host builds each step's arrays in numpy and sends them with one `device_put`
 ids may instead come straight from the previous step's device output. The cache is donated to
 every step, so XLA updates it in place (warm-up checks that the donation took effect).
 
+On a mesh (the model's `options.mesh`, `dsv4_jax.sharding`) the step runs under `jax.shard_map`
+over the data axis: each data-parallel rank has its own block pools, sequence slots and rows (a
+bucket is per rank: a step holds data x B rows, rank r's in rows [r B, (r + 1) B)), block ids in
+its tables are its own, and no pool ever crosses devices. Inside a rank the tensor axis is left
+to XLA (query heads, the output projection and the vocabulary split over it; the one KV head is
+replicated), and the routed experts run under their own shard_map (`model.moe`). A rank with
+nothing to run computes padding rows in the same step: ranks stay in lockstep, so no collective
+waits on an idle one.
+
 Imports: only what the GPU machine has (jax, flax, numpy and this repository).
 """
 
@@ -28,9 +37,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jax.sharding import PartitionSpec as P
+
 from dsv4_jax.engine.compiles import CompileCounter
-from dsv4_jax.kv_cache.paged import PagedCacheLayout, PagedKVCache, init_paged_cache, kv_planes
+from dsv4_jax.kv_cache.paged import PagedCacheLayout, PagedKVCache, init_paged_cache, kv_planes, partition_specs
 from dsv4_jax.model.cache_step import CacheStep, StepSequences
+from dsv4_jax.sharding import DATA
 from pallas_kernels.backend import XLA, get_backend
 
 logger = logging.getLogger(__name__)
@@ -79,14 +91,15 @@ class StepRow:
     start: int  # position of the chunk's first token
     token_ids: Sequence[int]  # the chunk (one token for a decode)
     compressed_blocks: Sequence[int]  # the sequence's compressed block ids, in order
+    dp_rank: int = 0  # the data-parallel rank whose pools hold the sequence (slot and blocks are its)
 
 
 @dataclasses.dataclass(frozen=True)
 class StepOutput:
     logits: jax.Array  # [B, vocab] float32: each row's last real token (padding rows: garbage)
     streams: jax.Array  # [B, S, hc_mult, hidden] before hc_head, for prompt logprobs and MTP
-    rows: int  # real rows (the first `rows` of B)
-    bucket: tuple[int, int]
+    rows: int  # real rows (`ModelRunner.row_positions` says where)
+    bucket: tuple[int, int]  # (B, S) of the whole step: data-parallel ranks x the rank's bucket rows
 
 
 def _step(graphdef, options, ctx, state, cache, token_ids, seqs):
@@ -102,8 +115,23 @@ def _head(graphdef, state, streams):
     return model.logits_from_streams(streams, model)
 
 
+def _data_specs(tree):
+    """Per leaf, the data-axis part of its sharding (the specs of a shard_map manual over data):
+    a dimension split over (data, tensor) is a contiguous block per data rank, split over tensor
+    inside it."""
+
+    def spec(leaf):
+        sharding = getattr(leaf, "sharding", None)
+        parts = getattr(sharding, "spec", ())
+        data = [DATA if p == DATA or (isinstance(p, tuple) and p and p[0] == DATA) else None for p in parts]
+        return P(*data)
+
+    return jax.tree.map(spec, tree)
+
+
 class ModelRunner:
-    """Runs steps of a loaded model (`dsv4_jax.load_model`) over a paged cache of `layout`."""
+    """Runs steps of a loaded model (`dsv4_jax.load_model`) over a paged cache of `layout` (one
+    data-parallel rank's pools; on a mesh every rank has its own of that size)."""
 
     def __init__(
         self,
@@ -118,29 +146,50 @@ class ModelRunner:
         self.buckets = buckets
         self.backend = get_backend(attention_backend)
         self.graphdef, self.state = model.graphdef, model.state
+        self.mesh = model.options.mesh
+        self.dp = self.mesh.shape[DATA] if self.mesh is not None else 1
         self.ctx = CacheStep(layout, self.backend)
-        self.cache: PagedKVCache = init_paged_cache(layout)
-        self.compiles = CompileCounter()
         self.warm = False
+        step = functools.partial(_step, self.graphdef, model.options, self.ctx)
+        if self.mesh is None:
+            self.cache: PagedKVCache = init_paged_cache(layout)
+        else:  # every rank's pools side by side, split over the data axis
+            whole = dataclasses.replace(
+                layout, num_seq_slots=layout.num_seq_slots * self.dp,
+                num_sliding_blocks=layout.num_sliding_blocks * self.dp,
+                num_compressed_blocks=layout.num_compressed_blocks * self.dp,
+            )
+            self.cache = init_paged_cache(whole, self.mesh, DATA)
+            cache_specs = partition_specs(whole, DATA)
+            rows = P(DATA)
+            seq_specs = StepSequences(rows, rows, rows, rows, rows)
+            step = jax.shard_map(
+                step, mesh=self.mesh, in_specs=(_data_specs(self.state), cache_specs, rows, seq_specs),
+                out_specs=(rows, rows, cache_specs), axis_names={DATA}, check_vma=False,
+            )
+        self.compiles = CompileCounter()  # counts from here: the cache's allocation is not a step's
         # One jitted function each, compiled once per bucket shape; the cache is donated.
-        self._step = jax.jit(functools.partial(_step, self.graphdef, model.options, self.ctx), donate_argnums=1)
+        self._step = jax.jit(step, donate_argnums=1)
         self._head = jax.jit(functools.partial(_head, self.graphdef))
 
     # ---- host batches -------------------------------------------------------------------------
     def build(self, rows: Sequence[StepRow]) -> tuple[tuple[int, int], np.ndarray, StepSequences]:
-        """Host arrays of a step (numpy): the bucket, token ids [B, S] and the row arrays."""
+        """Host arrays of a step (numpy): the whole step's bucket, token ids [B, S] and the row
+        arrays; rows sit where `row_positions` says."""
         if not rows:
             raise ValueError("a step needs at least one row")
         lay = self.layout
         longest = max(len(r.token_ids) for r in rows)
-        b, s = self.buckets.pick(len(rows), longest)
+        per_rank = np.bincount([self._rank(i, r) for i, r in enumerate(rows)], minlength=self.dp)
+        b, s = self.buckets.pick(int(per_rank.max()), longest)
+        b *= self.dp
         tokens = np.zeros((b, s), np.int32)
         positions = np.tile(np.arange(s, dtype=np.int32), (b, 1))
         lens = np.zeros(b, np.int32)
         slots = np.full(b, -1, np.int32)
         sliding = np.full((b, lay.sliding_ring), -1, np.int32)
         compressed = np.full((b, lay.max_blocks_per_seq), -1, np.int32)
-        for i, row in enumerate(rows):
+        for i, (row, at) in enumerate(zip(rows, self.row_positions(rows, b))):
             n = len(row.token_ids)
             if n == 0:
                 raise ValueError(f"row {i} (slot {row.slot}) has no tokens")
@@ -151,12 +200,30 @@ class ModelRunner:
                                  f"{lay.max_blocks_per_seq * lay.block_size} a sequence can hold")
             if len(row.compressed_blocks) > lay.max_blocks_per_seq:
                 raise ValueError(f"row {i}: {len(row.compressed_blocks)} blocks exceed {lay.max_blocks_per_seq} per sequence")
-            tokens[i, :n] = row.token_ids
-            positions[i] += row.start
-            lens[i], slots[i] = n, row.slot
-            sliding[i] = row.slot * lay.sliding_ring + np.arange(lay.sliding_ring)
-            compressed[i, : len(row.compressed_blocks)] = row.compressed_blocks
+            tokens[at, :n] = row.token_ids
+            positions[at] += row.start
+            lens[at], slots[at] = n, row.slot
+            sliding[at] = row.slot * lay.sliding_ring + np.arange(lay.sliding_ring)
+            compressed[at, : len(row.compressed_blocks)] = row.compressed_blocks
         return (b, s), tokens, StepSequences(positions, lens, slots, sliding, compressed)
+
+    def row_positions(self, rows: Sequence[StepRow], step_rows: int) -> list[int]:
+        """The row of the step's arrays ([step_rows, ...]) that each of `rows` occupies: its rank's
+        block of rows, in order."""
+        per_rank = step_rows // self.dp
+        taken = [0] * self.dp
+        where = []
+        for i, row in enumerate(rows):
+            rank = self._rank(i, row)
+            where.append(rank * per_rank + taken[rank])
+            taken[rank] += 1
+        return where
+
+    def _rank(self, i: int, row: StepRow) -> int:
+        rank = getattr(row, "dp_rank", 0)
+        if not 0 <= rank < self.dp:
+            raise ValueError(f"row {i}: data-parallel rank {rank} is outside [0, {self.dp})")
+        return rank
 
     # ---- device -------------------------------------------------------------------------------
     def step(self, rows: Sequence[StepRow], token_ids: jax.Array | None = None) -> StepOutput:
@@ -187,7 +254,8 @@ class ModelRunner:
         self.compiles.reset()
         self._touch_interpreter()
         buckets = self.buckets.all
-        for i, (b, s) in enumerate(buckets):
+        for i, (rank_rows, s) in enumerate(buckets):
+            b = rank_rows * self.dp
             t0 = time.perf_counter()
             before = jax.tree.leaves(self.cache)[0]
             seqs = StepSequences(
@@ -203,9 +271,9 @@ class ModelRunner:
             if not before.is_deleted():
                 raise RuntimeError("the KV cache was not donated to the step: every step would copy it")
             seconds = time.perf_counter() - t0
-            logger.info("warm-up %d/%d: bucket %d x %d compiled in %.1fs", i + 1, len(buckets), b, s, seconds)
+            logger.info("warm-up %d/%d: bucket %d x %d compiled in %.1fs", i + 1, len(buckets), rank_rows, s, seconds)
             if progress is not None:
-                progress(i + 1, len(buckets), (b, s), seconds)
+                progress(i + 1, len(buckets), (rank_rows, s), seconds)
         self.warm = True
         compiled = self.compiles.compiles
         self.compiles.reset()  # from here on, `compiles.compiles` counts what steps compile: 0

@@ -257,8 +257,11 @@ class Scheduler:
             self._take_as_done(self._pending[0])
         rows: list[ScheduledRow] = []
         preempted: list[str] = []
-        for rank in range(self.config.dp_size):
-            plan = self._plan_rank(rank, preempted)
+        kinds = [self._step_kind(rank) for rank in range(self.config.dp_size)]
+        # One step, one bucket: when any rank prefills, every rank's rows must fit a prefill bucket.
+        decode_rows = self.config.max_prefill_rows if any(k != "decode" for k in kinds) else None
+        for rank, kind in enumerate(kinds):
+            plan = self._plan_rank(rank, kind, preempted, decode_rows)
             for request_id in plan.chunks:
                 self._last_served[request_id] = self._step
             rows += plan.rows()
@@ -277,32 +280,45 @@ class Scheduler:
                 if row.is_sampling:
                     request.output_token_ids.append(PLACEHOLDER)
 
-    def _plan_rank(self, rank: int, preempted: list[str]) -> _StepPlan:
-        c = self.config
+    def _running_decodes(self, rank: int) -> tuple[list[Request], list[Request]]:
+        """(running requests that get rows, those of them with one token to compute)."""
         # A request whose pending token is its last (max_tokens) is finished by update, not run.
         running = [r for r in self._running[rank] if r.num_output_tokens < r.max_tokens]
         decodes = sorted((r for r in running if r.num_tokens - r.num_computed_tokens == 1),
                          key=lambda r: self._last_served[r.request_id])  # stable: admission order on ties
+        return running, decodes
+
+    def _step_kind(self, rank: int) -> str:
+        """"decode" (decode rows only), "mixed" (every decode, then prefill chunks) or
+        "prefill_first" (prefill chunks, then decodes in the rows left) for this rank's step."""
+        c = self.config
+        running, decodes = self._running_decodes(rank)
         partial = any(r.num_tokens - r.num_computed_tokens > 1 for r in running)
         admissible = (bool(self._waiting[rank]) and len(running) < c.max_num_seqs
                       and self.block_managers[rank].num_free_slots > 0)
-        prefill_rows = min(c.max_prefill_rows, c.max_num_batched_tokens)
         if not (partial or admissible):
-            plan = _StepPlan(c.max_decode_rows, c.max_num_batched_tokens)
+            return "decode"
+        if len(decodes) < min(c.max_prefill_rows, c.max_num_batched_tokens):  # room for every decode and a prefill row
+            return "mixed"
+        self._decode_turn[rank] = not self._decode_turn[rank]
+        return "decode" if self._decode_turn[rank] else "prefill_first"
+
+    def _plan_rank(self, rank: int, kind: str, preempted: list[str], decode_rows: int | None) -> _StepPlan:
+        """The rank's rows for a step of `kind`; a decode step holds at most `decode_rows` rows
+        when given (another rank prefills in the same step)."""
+        c = self.config
+        _, decodes = self._running_decodes(rank)
+        if kind == "decode":
+            plan = _StepPlan(decode_rows or c.max_decode_rows, c.max_num_batched_tokens)
             self._add_decodes(rank, plan, decodes, preempted)
-        elif len(decodes) < prefill_rows:  # room for every decode and a prefill row
+        elif kind == "mixed":
             plan = _StepPlan(c.max_prefill_rows, c.max_num_batched_tokens)
             self._add_decodes(rank, plan, decodes, preempted)
             self._add_prefills(rank, plan, preempted)
         else:
-            self._decode_turn[rank] = not self._decode_turn[rank]
-            if self._decode_turn[rank]:
-                plan = _StepPlan(c.max_decode_rows, c.max_num_batched_tokens)
-                self._add_decodes(rank, plan, decodes, preempted)
-            else:
-                plan = _StepPlan(c.max_prefill_rows, c.max_num_batched_tokens)
-                self._add_prefills(rank, plan, preempted)
-                self._add_decodes(rank, plan, decodes, preempted)
+            plan = _StepPlan(c.max_prefill_rows, c.max_num_batched_tokens)
+            self._add_prefills(rank, plan, preempted)
+            self._add_decodes(rank, plan, decodes, preempted)
         return plan
 
     def _add_decodes(self, rank: int, plan: _StepPlan, decodes: list[Request], preempted: list[str]) -> None:

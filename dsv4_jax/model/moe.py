@@ -216,8 +216,8 @@ def _sharded_experts(run, x, experts, weights, stored, mesh, expert_parallel: bo
         return jax.lax.psum(run(x, experts, weights, stored, first=0), TENSOR)
 
     axes = {TENSOR} if split_tokens else {DATA, TENSOR}
-    return jax.shard_map(
-        body, mesh=mesh, in_specs=(P(), P(), P(), specs), out_specs=P(),
+    return jax.shard_map(  # nested in the runner's shard_map, the context's mesh is the one
+        body, mesh=None if split_tokens else mesh, in_specs=(P(), P(), P(), specs), out_specs=P(),
         axis_names=axes, check_vma=False,
     )(x, experts, weights, stored)
 
