@@ -247,11 +247,14 @@ def build_parser() -> argparse.ArgumentParser:
     add("--tokenizer", default=None, metavar="DIR",
         help="directory with tokenizer.json (default: the model's own, else the bundled V4 tokenizer)")
     add("--tensor-parallel-size", "-tp", type=_positive_int, default=1,
-        help="devices the model is split over (default: %(default)s)")
+        help="devices each data-parallel rank splits the model over: query heads, output groups, "
+             "vocabulary and experts' intermediate dimension (default: %(default)s)")
     add("--data-parallel-size", "-dp", type=_positive_int, default=1,
-        help="model replicas (default: %(default)s)")
+        help="data-parallel attention ranks, each with its own KV pools and --max-num-seqs sequences; "
+             "the mesh is dp x tp devices, the first ones visible (default: %(default)s)")
     add("--enable-expert-parallel", action="store_true",
-        help="shard MoE experts over the devices instead of tensor-splitting them (default: off)")
+        help="place whole routed experts on the dp x tp devices instead of splitting every expert "
+             "over tp (default: off)")
     add("--gpu-memory-utilization", type=_memory_fraction, default=0.9,
         help="fraction of device memory for weights and KV cache, in (0, 1] (default: %(default)s)")
     add("--max-num-seqs", type=_positive_int, default=8,
@@ -461,6 +464,8 @@ def engine_kwargs(args: ServerArgs) -> dict[str, Any]:
         "num_gpu_blocks_override": args.num_gpu_blocks_override,
         "gpu_memory_utilization": args.gpu_memory_utilization,
         "tensor_parallel_size": args.tensor_parallel_size,
+        "data_parallel_size": args.data_parallel_size,
+        "enable_expert_parallel": args.enable_expert_parallel,
         "seed": args.seed,
         "tokenizer": args.tokenizer,
         "block_size": args.block_size,

@@ -45,27 +45,12 @@ def _enable_compilation_cache() -> None:
     logger.info("JAX compilation cache: %s", directory)
 
 
-def _check_parallel(args) -> None:
-    """Refuse what this process cannot honour yet, rather than silently running on one device."""
-    import jax
-
-    wanted = args.tensor_parallel_size * args.data_parallel_size
-    if wanted > 1 or args.enable_expert_parallel:
-        raise ValueError(
-            f"--tensor-parallel-size {args.tensor_parallel_size} --data-parallel-size {args.data_parallel_size}"
-            f"{' --enable-expert-parallel' if args.enable_expert_parallel else ''}: sharding over device meshes is "
-            f"not built yet (this process sees {jax.device_count()} device(s)); run with "
-            "--tensor-parallel-size 1 --data-parallel-size 1"
-        )
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     _configure_logging()
     from serve.args import engine_kwargs, parse_args
 
     args = parse_args(argv)
     _enable_compilation_cache()
-    _check_parallel(args)
 
     from dsv4_jax import LLM
 

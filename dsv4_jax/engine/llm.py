@@ -103,7 +103,12 @@ class LLM:
         self.model = dsv4_jax.load_model(path, dtype=compute, kv_cache_dtype=kv_cache_dtype,
                                          attention_backend=attention_backend)
         if self.parallel.world_size > 1:
-            shard_model(self.model, make_mesh(self.parallel), self.parallel)
+            mesh = make_mesh(self.parallel)
+            shard_model(self.model, mesh, self.parallel)
+            logger.info("mesh: data %d x tensor %d over devices %s, routed experts %s", data_parallel_size,
+                        tensor_parallel_size, [d.id for d in mesh.devices.flat],
+                        "whole on each device (expert parallel)" if enable_expert_parallel
+                        else "split along their intermediate dimension")
         self.config = self.model.config
         self.spec = self.model.kv_cache_spec
         self.tokenizer = load_tokenizer(tokenizer or path)
