@@ -14,14 +14,22 @@ tokens streamed and `prompt_tokens` the `/tokenize` count of the same prompt. Af
 server's block allocators are only visible through that gauge).
 
 When the script starts the server itself it also (1) runs the same requests through the offline
-engine (`dsv4_jax.LLM` with the server's flags, one batched run) and compares every stream under
-the engine's rule: tokens equal wherever the reference's top-1/top-2 logprob gap exceeds 1e-3,
-logprobs within 1e-4 (the streams carry ids and logprobs: `logprobs` 2 and
+engine (`dsv4_jax.LLM` with the server's flags, one batched run) and compares every stream with it
+(`compare_stream`; the streams carry ids and logprobs: `logprobs` 2 and
 `return_tokens_as_token_ids`); (2) reads the server's resident memory (VmRSS of /proc/PID/status)
 after the first half of the requests and at the end, and fails above 10% growth.
 
-Prints requests/s, output tokens/s, TTFT and ITL (mean, median, p99) and the checks; exit status 1
-when any check fails. tests/test_server_load.py runs a smaller copy through these functions.
+The comparison rule: tokens equal and logprobs within 1e-4, up to a first difference at a near-tie,
+which ends the comparison of that request ("diverged at a near-tie", counted, not an error). A
+near-tie is a position where the reference's top-1/top-2 logprob gap is at most 1e-3 (a differing
+token only), or where the lightning indexer's top-k margin on the reference's tokens
+(`dsv4_jax.testing.indexer_topk_margins`) is below 1e-5: there another compile of the same step
+(another batch shape) may pick a different k-th compressed entry, which moves the logits by far
+more than rounding (docs/performance.md, "Server under load").
+
+Prints requests/s, output tokens/s, TTFT and ITL (mean, median, p99), the checks and the near-tie
+divergences; exit status 1 when any check fails. tests/test_server_load.py runs a smaller copy
+through these functions.
 """
 
 from __future__ import annotations
@@ -47,6 +55,15 @@ sys.path.insert(0, str(REPO))  # run as a script: the repository's packages (ben
 
 from benchmarks.runner import positive  # noqa: E402  (one flag parser for the benchmarks)
 GAP, LOGPROB_TOL = 1e-3, 1e-4  # the engine's comparison rule for greedy outputs
+# Indexer top-k margins ((k-th - (k+1)-th best visible score) / largest |visible score|, on the
+# reference's tokens) below this are near-ties. At the full run's indexer swap (request 353, token
+# 23) two compiles of the step scored the same entry up to 4e-7 (relative) apart, and the margin
+# there measures 3.5e-7 to 1.1e-6 depending on the compile (step shape, sequence length): 1e-5 is
+# ten times the largest. Few positions fall below it (in request 353: 2 of the 177 with a possible
+# tie in dsv4-tiny's second CSA layer, none in its first), and only one where the outputs differ
+# is excused.
+INDEXER_TIE = 1e-5
+OUTPUT_GAP, INDEXER_MARGIN = "output top-1/top-2 gap", "indexer top-k margin"  # the two kinds of near-tie
 RSS_GROWTH_LIMIT = 0.10
 # The built-in model with a float32 cache: exact, so the offline engine is a sharp reference.
 SERVER_FLAGS = ("--dtype", "float32", "--kv-cache-dtype", "float32", "--max-model-len", "1024", "--seed", "0")
@@ -283,22 +300,81 @@ def offline_reference(llm: Any, requests: Sequence[LoadRequest], prompt_ids: Seq
     return [out.outputs[0] for out in outputs]
 
 
-def gap_rule_mismatch(reference: Any, token_ids: Sequence[int], logprobs: Sequence[float]) -> str | None:
-    """None when the stream matches `reference` (a CompletionOutput with logprobs) under the rule:
-    equal tokens, logprobs within 1e-4, up to a first differing token that the reference's
-    top-1/top-2 gap (at most 1e-3) allows; else what differs."""
+@dataclasses.dataclass(frozen=True)
+class Comparison:
+    """One stream against its reference output under the comparison rule (module docstring)."""
+
+    mismatch: str | None = None  # a difference the rule does not excuse: the check fails
+    near_tie: str | None = None  # OUTPUT_GAP or INDEXER_MARGIN: the stream diverged at a near-tie
+    diverged_at: int | None = None  # the output token where it did
+    detail: str = ""  # what differed there
+    uncompared: int = 0  # output tokens after it, not compared
+
+
+def compare_stream(reference: Any, token_ids: Sequence[int], logprobs: Sequence[float],
+                   indexer_margins: Sequence[float] | None = None) -> Comparison:
+    """`token_ids` and `logprobs` of a stream against `reference` (a CompletionOutput with 2
+    logprobs per token). `indexer_margins[i]`: the indexer top-k margin at the position whose
+    logits give output token i, on the reference's tokens (`output_indexer_margins`); None: not
+    known, so no difference is excused by the indexer."""
     for i, (want, got) in enumerate(zip(reference.token_ids, token_ids)):
         entry = reference.logprobs[i]
+        ranked = sorted((lp.logprob for lp in entry.values()), reverse=True)
+        gap = ranked[0] - ranked[1]
         if want != got:
-            ranked = sorted((lp.logprob for lp in entry.values()), reverse=True)
-            if ranked[0] - ranked[1] <= GAP:
-                return None  # a near tie: the rest of the two outputs may differ
-            return f"token {i}: {got} where the reference has {want} (top-1/top-2 gap {ranked[0] - ranked[1]:.2e})"
-        if abs(entry[want].logprob - logprobs[i]) > LOGPROB_TOL:
-            return f"token {i}: logprob {logprobs[i]} vs the reference's {entry[want].logprob}"
+            detail = f"token {i}: {got} where the reference has {want} (top-1/top-2 gap {gap:.2e})"
+        elif abs(entry[want].logprob - logprobs[i]) > LOGPROB_TOL:
+            detail = f"token {i}: logprob {logprobs[i]} vs the reference's {entry[want].logprob}"
+        else:
+            continue
+        margin = np.inf if indexer_margins is None else float(indexer_margins[i])
+        if np.isfinite(margin):
+            detail += f" (indexer top-k margin {margin:.1e})"
+        # A small output gap excuses a different token only; a swapped indexer pick moves the
+        # logits far past the logprob tolerance whether or not the token changes.
+        near_tie = (OUTPUT_GAP if want != got and gap <= GAP else INDEXER_MARGIN if margin < INDEXER_TIE else None)
+        if near_tie is None:
+            return Comparison(mismatch=detail)
+        return Comparison(near_tie=near_tie, diverged_at=i, detail=detail, uncompared=len(reference.token_ids) - i - 1)
     if len(token_ids) != len(reference.token_ids):
-        return f"{len(token_ids)} tokens where the reference has {len(reference.token_ids)}"
-    return None
+        return Comparison(mismatch=f"{len(token_ids)} tokens where the reference has {len(reference.token_ids)}")
+    return Comparison()
+
+
+def gap_rule_mismatch(reference: Any, token_ids: Sequence[int], logprobs: Sequence[float]) -> str | None:
+    """What differs beyond the output-gap rule (`compare_stream` without indexer margins), or None."""
+    return compare_stream(reference, token_ids, logprobs).mismatch
+
+
+def output_indexer_margins(model: Any, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> np.ndarray:
+    """[len(output_ids)]: `indexer_topk_margins` of `model` (a dsv4_jax CausalLM, e.g. `LLM.model`)
+    over the prompt and the output, at the position whose logits give each output token."""
+    from dsv4_jax.testing import indexer_topk_margins
+
+    margins = indexer_topk_margins(model, [*prompt_ids, *output_ids[:-1]])
+    return margins[len(prompt_ids) - 1:]
+
+
+def compare_with_reference(model: Any, run: LoadRun, reference: Sequence[Any]) -> list[Comparison]:
+    """`compare_stream` of every stream of `run`; the indexer margins (a dense forward over the
+    reference's tokens, one compile per length) only for a stream the output rule alone fails."""
+    comparisons = []
+    for prompt, result, ref in zip(run.prompt_ids, run.results, reference):
+        comparison = compare_stream(ref, result.token_ids, result.logprobs)
+        if comparison.mismatch is not None and result.token_ids:
+            margins = output_indexer_margins(model, prompt, ref.token_ids)
+            comparison = compare_stream(ref, result.token_ids, result.logprobs, margins)
+        comparisons.append(comparison)
+    return comparisons
+
+
+def near_tie_summary(comparisons: Sequence[Comparison]) -> dict[str, Any]:
+    """Counts of the requests that diverged at a near-tie, by kind, and which they were."""
+    tied = [(i, c) for i, c in enumerate(comparisons) if c.near_tie]
+    return {"diverged at a near-tie": {kind: sum(c.near_tie == kind for _, c in tied)
+                                       for kind in (OUTPUT_GAP, INDEXER_MARGIN)},
+            "output tokens not compared": sum(c.uncompared for _, c in tied),
+            "requests": [f"request {i}: {c.near_tie} at {c.detail}" for i, c in tied]}
 
 
 def summary(run: LoadRun) -> dict[str, float]:
@@ -381,7 +457,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if process is not None:
             process.send_signal(signal.SIGTERM)
             process.wait(timeout=120)
-    checks = _checks(run, after, reference)
+    comparisons = None if reference is None else compare_with_reference(llm.model, run, reference)
+    checks = _checks(run, after, comparisons)
     figures = summary(run)
     for name, value in figures.items():
         print(f"{name:>22}: {value:.2f}" if isinstance(value, float) else f"{name:>22}: {value}")
@@ -390,20 +467,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{'server RSS (KiB)':>22}: {run.rss_kib}")
     for name, problems in checks.items():
         print(f"{'ok' if not problems else 'FAILED'}: {name}" + "".join(f"\n    {p}" for p in problems[:10]))
+    ties = None if comparisons is None else near_tie_summary(comparisons)
+    if ties is not None:
+        counts = ", ".join(f"{n} at an {kind}" for kind, n in ties["diverged at a near-tie"].items())
+        print(f"diverged at a near-tie (not compared further, not errors): {counts}; "
+              f"{ties['output tokens not compared']} output tokens not compared"
+              + "".join(f"\n    {r}" for r in ties["requests"][:10]))
     if args.json:
-        args.json.write_text(json.dumps({"figures": figures, "rss_kib": run.rss_kib, "checks": checks}, indent=2))
+        args.json.write_text(json.dumps({"figures": figures, "rss_kib": run.rss_kib, "checks": checks,
+                                         "near_ties": ties}, indent=2))
     return 0 if not any(checks.values()) else 1
 
 
-def _checks(run: LoadRun, after: dict[str, float], reference: list[Any] | None) -> dict[str, list[str]]:
+def _checks(run: LoadRun, after: dict[str, float], comparisons: list[Comparison] | None) -> dict[str, list[str]]:
     checks = {"streams well formed": [f"request {i}: {p}" for i, r in enumerate(run.results) for p in r.problems],
               "metrics back to 0": [f"{name} = {after.get(name)}" for name in (
                   "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")
                   if after.get(name) != 0]}
-    if reference is not None:
+    if comparisons is not None:
         checks["greedy outputs match the offline engine"] = [
-            f"request {i}: {m}" for i, (r, ref) in enumerate(zip(run.results, reference))
-            if (m := gap_rule_mismatch(ref, r.token_ids, r.logprobs))]
+            f"request {i}: {c.mismatch}" for i, c in enumerate(comparisons) if c.mismatch]
     if "half" in run.rss_kib:
         growth = run.rss_kib["end"] / run.rss_kib["half"] - 1
         checks[f"server RSS growth {growth:+.1%} over the second half"] = (

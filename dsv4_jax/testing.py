@@ -6,25 +6,40 @@ above about 4 MB) and the V4 tokenizer files. Every parameter is random at a mea
 that every feature acts and the forward stays numerically sane. Each tensor draws from its own
 generator seeded by (seed, tensor name): the same seed gives the same bytes, and a quantized
 checkpoint and its dequantized twin start from the same float weights.
+
+`indexer_topk_margins(model, ids)` says, per position, how close the lightning indexer's top-k
+came to a tie (the load benchmark's comparison rule excuses a differing token there).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
 import shutil
+import weakref
 import zlib
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import jax
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+from flax import nnx
 
 from dsv4_jax import weights as wfmt
 from dsv4_jax.checkpoint import INDEX_FILE, TensorSpec, checkpoint_layout
-from dsv4_jax.config import DeepseekV4Config
+from dsv4_jax.config import CSA, SLIDING, DeepseekV4Config
+from dsv4_jax.model.options import ForwardOptions
 from dsv4_jax.presets import get_config, quantized
+
+if TYPE_CHECKING:
+    from dsv4_jax.loading import CausalLM
+    from dsv4_jax.model.block import Block
+    from dsv4_jax.model.transformer import BlockStack, LayerKind, Segment
 
 logger = logging.getLogger(__name__)
 
@@ -253,3 +268,89 @@ def write_random_checkpoint(
     if tokenizer:
         write_tokenizer(path, written_config)
     return path
+
+
+# ---- how close the indexer's top-k is to a tie -------------------------------------------------------
+def indexer_scores(model: CausalLM, token_ids: Sequence[int]) -> list[np.ndarray]:
+    """The lightning indexer's scores in the dense forward over `token_ids` (one sequence), one
+    [seq, entries] float32 array per CSA layer in layer order: query t's score of compressed
+    entry j (visible when j < (t + 1) // ratio). Compiles once per sequence length; `model(ids)`
+    and the engine's step are untouched."""
+    ids = np.asarray(token_ids, np.int32)
+    if ids.ndim != 1 or ids.size == 0:
+        raise ValueError(f"token_ids must be a non-empty sequence of ids, got shape {ids.shape}")
+    if model not in _JITTED_SCORES:  # a GraphDef holding lists is not hashable: no static argument
+        _JITTED_SCORES[model] = jax.jit(functools.partial(_dense_indexer_scores, model.graphdef), static_argnums=2)
+    return [np.asarray(s[0]) for s in _JITTED_SCORES[model](model.state, jnp.asarray(ids[None]), model.options)]
+
+
+def topk_margins(
+    scores: np.ndarray,  # [seq, entries] one layer's indexer scores
+    ratio: int,
+    topk: int,
+) -> np.ndarray:  # [seq] float64
+    """(k-th best - (k+1)-th best visible score) / max |visible score| at each position: how far
+    the top-k is from swapping an entry. inf where fewer than k + 1 entries are visible (nothing
+    to swap); 0 where every visible score is 0."""
+    seq, entries = scores.shape
+    margins = np.full(seq, np.inf)
+    if entries <= topk:
+        return margins
+    visible = np.arange(entries)[None, :] < (np.arange(seq)[:, None] + 1) // ratio
+    rows = visible.sum(-1) > topk  # positions where an entry outside the top-k could swap in
+    visible_scores = np.where(visible, scores.astype(np.float64), -np.inf)[rows]
+    ranked = -np.sort(-visible_scores, axis=-1)  # descending, invisible (-inf) last
+    gap = ranked[:, topk - 1] - ranked[:, topk]
+    scale = np.abs(np.where(visible[rows], visible_scores, 0.0)).max(-1)
+    margins[rows] = np.divide(gap, scale, out=np.zeros_like(gap), where=scale > 0)
+    return margins
+
+
+def indexer_topk_margins(model: CausalLM, token_ids: Sequence[int]) -> np.ndarray:  # [seq] float64
+    """The smallest `topk_margins` over the model's CSA layers at each position of `token_ids`
+    (all inf without CSA layers). A margin at float32 rounding level (~1e-6) means that another
+    compile of the same model (another step shape, batch or kernel) may pick a different k-th
+    entry there, and the logits at that position may move far more than rounding."""
+    config = model.config
+    margins = np.full(len(token_ids), np.inf)
+    for scores in indexer_scores(model, token_ids):
+        margins = np.minimum(margins, topk_margins(scores, config.csa_compress_ratio, config.index_topk))
+    return margins
+
+
+_JITTED_SCORES: weakref.WeakKeyDictionary[CausalLM, Callable] = weakref.WeakKeyDictionary()
+
+
+def _dense_indexer_scores(
+    graphdef: nnx.GraphDef, state: nnx.State, token_ids: jax.Array, options: ForwardOptions
+) -> list[jax.Array]:  # [batch, seq, entries] per CSA layer
+    """`DeepseekV4.hidden_streams` with the dense attention, layer by layer (stacked layers
+    sliced out of their stack), taking each CSA layer's indexer scores on the way."""
+    model = nnx.merge(graphdef, state)
+    x = model.embed(token_ids, options.jnp_dtype)
+    streams = jnp.broadcast_to(x[:, :, None, :], (*x.shape[:2], model.config.hc_mult, x.shape[-1]))
+    tables = model.rope_tables(token_ids.shape[1])
+    scores = []
+    for plan, segment in zip(model.segments_plan, model.segments):
+        for block, kind in _unstacked_blocks(plan, segment):
+            cos, sin = tables[kind.layer_type != SLIDING]
+            if kind.layer_type == CSA:
+                # What Block.__call__ feeds the attention, and the attention feeds its indexer.
+                attn_in = block.attn_norm(block._hc_pre(streams, "attn")[0])
+                q_latent = block.attn.queries_and_kv(attn_in, cos, sin)[0]
+                indexer = block.attn.indexer
+                scores.append(indexer.scores(attn_in, q_latent, cos, sin, round_keys=options.kv_cache_rounding))
+            streams = block(streams, token_ids, cos, sin, options)
+    return scores
+
+
+def _unstacked_blocks(plan: Segment, segment: Block | BlockStack) -> list[tuple[Block, LayerKind]]:
+    """[(Block, LayerKind)] of one segment of `DeepseekV4.segments`, in layer order."""
+    if plan.count == 1:
+        return [(segment, plan.kinds[0])]
+    graphdef, state = nnx.split(segment.units)
+    return [
+        (block, kind)
+        for repetition in range(plan.count)
+        for block, kind in zip(nnx.merge(graphdef, jax.tree.map(lambda a, r=repetition: a[r], state)), plan.kinds)
+    ]

@@ -55,15 +55,29 @@ class Indexer(nnx.Module):
         """Top-k entries per query of a whole sequence. `select(q, weights, keys, topk=, ratio=)`
         replaces the dense selection when attention reads a KV cache: it stores the keys as the
         cache does (rounding them itself) and picks with the cache's indexer kernel."""
+        if select is not None:
+            keys = self.compressor(x, cos, sin)  # [batch, n, index_head_dim]
+            q, weights = self.queries(q_latent, cos, sin), self.head_weights(x)
+            return select(q, weights, keys, topk=self.topk, ratio=self.ratio)
+        return select_visible_topk(self.scores(x, q_latent, cos, sin, round_keys=round_keys), self.ratio, self.topk)
+
+    def scores(
+        self,
+        x: jax.Array,  # [batch, seq, hidden] attention input
+        q_latent: jax.Array,  # [batch, seq, q_lora_rank]
+        cos: jax.Array,  # [seq, rope/2]
+        sin: jax.Array,
+        *,
+        round_keys: bool = False,
+    ) -> jax.Array:  # [batch, seq, n] float32: query t's score of compressed entry j, visible or not
+        """The dense selection's scores (sum over heads of weight x relu(q . key)); public so that
+        `dsv4_jax.testing.indexer_topk_margins` can measure how close its top-k is to a tie."""
         keys = self.compressor(x, cos, sin)  # [batch, n, index_head_dim]
         q, weights = self.queries(q_latent, cos, sin), self.head_weights(x)
-        if select is not None:
-            return select(q, weights, keys, topk=self.topk, ratio=self.ratio)
         if round_keys:
             keys = kv_rounding.indexer_key_round_trip(keys)
         scores = jnp.einsum("bshd,bnd->bshn", q.astype(jnp.float32), keys.astype(jnp.float32))
-        scores = jnp.einsum("bshn,bsh->bsn", jax.nn.relu(scores), weights)
-        return select_visible_topk(scores, self.ratio, self.topk)
+        return jnp.einsum("bshn,bsh->bsn", jax.nn.relu(scores), weights)
 
 
 def select_visible_topk(
