@@ -8,14 +8,20 @@ split once; no `nnx.jit` per call).
 from __future__ import annotations
 
 import functools
+import logging
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
+from dsv4_jax import sharding as sh
+from dsv4_jax import weight_cache
 from dsv4_jax.config import DeepseekV4Config
 from dsv4_jax.model.attention_core import AttentionCore, dense_attention
 from dsv4_jax.model.options import ForwardOptions
@@ -25,6 +31,7 @@ if TYPE_CHECKING:
     from dsv4_jax.kv_cache.resolver import KVCacheSpec
 
 Path_ = tuple[Any, ...]
+logger = logging.getLogger(__name__)
 
 
 def parameter_names(path: Path_, plan: list[Segment], n_experts: int) -> Iterator[tuple[tuple[int, ...], str]]:
@@ -119,21 +126,53 @@ def _write_slice(buffer: jax.Array, index: jax.Array, value: jax.Array) -> jax.A
     return jax.lax.dynamic_update_index_in_dim(buffer, value, index, 0)
 
 
+@functools.cache
+def _sharded_zeros_fn(shape: tuple[int, ...], dtype: np.dtype, sharding: NamedSharding) -> Callable[[], jax.Array]:
+    """A jitted `() -> zeros(shape)` that creates them in their shards (no device holds them all)."""
+    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
+
+
+@functools.cache
+def _sharded_write_slice(sharding: NamedSharding) -> Callable[[jax.Array, jax.Array, jax.Array], jax.Array]:
+    """`_write_slice` for a buffer sharded as `sharding`, which its result keeps."""
+    return jax.jit(_write_slice.__wrapped__, donate_argnums=0, out_shardings=sharding)
+
+
+def _slice_sharding(sharding: NamedSharding) -> NamedSharding:
+    """The sharding of one layer of a stacked leaf (its leading `layers` axis is never split)."""
+    return NamedSharding(sharding.mesh, PartitionSpec(*sharding.spec[1:]))
+
+
+def _leaf_shardings(state: nnx.State, mesh: Mesh | None, parallel: sh.ParallelConfig | None) -> dict[Path_, Any]:
+    """Leaf path -> where that leaf lives: its `param_shardings` shard(s), or the default device."""
+    if mesh is None:
+        device = SingleDeviceSharding(jax.devices()[0])
+        return {leaf_path: device for leaf_path, _ in nnx.to_flat_state(state)}
+    return dict(nnx.to_flat_state(sh.param_shardings(state, mesh, parallel)))
+
+
 class _Placer:
     """`put(name, array)` for `load_checkpoint`: each checkpoint tensor to its leaf of the NNX state.
 
     A tensor of a stacked leaf goes to its slice of a device buffer as soon as that slice (one
     layer: all of its experts) is complete, so the host holds at most one layer's experts of one
     leaf; other tensors go to the device as they arrive. Every tensor of one leaf must have one
-    dtype (no silent numeric casts)."""
+    dtype (no silent numeric casts). With a mesh every array goes straight to its shards
+    (`param_shardings`): a stacked leaf starts as sharded zeros and each layer is written into
+    its shards in place."""
 
-    def __init__(self, config: DeepseekV4Config, stack_layers: bool):
+    def __init__(
+        self, config: DeepseekV4Config, stack_layers: bool, mesh: Mesh | None = None,
+        parallel: sh.ParallelConfig | None = None,
+    ):
         full = nnx.eval_shape(lambda: DeepseekV4(config, mtp=True, stack_layers=stack_layers))
         segments = full.segments_plan
+        state = nnx.split(full)[1]
+        self.shardings = None if mesh is None else _leaf_shardings(state, mesh, parallel)
         # name -> (leaf path, index in leaf, stacked?)
         self.targets: dict[str, tuple[Path_, tuple[int, ...], bool]] = {}
         self.shapes: dict[Path_, tuple[int, ...]] = {}
-        for leaf_path, variable in nnx.to_flat_state(nnx.split(full)[1]):
+        for leaf_path, variable in nnx.to_flat_state(state):
             stacked = leaf_path[0] == "segments" and segments[leaf_path[1]].count > 1
             for index, name in parameter_names(leaf_path, segments, config.n_routed_experts):
                 self.targets[name] = (leaf_path, index, stacked)
@@ -152,7 +191,7 @@ class _Placer:
                 f"{array.dtype} but {first[1]} is {first[0]}"
             )
         if not index:
-            self.placed[leaf_path] = jax.device_put(array)
+            self._put(leaf_path, array)
             return
         shape = self.shapes[leaf_path]
         group = (leaf_path, index[:1] if stacked else ())  # one layer's slice, or the whole leaf
@@ -166,11 +205,26 @@ class _Placer:
             return
         value = self._pending.pop(group)
         if not stacked:
-            self.placed[leaf_path] = jax.device_put(value)
+            self._put(leaf_path, value)
             return
+        layer = np.int32(group[1][0])
+        if self.shardings is None:
+            if leaf_path not in self.placed:
+                self.placed[leaf_path] = _device_zeros(shape, value.dtype)
+            self.placed[leaf_path] = _write_slice(self.placed[leaf_path], layer, value)
+            return
+        sharding = self.shardings[leaf_path]
         if leaf_path not in self.placed:
-            self.placed[leaf_path] = _device_zeros(shape, value.dtype)
-        self.placed[leaf_path] = _write_slice(self.placed[leaf_path], np.int32(group[1][0]), value)
+            self.placed[leaf_path] = _sharded_zeros_fn(shape, value.dtype, sharding)()
+        value = jax.device_put(value, _slice_sharding(sharding))  # each device gets only its part
+        self.placed[leaf_path] = _sharded_write_slice(sharding)(self.placed[leaf_path], layer, value)
+
+    def _put(self, leaf_path: Path_, array: np.ndarray) -> None:
+        """A whole leaf to the default device, or to its shards."""
+        if self.shardings is None:
+            self.placed[leaf_path] = jax.device_put(array)
+        else:
+            self.placed[leaf_path] = jax.device_put(array, self.shardings[leaf_path])
 
 
 def _model_directory(path: str | Path) -> Path:
@@ -223,9 +277,13 @@ def _attention_core(
     return core
 
 
-def _assemble(config: DeepseekV4Config, mtp: bool, stack_layers: bool, placed: dict[Path_, jax.Array]) -> DeepseekV4:
-    """The module with every leaf set to its loaded device array."""
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: DeepseekV4(config, mtp=mtp, stack_layers=stack_layers)))
+def _abstract_model(config: DeepseekV4Config, mtp: bool, stack_layers: bool) -> tuple[nnx.GraphDef, nnx.State]:
+    """The module's graph and its state of shapes (no arrays), as `nnx.split` gives them."""
+    return nnx.split(nnx.eval_shape(lambda: DeepseekV4(config, mtp=mtp, stack_layers=stack_layers)))
+
+
+def _assemble(graphdef: nnx.GraphDef, state: nnx.State, placed: dict[Path_, jax.Array]) -> DeepseekV4:
+    """The module with every leaf of the abstract `state` set to its loaded device array."""
     flat = nnx.to_flat_state(state)
     missing = [leaf_path for leaf_path, _ in flat if leaf_path not in placed]
     if missing:  # load_checkpoint validated names, so this is a bug in the mapping
@@ -233,6 +291,97 @@ def _assemble(config: DeepseekV4Config, mtp: bool, stack_layers: bool, placed: d
     for leaf_path, variable in flat:
         variable.set_value(placed[leaf_path])
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+def _resolve_mesh(
+    mesh: Mesh | None, parallel: sh.ParallelConfig | None
+) -> tuple[Mesh | None, sh.ParallelConfig | None]:
+    """(mesh, parallel) with the missing one derived from the other (both None: one device)."""
+    if mesh is None:
+        return (None, None) if parallel is None else (sh.make_mesh(parallel), parallel)
+    if tuple(mesh.axis_names) != sh.MESH_AXES:
+        raise ValueError(f"mesh axes must be {sh.MESH_AXES} (dsv4_jax.sharding.make_mesh), got {mesh.axis_names}")
+    if parallel is None:
+        return mesh, sh.ParallelConfig(tensor_parallel_size=mesh.shape[sh.TENSOR], data_parallel_size=mesh.shape[sh.DATA])
+    if (parallel.data_parallel_size, parallel.tensor_parallel_size) != (mesh.shape[sh.DATA], mesh.shape[sh.TENSOR]):
+        raise ValueError(
+            f"parallel (--data-parallel-size {parallel.data_parallel_size} x --tensor-parallel-size "
+            f"{parallel.tensor_parallel_size}) does not match the mesh {dict(mesh.shape)}"
+        )
+    return mesh, parallel
+
+
+def _read_safetensors(
+    path: Path, config: DeepseekV4Config, stack_layers: bool, mesh: Mesh | None, parallel: sh.ParallelConfig | None
+) -> tuple[DeepseekV4, list[str], bool]:
+    """(module, the checkpoint's load warnings, MTP enabled?) read from the safetensors files."""
+    from dsv4_jax.checkpoint import load_checkpoint
+
+    placer = _Placer(config, stack_layers, mesh, parallel)
+    report = load_checkpoint(path, config, placer)
+    module = _assemble(*_abstract_model(config, report.mtp_enabled, stack_layers), placer.placed)
+    if jax.default_backend() == "cpu":
+        # XLA:CPU multiplies bf16 matrices slowly (no native bf16 dot): the vocabulary head, whose
+        # logits are float32 anyway, is kept in float32 (the same values, converted once here
+        # rather than on every step; elementwise, so a sharded head keeps its shards). GPUs read
+        # it as stored (Linear.float32). Cache entries hold it converted (the platform is keyed).
+        module.head.weight.set_value(module.head.weight[...].astype(jnp.float32))
+    return module, report.warnings, report.mtp_enabled
+
+
+def _restore_cached(
+    entry: weight_cache.CacheEntry, config: DeepseekV4Config, stack_layers: bool, mesh: Mesh | None,
+    parallel: sh.ParallelConfig | None,
+) -> DeepseekV4:
+    """The module of a converted-weights cache entry, every leaf restored into its shards."""
+    graphdef, state = _abstract_model(config, entry.mtp_enabled, stack_layers)
+    shardings = _leaf_shardings(state, mesh, parallel)
+    by_name = {".".join(map(str, leaf_path)): leaf_path for leaf_path in shardings}
+    arrays = weight_cache.restore(entry, {name: shardings[leaf_path] for name, leaf_path in by_name.items()})
+    if mesh is None:
+        # orbax places arrays committed to their device; `jax.device_put(numpy)` (the safetensors
+        # path) leaves them uncommitted, which jit lowers without sharding annotations. Re-placed
+        # one leaf at a time (the old buffer goes as the next is made), so a restored model
+        # compiles to the very HLO of a loaded one and hits the same persistent-cache entries.
+        arrays = {name: jax.device_put(np.asarray(arrays.pop(name))) for name in list(arrays)}
+    for warning in entry.warnings:  # as the safetensors load said them
+        logger.warning(warning)
+    return _assemble(graphdef, state, {by_name[n]: a for n, a in arrays.items()})
+
+
+def _load_weights(
+    path: Path, config: DeepseekV4Config, dtype: str, stack_layers: bool, mesh: Mesh | None,
+    parallel: sh.ParallelConfig | None, load_format: str, weights_cache_dir: str | Path | None,
+) -> tuple[DeepseekV4, bool]:
+    """(module, MTP enabled?) from the converted-weights cache or the safetensors files, as
+    `load_format` says (`weight_cache.LOAD_FORMATS`); logs which path it took and its seconds."""
+    start = time.perf_counter()
+    if load_format == "safetensors":
+        module, _, mtp_enabled = _read_safetensors(path, config, stack_layers, mesh, parallel)
+        logger.info("weights: read %s (--load-format safetensors) in %.2f s", path, time.perf_counter() - start)
+        return module, mtp_enabled
+    fields = weight_cache.key_fields(path, dtype, stack_layers, mesh, parallel)
+    directory = weight_cache.entry_directory(fields, weights_cache_dir)
+    entry = weight_cache.find(directory)
+    if entry is not None:
+        module = _restore_cached(entry, config, stack_layers, mesh, parallel)
+        logger.info("weights: restored from the converted-weights cache %s in %.2f s", directory,
+                    time.perf_counter() - start)
+        return module, entry.mtp_enabled
+    if load_format == "orbax":
+        raise ValueError(
+            f"--load-format orbax: there is no converted-weights cache for {path} (with this dtype, mesh and "
+            f"settings) at {directory}; run once with --load-format auto to write it"
+        )
+    module, warnings, mtp_enabled = _read_safetensors(path, config, stack_layers, mesh, parallel)
+    read = time.perf_counter()
+    arrays = {".".join(map(str, p)): v.get_value() for p, v in nnx.to_flat_state(nnx.state(module))}
+    written = weight_cache.save(directory, arrays, fields=fields, mtp_enabled=mtp_enabled, warnings=warnings)
+    logger.info(
+        "weights: read %s in %.2f s; %s the converted-weights cache %s in %.2f s", path, read - start,
+        "wrote" if written else "did not write", directory, time.perf_counter() - read,
+    )
+    return module, mtp_enabled
 
 
 def load_model(
@@ -243,6 +392,10 @@ def load_model(
     stack_layers: bool = True,
     attention_backend: str | None = None,
     kv_cache_dtype: str | None = None,
+    mesh: Mesh | None = None,
+    parallel: sh.ParallelConfig | None = None,
+    load_format: str = "safetensors",
+    weights_cache_dir: str | Path | None = None,
 ) -> CausalLM:
     """Load a DeepSeek-V4 checkpoint directory (DeepSeek's names, or transformers' saved ones).
 
@@ -254,25 +407,31 @@ def load_model(
     device with `resolve_kv_cache` (logged) and runs the model as that cache would: fp8_ds_mla
     rounds KV, bfloat16 stores bf16 rows, float32 (xla backend) rounds nothing.
 
+    `mesh` / `parallel` (`dsv4_jax.sharding`; either one implies the other) load every tensor
+    straight into its shards as it is read, and the model runs on that mesh
+    (`model.options = mesh_options(...)`). `load_format` ("auto", "safetensors", "orbax", as
+    `--load-format`) and `weights_cache_dir` (default `weight_cache.default_root()`) choose between
+    the safetensors files and the converted-weights cache (`dsv4_jax.weight_cache`): "safetensors"
+    (this function's default) never touches the cache; "auto" (`LLM`'s and the server's default)
+    restores a valid cache entry, else reads the files and writes one; "orbax" only restores, and a
+    missing entry is a ValueError.
+
     A bad directory (missing, no or invalid config.json, missing or truncated shards, tensors
     that do not fit the config) raises a ValueError or FileNotFoundError naming the file."""
-    from dsv4_jax.checkpoint import load_checkpoint
-
+    weight_cache.check_load_format(load_format)
+    mesh, parallel = _resolve_mesh(mesh, parallel)
     path = _model_directory(path)
     config = DeepseekV4Config.from_json(path)
     kv_spec, attention_backend, kv_cache_rounding = _resolve_attention(
         config, kv_cache_dtype, attention_backend, kv_cache_rounding
     )
     options = ForwardOptions(dtype=dtype, kv_cache_rounding=kv_cache_rounding)
-    placer = _Placer(config, stack_layers)
-    report = load_checkpoint(path, config, placer)
-    module = _assemble(config, report.mtp_enabled, stack_layers, placer.placed)
-    if jax.default_backend() == "cpu":
-        # XLA:CPU multiplies bf16 matrices slowly (no native bf16 dot): the vocabulary head, whose
-        # logits are float32 anyway, is kept in float32 (the same values, converted once here
-        # rather than on every step). GPUs read it as stored (Linear.float32).
-        module.head.weight.set_value(module.head.weight[...].astype(jnp.float32))
+    if mesh is not None:
+        options = sh.mesh_options(options, mesh, parallel)
+    module, mtp_enabled = _load_weights(
+        path, config, dtype, stack_layers, mesh, parallel, load_format, weights_cache_dir
+    )
     core = _attention_core(attention_backend, config, kv_spec)
-    model = CausalLM(module, options, report.mtp_enabled, core)
+    model = CausalLM(module, options, mtp_enabled, core)
     model.kv_cache_spec = kv_spec  # what --kv-cache-dtype resolved to, or None
     return model

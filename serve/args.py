@@ -110,6 +110,7 @@ class ServerArgs:
     tensor_parallel_size: int
     data_parallel_size: int
     enable_expert_parallel: bool
+    load_format: str
     gpu_memory_utilization: float
     max_num_seqs: int
     max_num_batched_tokens: int | None
@@ -255,6 +256,10 @@ def build_parser() -> argparse.ArgumentParser:
     add("--enable-expert-parallel", action="store_true",
         help="place whole routed experts on the dp x tp devices instead of splitting every expert "
              "over tp (default: off)")
+    add("--load-format", choices=("auto", "safetensors", "orbax"), default="auto",
+        help="auto: restore the converted-weights cache of this checkpoint and mesh, else read the "
+             "safetensors and write it; safetensors: never use the cache; orbax: the cache only "
+             "(docs/deployment.md; default: %(default)s)")
     add("--gpu-memory-utilization", type=_memory_fraction, default=0.9,
         help="fraction of device memory for weights and KV cache, in (0, 1] (default: %(default)s)")
     add("--max-num-seqs", type=_positive_int, default=8,
@@ -393,6 +398,7 @@ def parse_args(argv: Sequence[str] | None = None) -> ServerArgs:
         tensor_parallel_size=namespace.tensor_parallel_size,
         data_parallel_size=namespace.data_parallel_size,
         enable_expert_parallel=namespace.enable_expert_parallel,
+        load_format=namespace.load_format,
         gpu_memory_utilization=namespace.gpu_memory_utilization,
         max_num_seqs=namespace.max_num_seqs,
         max_num_batched_tokens=namespace.max_num_batched_tokens,
@@ -466,6 +472,7 @@ def engine_kwargs(args: ServerArgs) -> dict[str, Any]:
         "tensor_parallel_size": args.tensor_parallel_size,
         "data_parallel_size": args.data_parallel_size,
         "enable_expert_parallel": args.enable_expert_parallel,
+        "load_format": args.load_format,
         "seed": args.seed,
         "tokenizer": args.tokenizer,
         "block_size": args.block_size,

@@ -8,6 +8,7 @@ they are reported, never asserted."""
 from __future__ import annotations
 
 import os
+import tempfile
 from collections import defaultdict
 from pathlib import Path
 
@@ -21,6 +22,11 @@ FIXTURES = REPO / "tests" / "fixtures"
 COMPILE_COUNT_CAP = int(os.environ.get("DSV4_COMPILE_COUNT_CAP", "1293"))
 
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(REPO / ".jax_cache"))
+# LLM and the server write converted-weights cache entries (`--load-format auto`) keyed by each
+# checkpoint's path: the tests' temporary checkpoints get one throw-away directory per session, as
+# do the server processes they start (they inherit the environment), never ~/.cache.
+_WEIGHTS_CACHE = tempfile.TemporaryDirectory(prefix="dsv4-weights-cache-")
+os.environ["DSV4_JAX_WEIGHTS_CACHE"] = _WEIGHTS_CACHE.name
 
 import jax  # noqa: E402  (after the cache directory is chosen)
 

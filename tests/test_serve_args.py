@@ -61,7 +61,7 @@ def test_every_flag_by_its_vllm_name(tmp_path):
     argv = [
         str(tmp_path), "--served-model-name", "deepseek-ai/DeepSeek-V4-Flash", "v4", "--host", "0.0.0.0",
         "--port", "0", "--tokenizer", "/tok", "--tensor-parallel-size", "2", "--data-parallel-size", "4",
-        "--enable-expert-parallel", "--gpu-memory-utilization", "0.5", "--max-num-seqs", "3",
+        "--enable-expert-parallel", "--load-format", "orbax", "--gpu-memory-utilization", "0.5", "--max-num-seqs", "3",
         "--max-num-batched-tokens", "512", "--num-gpu-blocks-override", "40", "--max-model-len", "1024",
         "--dtype", "float32", "--kv-cache-dtype", "fp8", "--attention-backend", "pallas_bf16", "--block-size", "384",
         "--trust-remote-code", "--enable-auto-tool-choice", "--tool-call-parser", "deepseek_v4",
@@ -72,7 +72,7 @@ def test_every_flag_by_its_vllm_name(tmp_path):
     assert parse_args(argv) == ServerArgs(
         model=str(tmp_path), model_is_builtin=False, served_model_name=("deepseek-ai/DeepSeek-V4-Flash", "v4"),
         host="0.0.0.0", port=0, tokenizer="/tok", tensor_parallel_size=2, data_parallel_size=4,
-        enable_expert_parallel=True, gpu_memory_utilization=0.5, max_num_seqs=3, max_num_batched_tokens=512,
+        enable_expert_parallel=True, load_format="orbax", gpu_memory_utilization=0.5, max_num_seqs=3, max_num_batched_tokens=512,
         num_gpu_blocks_override=40, max_model_len=1024, dtype="float32", kv_cache_dtype="fp8",
         attention_backend="pallas_bf16", block_size=384, enable_auto_tool_choice=True, tool_call_parser="deepseek_v4",
         reasoning_parser="deepseek_v4", api_key="k", seed=-7, generation_config="vllm", uvicorn_log_level="trace",

@@ -77,6 +77,7 @@ class LLM:
         tensor_parallel_size: int = 1,
         data_parallel_size: int = 1,
         enable_expert_parallel: bool = False,
+        load_format: str = "auto",
         seed: int = 0,
         tokenizer: str | Path | None = None,
         block_size: int = 256,
@@ -86,7 +87,7 @@ class LLM:
     ):
         import dsv4_jax
         from dsv4_jax.engine.engine import LLMEngine
-        from dsv4_jax.sharding import ParallelConfig, make_mesh, shard_model
+        from dsv4_jax.sharding import ParallelConfig, make_mesh
         from dsv4_jax.tokenizer import load_tokenizer
 
         path = self.check_arguments(model, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
@@ -96,15 +97,16 @@ class LLM:
                                     gpu_memory_utilization=gpu_memory_utilization,
                                     tensor_parallel_size=tensor_parallel_size,
                                     data_parallel_size=data_parallel_size,
-                                    enable_expert_parallel=enable_expert_parallel, seed=seed, block_size=block_size,
-                                    tokenizer=tokenizer)
+                                    enable_expert_parallel=enable_expert_parallel, load_format=load_format,
+                                    seed=seed, block_size=block_size, tokenizer=tokenizer)
         compute = checkpoint_dtype(path) if dtype == "auto" else dtype
         self.parallel = ParallelConfig(tensor_parallel_size, data_parallel_size, enable_expert_parallel)
+        mesh = make_mesh(self.parallel) if self.parallel.world_size > 1 else None
         self.model = dsv4_jax.load_model(path, dtype=compute, kv_cache_dtype=kv_cache_dtype,
-                                         attention_backend=attention_backend)
-        if self.parallel.world_size > 1:
-            mesh = make_mesh(self.parallel)
-            shard_model(self.model, mesh, self.parallel)
+                                         attention_backend=attention_backend, mesh=mesh,
+                                         parallel=self.parallel if mesh is not None else None,
+                                         load_format=load_format)
+        if mesh is not None:
             logger.info("mesh: data %d x tensor %d over devices %s, routed experts %s", data_parallel_size,
                         tensor_parallel_size, [d.id for d in mesh.devices.flat],
                         "whole on each device (expert parallel)" if enable_expert_parallel
@@ -136,18 +138,21 @@ class LLM:
                         max_model_len: int = 4096, max_num_seqs: int = 8, max_num_batched_tokens: int | None = None,
                         num_gpu_blocks_override: int | None = None, gpu_memory_utilization: float = 0.9,
                         tensor_parallel_size: int = 1, data_parallel_size: int = 1,
-                        enable_expert_parallel: bool = False, seed: int = 0, block_size: int = 256,
-                        tokenizer: str | Path | None = None, async_scheduling: bool = True) -> Path:
+                        enable_expert_parallel: bool = False, load_format: str = "auto", seed: int = 0,
+                        block_size: int = 256, tokenizer: str | Path | None = None,
+                        async_scheduling: bool = True) -> Path:
         """Every check that needs no weights (seconds on a real checkpoint), as a ValueError naming
         the argument; returns the model directory (the built-in one is written on first use)."""
         from dsv4_jax.builtin import builtin_model_dir
         from dsv4_jax.sharding import ParallelConfig
+        from dsv4_jax.weight_cache import check_load_format
 
         cls._check_arguments(dtype, max_model_len, max_num_seqs, max_num_batched_tokens, num_gpu_blocks_override,
                              gpu_memory_utilization, seed, block_size)
         if not isinstance(enable_expert_parallel, bool):
             raise ValueError(f"enable_expert_parallel must be a bool, got {enable_expert_parallel!r}")
         ParallelConfig(tensor_parallel_size, data_parallel_size, enable_expert_parallel)  # sizes >= 1
+        check_load_format(load_format)
         path = builtin_model_dir() if str(model) in BUILTIN_NAMES else Path(model)
         cls._check_against_model(path, max_model_len, block_size, kv_cache_dtype, attention_backend)
         cls._check_parallel(path, tensor_parallel_size, data_parallel_size, enable_expert_parallel)
