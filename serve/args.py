@@ -49,6 +49,7 @@ import sys
 from pathlib import Path
 from typing import Any, NoReturn, Sequence
 
+from dsv4_jax.distributed import DistributedConfig
 from dsv4_jax.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from pallas_kernels.cli import add_debug_flag
 
@@ -133,6 +134,7 @@ class ServerArgs:
     no_web_ui: bool
     async_scheduling: bool
     debug: bool
+    distributed: DistributedConfig  # --nnodes, --node-rank, --master-addr, --master-port, --headless
     ignored_flags: tuple[str, ...]  # one warning line per vLLM flag that changes nothing here
 
 
@@ -308,6 +310,15 @@ def build_parser() -> argparse.ArgumentParser:
     add("--no-async-scheduling", action="store_true",
         help="schedule each step only after the last one's tokens reach the host (default: off, i.e. the next "
              "step is scheduled while the device runs this one)")
+    add("--nnodes", type=_positive_int, default=1,
+        help="hosts (processes) the model runs on; node 0 serves HTTP (default: %(default)s)")
+    add("--node-rank", type=int, default=0, help="this host's rank in [0, --nnodes) (default: %(default)s)")
+    add("--master-addr", default="127.0.0.1",
+        help="node 0's address: JAX's coordinator and the step channel (default: %(default)s)")
+    add("--master-port", type=_port, default=29500,
+        help="JAX's coordinator port on node 0; the step channel uses the next one (default: %(default)s)")
+    add("--headless", action="store_true",
+        help="a follower (--node-rank >= 1): no HTTP, it runs node 0's steps (default: off)")
     add_debug_flag(parser)
     for flag, (takes_value, why) in IGNORED_FLAGS.items():
         _add_presence_flag(parser, flag, takes_value,
@@ -421,6 +432,8 @@ def parse_args(argv: Sequence[str] | None = None) -> ServerArgs:
         no_web_ui=namespace.no_web_ui,
         async_scheduling=not namespace.no_async_scheduling,
         debug=namespace.debug,
+        distributed=DistributedConfig(namespace.nnodes, namespace.node_rank, namespace.master_addr,
+                                      namespace.master_port, namespace.headless),
         ignored_flags=tuple(ignored),
     )
 
@@ -477,4 +490,8 @@ def engine_kwargs(args: ServerArgs) -> dict[str, Any]:
         "tokenizer": args.tokenizer,
         "block_size": args.block_size,
         "async_scheduling": args.async_scheduling,
+        "nnodes": args.distributed.nnodes,
+        "node_rank": args.distributed.node_rank,
+        "master_addr": args.distributed.master_addr,
+        "master_port": args.distributed.master_port,
     }

@@ -53,8 +53,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     _enable_compilation_cache()
 
     from dsv4_jax import LLM
+    from dsv4_jax.distributed import initialize
 
+    initialize(args.distributed)  # several hosts: before anything touches a device
     kwargs = engine_kwargs(args)
+    if args.distributed.headless:
+        return _follow(kwargs)
     if args.model_is_builtin:
         logger.info("no model given: serving the built-in %s (random weights, the real V4 tokenizer)", args.model)
     model_dir = LLM.check_arguments(**kwargs)  # every check that needs no weights, before the port opens
@@ -75,6 +79,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     if state.load_error is not None:
         print(f"serve: error: {state.load_error}", file=sys.stderr)
         return 2
+    return 0
+
+
+def _follow(kwargs: dict) -> int:
+    """A follower node: load the same model on its devices, then run node 0's steps until node 0
+    shuts down (exit 0) or disappears (exit 1, with the reason)."""
+    from dsv4_jax import LLM
+
+    llm = LLM(**kwargs)
+    logger.info("follower node %d: running node 0's steps", llm.distributed.node_rank)
+    try:
+        calls = llm.follow()
+    except RuntimeError as error:
+        print(f"serve: error: {error}", file=sys.stderr)
+        return 1
+    logger.info("node 0 shut down after %d device calls; exiting", calls)
     return 0
 
 
@@ -134,6 +154,7 @@ def _lifespan(state, server, kwargs: dict, model_dir: Path):
             waiter.cancel()
             if state.engine is not None:
                 await state.engine.shutdown(grace_seconds=SHUTDOWN_GRACE_SECONDS)
+                state.engine.engine.stop_followers()  # a multi-node run: the followers exit too
             logger.info("stopped")
 
     return lifespan

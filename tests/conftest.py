@@ -120,6 +120,24 @@ def chat_llm(chat_checkpoint):
 CHAT_SERVER_KEY, CHAT_SERVER_NAME = "test-key", "dsv4-test"
 
 
+def wait_healthy(base: str, processes: list, log_path: Path, timeout_s: float = 300) -> None:
+    """Until `base`/health says 200; fails with the log's tail if any process exits or time runs out."""
+    import time
+
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        assert all(p.poll() is None for p in processes), log_path.read_text()[-3000:]
+        assert time.monotonic() < deadline, log_path.read_text()[-3000:]
+        try:
+            if httpx.get(f"{base}/health", timeout=5).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.5)
+
+
 def free_port() -> int:
     import socket
 

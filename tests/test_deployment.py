@@ -9,14 +9,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import jax
 import pytest
 
-from conftest import REPO, free_port  # tests/ is on sys.path
+from conftest import REPO, free_port, wait_healthy  # tests/ is on sys.path
 
 NAME = "DeepSeek-V4-Flash"
 
@@ -48,16 +47,7 @@ def test_the_tp2_deployment_command_serves(flash_like_checkpoint, tmp_path):
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            assert process.poll() is None, log_path.read_text()[-3000:]
-            assert time.monotonic() < deadline, log_path.read_text()[-3000:]
-            try:
-                if httpx.get(f"{base}/health", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.5)
+        wait_healthy(base, [process], log_path)
         log_text = log_path.read_text()
         assert "KV cache:" in log_text and "mesh: data 1 x tensor 2 over devices [0, 1]" in log_text, log_text
         models = httpx.get(f"{base}/v1/models", timeout=30)

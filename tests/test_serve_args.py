@@ -13,6 +13,7 @@ import logging
 
 import pytest
 
+from dsv4_jax.distributed import DistributedConfig
 from pallas_kernels.cli import run_main
 from serve.args import (
     API_KEY_ENV,
@@ -77,7 +78,7 @@ def test_every_flag_by_its_vllm_name(tmp_path):
         attention_backend="pallas_bf16", block_size=384, enable_auto_tool_choice=True, tool_call_parser="deepseek_v4",
         reasoning_parser="deepseek_v4", api_key="k", seed=-7, generation_config="vllm", uvicorn_log_level="trace",
         default_chat_template_kwargs={"thinking": False}, max_logprobs=0, max_waiting_requests=5, no_web_ui=True,
-        async_scheduling=False, debug=True, ignored_flags=(),
+        async_scheduling=False, debug=True, distributed=DistributedConfig(), ignored_flags=(),
     )
 
 

@@ -23,12 +23,23 @@ from typing import Any, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
+from dsv4_jax.distributed import StepChannel
 from dsv4_jax.engine.detokenizer import IncrementalDetokenizer
 from dsv4_jax.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from dsv4_jax.engine.request import PLACEHOLDER, ForcedTokens, Request, RequestStatus
 from dsv4_jax.engine.runner import ModelRunner, StepBuckets, StepOutput
-from dsv4_jax.engine.sampler import SampledTokens, SamplerConfig, SamplingRow, build_sampling_batch, sample
+from dsv4_jax.engine.lockstep import Lockstep
+from dsv4_jax.engine.sampler import (
+    SampledTokens,
+    SamplerConfig,
+    SamplingBatch,
+    SamplingRow,
+    build_sampling_batch,
+    replicated_sampler,
+    sample,
+)
 from dsv4_jax.engine.sampling_params import SamplingParams
 from dsv4_jax.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from dsv4_jax.kv_cache.paged import PagedCacheLayout
@@ -119,6 +130,18 @@ class LLMEngine:
             buckets, layout, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
             max_num_batched_tokens=max_num_batched_tokens, usable_blocks_cap=usable_blocks_cap, dp_size=dp,
         ))
+        mesh = self.runner.mesh
+        self._sample = sample if mesh is None else replicated_sampler(mesh)
+        self._batch_sharding = None if mesh is None else NamedSharding(mesh, PartitionSpec())
+        # Every device call of a step, by name: made in lockstep by the followers of a multi-host
+        # run (engine/lockstep.py), a plain call otherwise.
+        self.device = Lockstep({
+            "fill": _fill_placeholders,
+            "run": self.runner.run,
+            "sample": self._sample_batch,
+            "head": self.runner.head,
+            "gather": self.runner.gather,
+        })
         self._tracked: dict[str, _Tracked] = {}
         self._numbers = itertools.count()
         self._steps = 0
@@ -208,8 +231,8 @@ class LLMEngine:
                 if PLACEHOLDER in r.token_ids:
                     source[at] = previous.position[r.request.request_id]
             if (source >= 0).any():
-                token_ids = _fill_placeholders(tokens, source, previous.sampled.token_ids)
-        out = self.runner.run(bucket, tokens, seqs, len(rows), token_ids)
+                token_ids = self.device.call("fill", tokens, source, previous.sampled.token_ids)
+        out = self.device.call("run", bucket, tokens, seqs, len(rows), token_ids)
         sampling = [SamplingRow(_FILLER, 0)] * (max(position) + 1)  # rows after the last: padding
         for at, r in zip(position, rows):
             if r.is_sampling:
@@ -221,7 +244,7 @@ class LLMEngine:
             engine_seed=self.seed, step=self._steps, config=self.sampler_config,
         )
         self._steps += 1
-        sampled = sample(out.logits, jax.device_put(batch), config=self.sampler_config)
+        sampled = self.device.call("sample", out.logits, batch)
         return _InFlight(scheduled, out, sampled, {r.request.request_id: at for at, r in zip(position, rows)})
 
     def _complete(self, step: _InFlight) -> list[RequestOutput]:
@@ -247,7 +270,7 @@ class LLMEngine:
                 tracked.forced.popleft()
             if logprob_arrays is not None and tracked.logprobs is not None:
                 # np.asarray first: indexing the device array would compile a slice after warm-up.
-                forced_logits = np.asarray(out.logits)[step.position[request.request_id]] \
+                forced_logits = self._host_logits(out.logits)[step.position[request.request_id]] \
                     if request.request_id in forced_now else None
                 self._record_logprobs(tracked, logprob_arrays, step.position[request.request_id], forced_logits)
             self._after_token(tracked)
@@ -317,7 +340,8 @@ class LLMEngine:
             return
         # A one-token step's logits at its only position are the step's own (decode buckets have no
         # compiled head over all positions).
-        every = np.asarray(out.logits)[:, None] if out.bucket[1] == 1 else np.asarray(self.runner.all_logits(out))
+        every = self._host_logits(out.logits)[:, None] if out.bucket[1] == 1 \
+            else np.asarray(self.device.call("head", out.streams))
         for i, r in wanted:
             tracked, prompt = self._tracked[r.request.request_id], r.request.prompt_token_ids
             logits = every[i, : len(r.token_ids)].astype(np.float64)
@@ -332,6 +356,29 @@ class LLMEngine:
                     entry.setdefault(int(t), Logprob(float(logp[s, t]), rank))
                 tracked.prompt_logprobs.append(entry)
 
+    def _sample_batch(self, logits: jax.Array, batch: SamplingBatch) -> SampledTokens:
+        """The sampler on a step's logits, with the host batch put whole on every device."""
+        return self._sample(logits, jax.device_put(batch, self._batch_sharding), config=self.sampler_config)
+
+    def _host_logits(self, logits: jax.Array) -> np.ndarray:
+        """A step's logits on the host. With several processes each holds only its devices' part:
+        they are gathered first (in lockstep)."""
+        if jax.process_count() > 1:
+            logits = self.device.call("gather", logits)
+        return np.asarray(logits)
+
+    # ---- several hosts ----------------------------------------------------------------------------
+    def lead(self, channel: StepChannel) -> None:
+        """Leader of a multi-host run: followers make every device call from now on."""
+        self.device.lead(channel)
+
+    def follow(self, channel: StepChannel) -> int:
+        """Follower of a multi-host run: make the leader's device calls until it stops."""
+        return self.device.follow(channel)
+
+    def stop_followers(self) -> None:
+        self.device.stop()
+
     # ---- warm-up ----------------------------------------------------------------------------------
     def warmup(self) -> int:
         """Compile every runner bucket, the sampler for each bucket's row count (with and without
@@ -345,11 +392,15 @@ class LLMEngine:
             for params in (SamplingParams(temperature=1.0, logprobs=1), SamplingParams(repetition_penalty=1.1)):
                 batch = build_sampling_batch([SamplingRow(params, 0, [0], [])], b, vocab_size=vocab,
                                              config=self.sampler_config)
-                jax.block_until_ready(sample(logits, jax.device_put(batch), config=self.sampler_config))
+                jax.block_until_ready(self._sample_batch(logits, batch))
         previous = jax.device_put(np.zeros(self.sampler_config.pad_rows, np.int32))
         for b, s in self.runner.buckets.all:  # async scheduling's placeholder filling
             b *= self.runner.dp
             jax.block_until_ready(_fill_placeholders(np.zeros((b, s), np.int32), np.zeros(b, np.int32), previous))
+        if jax.process_count() > 1:  # host reads of logits gather them first (_host_logits)
+            for b, s in self.runner.buckets.all:
+                b *= self.runner.dp
+                jax.block_until_ready(self.runner.gather(jax.numpy.zeros((b, vocab), jax.numpy.float32)))
         compiled += self.runner.compiles.compiles
         self.runner.compiles.reset()
         return compiled

@@ -84,8 +84,24 @@ class LLM:
         buckets: StepBuckets | None = None,
         usable_blocks_cap: int | None = None,  # test-only: forces preemption without resizing the pools
         async_scheduling: bool = True,
+        nnodes: int = 1,
+        node_rank: int = 0,
+        master_addr: str = "127.0.0.1",
+        master_port: int = 29500,
     ):
         import dsv4_jax
+        from dsv4_jax.distributed import DistributedConfig, StepChannel, initialize
+
+        # Several hosts: jax.distributed starts before anything touches a device.
+        self.distributed = DistributedConfig(nnodes, node_rank, master_addr, master_port, headless=node_rank > 0)
+        initialize(self.distributed)
+        if nnodes > 1 and load_format != "safetensors":
+            if load_format == "orbax":
+                raise ValueError("--load-format orbax is not supported across hosts yet (--nnodes > 1): "
+                                 "pass --load-format safetensors")
+            logger.info("--load-format auto with --nnodes %d: reading the safetensors (the converted-weights "
+                        "cache is one host's)", nnodes)
+            load_format = "safetensors"
         from dsv4_jax.engine.engine import LLMEngine
         from dsv4_jax.sharding import ParallelConfig, make_mesh
         from dsv4_jax.tokenizer import load_tokenizer
@@ -130,6 +146,24 @@ class LLM:
         compiled = self.engine.warmup()
         logger.info("warm-up: %d compiles in %.1fs", compiled, time.perf_counter() - start)
         self._ids = 0
+        self._channel = None
+        if nnodes > 1:  # every process warmed up the same way; from here the leader's steps are every node's
+            if self.distributed.is_leader:
+                self.engine.lead(StepChannel.leader(self.distributed))
+            else:
+                self._channel = StepChannel.follower(self.distributed)
+
+    # ---- several hosts ----------------------------------------------------------------------------
+    def follow(self) -> int:
+        """On a follower node (`node_rank` >= 1): run the leader's steps until it shuts down;
+        returns the number of device calls made."""
+        if self._channel is None:
+            raise ValueError("follow() is for the followers of a multi-node run (node_rank >= 1)")
+        return self.engine.follow(self._channel)
+
+    def shutdown(self) -> None:
+        """On the leader of a multi-node run: release the followers (their `follow` returns)."""
+        self.engine.stop_followers()
 
     # ---- construction -----------------------------------------------------------------------------
     @classmethod
@@ -140,11 +174,13 @@ class LLM:
                         tensor_parallel_size: int = 1, data_parallel_size: int = 1,
                         enable_expert_parallel: bool = False, load_format: str = "auto", seed: int = 0,
                         block_size: int = 256, tokenizer: str | Path | None = None,
-                        async_scheduling: bool = True) -> Path:
+                        async_scheduling: bool = True, nnodes: int = 1, node_rank: int = 0,
+                        master_addr: str = "127.0.0.1", master_port: int = 29500) -> Path:
         """Every check that needs no weights (seconds on a real checkpoint), as a ValueError naming
         the argument; returns the model directory (the built-in one is written on first use)."""
         from dsv4_jax.builtin import builtin_model_dir
         from dsv4_jax.sharding import ParallelConfig
+        from dsv4_jax.distributed import DistributedConfig
         from dsv4_jax.weight_cache import check_load_format
 
         cls._check_arguments(dtype, max_model_len, max_num_seqs, max_num_batched_tokens, num_gpu_blocks_override,
@@ -153,6 +189,7 @@ class LLM:
             raise ValueError(f"enable_expert_parallel must be a bool, got {enable_expert_parallel!r}")
         ParallelConfig(tensor_parallel_size, data_parallel_size, enable_expert_parallel)  # sizes >= 1
         check_load_format(load_format)
+        DistributedConfig(nnodes, node_rank, master_addr, master_port, headless=node_rank > 0)
         path = builtin_model_dir() if str(model) in BUILTIN_NAMES else Path(model)
         cls._check_against_model(path, max_model_len, block_size, kv_cache_dtype, attention_backend)
         cls._check_parallel(path, tensor_parallel_size, data_parallel_size, enable_expert_parallel)
@@ -219,7 +256,7 @@ class LLM:
         from dsv4_jax.kv_cache.paged import PagedCacheLayout
         from dsv4_jax.kv_cache.planner import MeshShape, live_device_memory, plan_capacity
 
-        device = jax.devices()[0]
+        device = jax.local_devices()[0]  # this process's: every node must plan the same pools
         memory = live_device_memory(device) if device.platform == "gpu" else None
         # What the first device holds (every device holds the same share).
         weight_bytes = sum(s.data.nbytes for x in jax.tree.leaves(self.model.state)
@@ -269,6 +306,9 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """One RequestOutput per prompt (with `n` completions each), in the prompts' order."""
+        if self._channel is not None:
+            raise ValueError(f"node {self.distributed.node_rank} is a follower: it runs the leader's steps "
+                             "(follow()); generate on node 0")
         items = self._prompts(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()

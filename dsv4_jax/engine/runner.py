@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dsv4_jax.engine.compiles import CompileCounter
@@ -170,7 +171,12 @@ class ModelRunner:
         self.compiles = CompileCounter()  # counts from here: the cache's allocation is not a step's
         # One jitted function each, compiled once per bucket shape; the cache is donated.
         self._step = jax.jit(step, donate_argnums=1)
-        self._head = jax.jit(functools.partial(_head, self.graphdef))
+        # On a mesh: step rows go over the data axis; what the host reads is made whole on every
+        # device first (with several processes each holds only its own devices' part).
+        whole = None if self.mesh is None else NamedSharding(self.mesh, P())
+        self._rows = None if self.mesh is None else NamedSharding(self.mesh, P(DATA))
+        self._head = jax.jit(functools.partial(_head, self.graphdef), out_shardings=whole)
+        self._gather = jax.jit(lambda x: x, out_shardings=whole)
 
     # ---- host batches -------------------------------------------------------------------------
     def build(self, rows: Sequence[StepRow]) -> tuple[tuple[int, int], np.ndarray, StepSequences]:
@@ -237,16 +243,24 @@ class ModelRunner:
         if token_ids is not None:
             if tuple(token_ids.shape) != bucket:
                 raise ValueError(f"token_ids has shape {tuple(token_ids.shape)}, the step's bucket is {bucket}")
-            tokens_dev, seqs_dev = token_ids.astype(jnp.int32), jax.device_put(seqs)
+            tokens_dev, seqs_dev = token_ids.astype(jnp.int32), jax.device_put(seqs, self._rows)
         else:
-            tokens_dev, seqs_dev = jax.device_put((tokens, seqs))  # one transfer for the whole batch
+            tokens_dev, seqs_dev = jax.device_put((tokens, seqs), self._rows)  # one transfer for the whole batch
         logits, streams, self.cache = self._step(self.state, self.cache, tokens_dev, seqs_dev)
         return StepOutput(logits, streams, rows, bucket)
 
     def all_logits(self, output: StepOutput) -> jax.Array:
         """Logits at every position of a step's rows, [B, S, vocab] (prompt logprobs): a separate
         head call, so ordinary steps compute the head for the last position only."""
-        return self._head(self.state, output.streams)
+        return self.head(output.streams)
+
+    def head(self, streams: jax.Array) -> jax.Array:
+        """`all_logits` of a step's streams [B, S, hc_mult, hidden] -> [B, S, vocab], whole on every device."""
+        return self._head(self.state, streams)
+
+    def gather(self, x: jax.Array) -> jax.Array:
+        """`x` whole on every device of the mesh (itself without a mesh)."""
+        return x if self.mesh is None else self._gather(x)
 
     def warmup(self, progress: Callable[[int, int, tuple[int, int], float], None] | None = None) -> int:
         """Compile every bucket (steps of padding rows only: they change nothing). Returns the
@@ -263,7 +277,7 @@ class ModelRunner:
                 np.full((b, self.layout.sliding_ring), -1, np.int32),
                 np.full((b, self.layout.max_blocks_per_seq), -1, np.int32),
             )
-            out = self._step(self.state, self.cache, *jax.device_put((np.zeros((b, s), np.int32), seqs)))
+            out = self._step(self.state, self.cache, *jax.device_put((np.zeros((b, s), np.int32), seqs), self._rows))
             self.cache = out[2]
             jax.block_until_ready(out)
             if s > 1:  # prompt logprobs come from prefill steps

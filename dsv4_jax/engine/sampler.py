@@ -277,3 +277,10 @@ def _sample(logits: jax.Array, batch: SamplingBatch, config: SamplerConfig = Sam
 
 # One compile per (B, V, variant, config); `config` is static.
 sample = jax.jit(_sample, static_argnames="config")
+
+
+def replicated_sampler(mesh: jax.sharding.Mesh):
+    """`sample` for logits sharded over `mesh`: every output whole on every device, so whichever
+    process reads the tokens has them (one small gather of [B]-sized arrays)."""
+    return jax.jit(_sample, static_argnames="config",
+                   out_shardings=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
