@@ -4,10 +4,12 @@ a sliding window, and on compressed layers a compressor (+ lightning indexer on 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from dsv4_jax.config import CSA, SLIDING, DeepseekV4Config
 from dsv4_jax.model import kv_rounding
@@ -20,7 +22,7 @@ from dsv4_jax.model.indexer import Indexer
 from dsv4_jax.model.layers import Linear, RMSNorm, rms_normalize
 from dsv4_jax.model.options import ForwardOptions
 from dsv4_jax.model.rope import apply_rope
-from dsv4_jax.sharding import EMBED, GROUP_HEAD_DIMS, HEAD_DIMS, HEADS, KV_DIM, O_GROUP_RANKS, Q_LORA
+from dsv4_jax.sharding import EMBED, GROUP_HEAD_DIMS, HEAD_DIMS, HEADS, KV_DIM, O_GROUP_RANKS, Q_LORA, TENSOR
 
 
 class Attention(nnx.Module):
@@ -139,15 +141,17 @@ class Attention(nnx.Module):
         ratio = self.ratio if pool is not None else 0
         if x.shape[1] == 1:  # decode: the new row goes into the ring first, the kernel reads it there
             sliding = backend.write_kv(sliding, stored_kv.reshape(-1, self.head_dim), window_slots(seqs, layout.block_size, 1), place.sliding)
-            out = backend.decode(
+            decode = functools.partial(backend.decode, window=self.window, ratio=ratio)
+            out = heads_over_tensor(decode, (
                 q[:, 0], sliding, seqs.sliding_table, seqs.start + seqs.lens, sinks, pool, table,
-                None if picks is None else picks[:, 0], place.sliding, place.compressed, window=self.window, ratio=ratio,
-            )[:, None]
+                None if picks is None else picks[:, 0], place.sliding, place.compressed,
+            ), sinks_at=4, head_axis=1)[:, None]
         else:  # a chunk: its own rows come in through window_kv; the ring is written afterwards
-            out = backend.prefill(
+            prefill = functools.partial(backend.prefill, window=self.window, ratio=ratio)
+            out = heads_over_tensor(prefill, (
                 q, sliding, seqs.sliding_table, seqs.start, seqs.lens, sinks, pool, table, picks,
-                place.sliding, place.compressed, window_kv=stored_kv, window=self.window, ratio=ratio,
-            )
+                place.sliding, place.compressed, stored_kv,
+            ), sinks_at=5, head_axis=2)
             slots = window_slots(seqs, layout.block_size, self.window)
             sliding = backend.write_kv(sliding, stored_kv.reshape(-1, self.head_dim), slots, place.sliding)
         cache = dataclasses.replace(cache, sliding=dataclasses.replace(cache.sliding, kv=sliding))
@@ -164,3 +168,18 @@ class Attention(nnx.Module):
 
 def _replace_pool(cache: PagedKVCache, name: str, planes) -> PagedKVCache:
     return dataclasses.replace(cache, compressed=dataclasses.replace(cache.compressed, **{name: planes}))
+
+
+def heads_over_tensor(kernel, args: tuple, *, sinks_at: int, head_axis: int) -> jax.Array:
+    """`kernel(*args)` (an attention backend's decode or prefill: q first, the sinks at `sinks_at`)
+    with the query heads split over the mesh's tensor axis under `jax.shard_map` when the step
+    runs on a mesh: a Pallas kernel is opaque to XLA's partitioner, which would otherwise gather
+    every head to every device. The pools, tables and picks are the same on every tensor rank (one
+    KV head); each rank attends with its own heads. The heads sit on `head_axis` of q and of the
+    output."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if TENSOR not in mesh.axis_names or mesh.shape[TENSOR] == 1 or TENSOR in mesh.manual_axes:
+        return kernel(*args)
+    heads = P(*([None] * head_axis), TENSOR)
+    specs = tuple(heads if i == 0 else P(TENSOR) if i == sinks_at else P() for i in range(len(args)))
+    return jax.shard_map(kernel, in_specs=specs, out_specs=heads, axis_names={TENSOR}, check_vma=False)(*args)
