@@ -22,10 +22,10 @@ after the first half of the requests and at the end, and fails above 10% growth.
 The comparison rule: tokens equal and logprobs within 1e-4, up to a first difference at a near-tie,
 which ends the comparison of that request ("diverged at a near-tie", counted, not an error). A
 near-tie is a position where the reference's top-1/top-2 logprob gap is at most 1e-3 (a differing
-token only), or where the lightning indexer's top-k margin on the reference's tokens
-(`dsv4_jax.testing.indexer_topk_margins`) is below 1e-5: there another compile of the same step
-(another batch shape) may pick a different k-th compressed entry, which moves the logits by far
-more than rounding (docs/performance.md, "Server under load").
+token only), or where the lightning indexer's or the MoE router's top-k margin on the reference's
+tokens (`dsv4_jax.testing.topk_margins_by_kind`) is below 1e-5: there another compile of the same
+step (another batch shape) may pick a different k-th compressed entry or expert, which moves the
+logits by far more than rounding (docs/performance.md, "Server under load").
 
 Prints requests/s, output tokens/s, TTFT and ITL (mean, median, p99), the checks and the near-tie
 divergences; exit status 1 when any check fails. tests/test_server_load.py runs a smaller copy
@@ -44,7 +44,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -55,15 +55,17 @@ sys.path.insert(0, str(REPO))  # run as a script: the repository's packages (ben
 
 from benchmarks.runner import positive  # noqa: E402  (one flag parser for the benchmarks)
 GAP, LOGPROB_TOL = 1e-3, 1e-4  # the engine's comparison rule for greedy outputs
-# Indexer top-k margins ((k-th - (k+1)-th best visible score) / largest |visible score|, on the
-# reference's tokens) below this are near-ties. At the full run's indexer swap (request 353, token
-# 23) two compiles of the step scored the same entry up to 4e-7 (relative) apart, and the margin
-# there measures 3.5e-7 to 1.1e-6 depending on the compile (step shape, sequence length): 1e-5 is
-# ten times the largest. Few positions fall below it (in request 353: 2 of the 177 with a possible
-# tie in dsv4-tiny's second CSA layer, none in its first), and only one where the outputs differ
-# is excused.
-INDEXER_TIE = 1e-5
-OUTPUT_GAP, INDEXER_MARGIN = "output top-1/top-2 gap", "indexer top-k margin"  # the two kinds of near-tie
+# Top-k margins ((k-th - (k+1)-th best score) / largest |score|, on the reference's tokens; for the
+# indexer over the visible entries, for the router over the experts by score + bias) below this are
+# near-ties. At the full run's indexer swap (request 353, token 23) two compiles of the step scored
+# the same entry up to 4e-7 (relative) apart, and the margin there measures 3.5e-7 to 1.1e-6
+# depending on the compile (step shape, sequence length): 1e-5 is ten times the largest. At the
+# router swap (request 113, token 54) the margin is 5.1e-8, one float32 ulp. Few positions fall
+# below it (in request 353: 2 of the 177 with a possible tie in dsv4-tiny's second CSA layer, none
+# in its first; in request 113 one router position, the next smallest being 2e-4).
+TOPK_TIE = 1e-5
+# The kinds of near-tie; a top-k margin's is "<kind> top-k margin", kind as in topk_margins_by_kind.
+OUTPUT_GAP, INDEXER_MARGIN, ROUTER_MARGIN = "output top-1/top-2 gap", "indexer top-k margin", "router top-k margin"
 RSS_GROWTH_LIMIT = 0.10
 # The built-in model with a float32 cache: exact, so the offline engine is a sharp reference.
 SERVER_FLAGS = ("--dtype", "float32", "--kv-cache-dtype", "float32", "--max-model-len", "1024", "--seed", "0")
@@ -305,18 +307,18 @@ class Comparison:
     """One stream against its reference output under the comparison rule (module docstring)."""
 
     mismatch: str | None = None  # a difference the rule does not excuse: the check fails
-    near_tie: str | None = None  # OUTPUT_GAP or INDEXER_MARGIN: the stream diverged at a near-tie
+    near_tie: str | None = None  # OUTPUT_GAP, INDEXER_MARGIN or ROUTER_MARGIN: it diverged at a near-tie
     diverged_at: int | None = None  # the output token where it did
     detail: str = ""  # what differed there
     uncompared: int = 0  # output tokens after it, not compared
 
 
 def compare_stream(reference: Any, token_ids: Sequence[int], logprobs: Sequence[float],
-                   indexer_margins: Sequence[float] | None = None) -> Comparison:
+                   topk_margins: Mapping[str, Sequence[float]] | None = None) -> Comparison:
     """`token_ids` and `logprobs` of a stream against `reference` (a CompletionOutput with 2
-    logprobs per token). `indexer_margins[i]`: the indexer top-k margin at the position whose
-    logits give output token i, on the reference's tokens (`output_indexer_margins`); None: not
-    known, so no difference is excused by the indexer."""
+    logprobs per token). `topk_margins[kind][i]` ("indexer", "router"): that top-k margin at the
+    position whose logits give output token i, on the reference's tokens (`output_topk_margins`);
+    the smallest of the kinds decides. None: not known, so no difference is excused by a margin."""
     for i, (want, got) in enumerate(zip(reference.token_ids, token_ids)):
         entry = reference.logprobs[i]
         ranked = sorted((lp.logprob for lp in entry.values()), reverse=True)
@@ -327,12 +329,13 @@ def compare_stream(reference: Any, token_ids: Sequence[int], logprobs: Sequence[
             detail = f"token {i}: logprob {logprobs[i]} vs the reference's {entry[want].logprob}"
         else:
             continue
-        margin = np.inf if indexer_margins is None else float(indexer_margins[i])
-        if np.isfinite(margin):
-            detail += f" (indexer top-k margin {margin:.1e})"
-        # A small output gap excuses a different token only; a swapped indexer pick moves the
-        # logits far past the logprob tolerance whether or not the token changes.
-        near_tie = (OUTPUT_GAP if want != got and gap <= GAP else INDEXER_MARGIN if margin < INDEXER_TIE else None)
+        margins = {f"{kind} top-k margin": float(m[i]) for kind, m in (topk_margins or {}).items()}
+        if any(np.isfinite(m) for m in margins.values()):
+            detail += " (" + ", ".join(f"{kind} {m:.1e}" for kind, m in margins.items() if np.isfinite(m)) + ")"
+        closest, margin = min(margins.items(), key=lambda item: item[1], default=(None, np.inf))
+        # A small output gap excuses a different token only; a swapped indexer or router pick moves
+        # the logits far past the logprob tolerance whether or not the token changes.
+        near_tie = OUTPUT_GAP if want != got and gap <= GAP else closest if margin < TOPK_TIE else None
         if near_tie is None:
             return Comparison(mismatch=detail)
         return Comparison(near_tie=near_tie, diverged_at=i, detail=detail, uncompared=len(reference.token_ids) - i - 1)
@@ -342,27 +345,27 @@ def compare_stream(reference: Any, token_ids: Sequence[int], logprobs: Sequence[
 
 
 def gap_rule_mismatch(reference: Any, token_ids: Sequence[int], logprobs: Sequence[float]) -> str | None:
-    """What differs beyond the output-gap rule (`compare_stream` without indexer margins), or None."""
+    """What differs beyond the output-gap rule (`compare_stream` without top-k margins), or None."""
     return compare_stream(reference, token_ids, logprobs).mismatch
 
 
-def output_indexer_margins(model: Any, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> np.ndarray:
-    """[len(output_ids)]: `indexer_topk_margins` of `model` (a dsv4_jax CausalLM, e.g. `LLM.model`)
-    over the prompt and the output, at the position whose logits give each output token."""
-    from dsv4_jax.testing import indexer_topk_margins
+def output_topk_margins(model: Any, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> dict[str, np.ndarray]:
+    """{kind: [len(output_ids)]}: `topk_margins_by_kind` of `model` (a dsv4_jax CausalLM, e.g.
+    `LLM.model`) over the prompt and the output, at the position whose logits give each output token."""
+    from dsv4_jax.testing import topk_margins_by_kind
 
-    margins = indexer_topk_margins(model, [*prompt_ids, *output_ids[:-1]])
-    return margins[len(prompt_ids) - 1:]
+    margins = topk_margins_by_kind(model, [*prompt_ids, *output_ids[:-1]])
+    return {kind: m[len(prompt_ids) - 1:] for kind, m in margins.items()}
 
 
 def compare_with_reference(model: Any, run: LoadRun, reference: Sequence[Any]) -> list[Comparison]:
-    """`compare_stream` of every stream of `run`; the indexer margins (a dense forward over the
+    """`compare_stream` of every stream of `run`; the top-k margins (a dense forward over the
     reference's tokens, one compile per length) only for a stream the output rule alone fails."""
     comparisons = []
     for prompt, result, ref in zip(run.prompt_ids, run.results, reference):
         comparison = compare_stream(ref, result.token_ids, result.logprobs)
         if comparison.mismatch is not None and result.token_ids:
-            margins = output_indexer_margins(model, prompt, ref.token_ids)
+            margins = output_topk_margins(model, prompt, ref.token_ids)
             comparison = compare_stream(ref, result.token_ids, result.logprobs, margins)
         comparisons.append(comparison)
     return comparisons
@@ -372,7 +375,7 @@ def near_tie_summary(comparisons: Sequence[Comparison]) -> dict[str, Any]:
     """Counts of the requests that diverged at a near-tie, by kind, and which they were."""
     tied = [(i, c) for i, c in enumerate(comparisons) if c.near_tie]
     return {"diverged at a near-tie": {kind: sum(c.near_tie == kind for _, c in tied)
-                                       for kind in (OUTPUT_GAP, INDEXER_MARGIN)},
+                                       for kind in (OUTPUT_GAP, INDEXER_MARGIN, ROUTER_MARGIN)},
             "output tokens not compared": sum(c.uncompared for _, c in tied),
             "requests": [f"request {i}: {c.near_tie} at {c.detail}" for i, c in tied]}
 
@@ -469,8 +472,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{'ok' if not problems else 'FAILED'}: {name}" + "".join(f"\n    {p}" for p in problems[:10]))
     ties = None if comparisons is None else near_tie_summary(comparisons)
     if ties is not None:
-        counts = ", ".join(f"{n} at an {kind}" for kind, n in ties["diverged at a near-tie"].items())
-        print(f"diverged at a near-tie (not compared further, not errors): {counts}; "
+        counts = ", ".join(f"{kind} {n}" for kind, n in ties["diverged at a near-tie"].items())
+        print(f"diverged at a near-tie (not compared further, not errors), by kind: {counts}; "
               f"{ties['output tokens not compared']} output tokens not compared"
               + "".join(f"\n    {r}" for r in ties["requests"][:10]))
     if args.json:

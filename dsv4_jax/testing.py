@@ -7,8 +7,9 @@ that every feature acts and the forward stays numerically sane. Each tensor draw
 generator seeded by (seed, tensor name): the same seed gives the same bytes, and a quantized
 checkpoint and its dequantized twin start from the same float weights.
 
-`indexer_topk_margins(model, ids)` says, per position, how close the lightning indexer's top-k
-came to a tie (the load benchmark's comparison rule excuses a differing token there).
+`topk_margins_by_kind(model, ids)` says, per position, how close the lightning indexer's top-k
+(`indexer_topk_margins`) and the MoE router's (`router_topk_margins`) came to a tie (the load
+benchmark's comparison rule excuses a difference there).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from flax import nnx
 from dsv4_jax import weights as wfmt
 from dsv4_jax.checkpoint import INDEX_FILE, TensorSpec, checkpoint_layout
 from dsv4_jax.config import CSA, SLIDING, DeepseekV4Config
+from dsv4_jax.model.hyper_connection import hc_post
 from dsv4_jax.model.options import ForwardOptions
 from dsv4_jax.presets import get_config, quantized
 
@@ -270,34 +272,45 @@ def write_random_checkpoint(
     return path
 
 
-# ---- how close the indexer's top-k is to a tie -------------------------------------------------------
-def indexer_scores(model: CausalLM, token_ids: Sequence[int]) -> list[np.ndarray]:
-    """The lightning indexer's scores in the dense forward over `token_ids` (one sequence), one
-    [seq, entries] float32 array per CSA layer in layer order: query t's score of compressed
-    entry j (visible when j < (t + 1) // ratio). Compiles once per sequence length; `model(ids)`
-    and the engine's step are untouched."""
+# ---- how close the model's top-k choices are to a tie --------------------------------------------------
+INDEXER, ROUTER = "indexer", "router"  # the forward's two top-k choices: compressed entries, experts
+
+
+def topk_scores(model: CausalLM, token_ids: Sequence[int]) -> dict[str, list[np.ndarray]]:
+    """The scores each top-k choice ranks in the dense forward over `token_ids` (one sequence),
+    float32, in layer order: INDEXER, one [seq, entries] array per CSA layer (query t's score of
+    compressed entry j, visible when j < (t + 1) // ratio); ROUTER, one [seq, experts] array per
+    top-k-routed MoE layer (`Gate.selection_scores`: score + bias; hash-routed layers choose
+    nothing). Compiles once per sequence length; `model(ids)` and the engine's step are untouched."""
     ids = np.asarray(token_ids, np.int32)
     if ids.ndim != 1 or ids.size == 0:
         raise ValueError(f"token_ids must be a non-empty sequence of ids, got shape {ids.shape}")
     if model not in _JITTED_SCORES:  # a GraphDef holding lists is not hashable: no static argument
-        _JITTED_SCORES[model] = jax.jit(functools.partial(_dense_indexer_scores, model.graphdef), static_argnums=2)
-    return [np.asarray(s[0]) for s in _JITTED_SCORES[model](model.state, jnp.asarray(ids[None]), model.options)]
+        _JITTED_SCORES[model] = jax.jit(functools.partial(_dense_topk_scores, model.graphdef), static_argnums=2)
+    scores = _JITTED_SCORES[model](model.state, jnp.asarray(ids[None]), model.options)
+    return {kind: [np.asarray(s) for s in layers] for kind, layers in scores.items()}
+
+
+def visible_entries(seq: int, entries: int, ratio: int) -> np.ndarray:  # [seq, entries] bool
+    """Which compressed entries query t may pick: j < (t + 1) // ratio (whole blocks of its past)."""
+    return np.arange(entries)[None, :] < (np.arange(seq)[:, None] + 1) // ratio
 
 
 def topk_margins(
-    scores: np.ndarray,  # [seq, entries] one layer's indexer scores
-    ratio: int,
+    scores: np.ndarray,  # [seq, n] one layer's scores of n candidates
     topk: int,
+    visible: np.ndarray | None = None,  # [seq, n] bool: the candidates each row may pick; None: all
 ) -> np.ndarray:  # [seq] float64
     """(k-th best - (k+1)-th best visible score) / max |visible score| at each position: how far
-    the top-k is from swapping an entry. inf where fewer than k + 1 entries are visible (nothing
-    to swap); 0 where every visible score is 0."""
-    seq, entries = scores.shape
+    the top-k is from swapping a candidate. inf where fewer than k + 1 candidates are visible
+    (nothing to swap); 0 where every visible score is 0."""
+    seq, n = scores.shape
+    if visible is None:
+        visible = np.ones((seq, n), bool)
     margins = np.full(seq, np.inf)
-    if entries <= topk:
+    if n <= topk:
         return margins
-    visible = np.arange(entries)[None, :] < (np.arange(seq)[:, None] + 1) // ratio
-    rows = visible.sum(-1) > topk  # positions where an entry outside the top-k could swap in
+    rows = visible.sum(-1) > topk  # positions where a candidate outside the top-k could swap in
     visible_scores = np.where(visible, scores.astype(np.float64), -np.inf)[rows]
     ranked = -np.sort(-visible_scores, axis=-1)  # descending, invisible (-inf) last
     gap = ranked[:, topk - 1] - ranked[:, topk]
@@ -306,41 +319,62 @@ def topk_margins(
     return margins
 
 
+def topk_margins_by_kind(model: CausalLM, token_ids: Sequence[int]) -> dict[str, np.ndarray]:  # [seq] each
+    """{INDEXER: the smallest `topk_margins` over the CSA layers' indexers, ROUTER: the same over
+    the top-k-routed MoE layers' gates} at each position of `token_ids`, from one dense forward
+    (all inf for a kind without layers). A margin at float32 rounding level (~1e-6) means that
+    another compile of the same model (another step shape, batch or kernel) may pick a different
+    k-th entry or expert there, and the logits may move far more than rounding: the load
+    benchmark's rule takes the smaller of the two at each position."""
+    config, seq = model.config, len(token_ids)
+    scores = topk_scores(model, token_ids)
+    ratio = config.csa_compress_ratio
+    per_layer = {
+        INDEXER: [topk_margins(s, config.index_topk, visible_entries(*s.shape, ratio)) for s in scores[INDEXER]],
+        ROUTER: [topk_margins(s, config.num_experts_per_tok) for s in scores[ROUTER]],
+    }
+    return {kind: np.minimum.reduce([np.full(seq, np.inf), *layers]) for kind, layers in per_layer.items()}
+
+
 def indexer_topk_margins(model: CausalLM, token_ids: Sequence[int]) -> np.ndarray:  # [seq] float64
-    """The smallest `topk_margins` over the model's CSA layers at each position of `token_ids`
-    (all inf without CSA layers). A margin at float32 rounding level (~1e-6) means that another
-    compile of the same model (another step shape, batch or kernel) may pick a different k-th
-    entry there, and the logits at that position may move far more than rounding."""
-    config = model.config
-    margins = np.full(len(token_ids), np.inf)
-    for scores in indexer_scores(model, token_ids):
-        margins = np.minimum(margins, topk_margins(scores, config.csa_compress_ratio, config.index_topk))
-    return margins
+    """`topk_margins_by_kind(model, token_ids)[INDEXER]`: the lightning indexer's."""
+    return topk_margins_by_kind(model, token_ids)[INDEXER]
+
+
+def router_topk_margins(model: CausalLM, token_ids: Sequence[int]) -> np.ndarray:  # [seq] float64
+    """`topk_margins_by_kind(model, token_ids)[ROUTER]`: the MoE router's (score + bias)."""
+    return topk_margins_by_kind(model, token_ids)[ROUTER]
 
 
 _JITTED_SCORES: weakref.WeakKeyDictionary[CausalLM, Callable] = weakref.WeakKeyDictionary()
 
 
-def _dense_indexer_scores(
+def _dense_topk_scores(
     graphdef: nnx.GraphDef, state: nnx.State, token_ids: jax.Array, options: ForwardOptions
-) -> list[jax.Array]:  # [batch, seq, entries] per CSA layer
-    """`DeepseekV4.hidden_streams` with the dense attention, layer by layer (stacked layers
-    sliced out of their stack), taking each CSA layer's indexer scores on the way."""
+) -> dict[str, list[jax.Array]]:  # INDEXER: [seq, entries] per CSA layer; ROUTER: [seq, experts] per routed
+    """`DeepseekV4.hidden_streams` with the dense attention for one sequence, layer by layer
+    (stacked layers sliced out of their stack), taking the scores of both top-k choices on the way."""
     model = nnx.merge(graphdef, state)
     x = model.embed(token_ids, options.jnp_dtype)
     streams = jnp.broadcast_to(x[:, :, None, :], (*x.shape[:2], model.config.hc_mult, x.shape[-1]))
     tables = model.rope_tables(token_ids.shape[1])
-    scores = []
+    scores: dict[str, list[jax.Array]] = {INDEXER: [], ROUTER: []}
     for plan, segment in zip(model.segments_plan, model.segments):
         for block, kind in _unstacked_blocks(plan, segment):
             cos, sin = tables[kind.layer_type != SLIDING]
+            # Block.__call__'s attention half, and what the attention feeds its indexer.
+            attn_x, post, comb = block._hc_pre(streams, "attn")
+            attn_in = block.attn_norm(attn_x)
             if kind.layer_type == CSA:
-                # What Block.__call__ feeds the attention, and the attention feeds its indexer.
-                attn_in = block.attn_norm(block._hc_pre(streams, "attn")[0])
                 q_latent = block.attn.queries_and_kv(attn_in, cos, sin)[0]
-                indexer = block.attn.indexer
-                scores.append(indexer.scores(attn_in, q_latent, cos, sin, round_keys=options.kv_cache_rounding))
-            streams = block(streams, token_ids, cos, sin, options)
+                indexer_scores = block.attn.indexer.scores(attn_in, q_latent, cos, sin,
+                                                           round_keys=options.kv_cache_rounding)
+                scores[INDEXER].append(indexer_scores[0])
+            streams = hc_post(block.attn(attn_in, cos, sin, options), streams, post, comb)
+            if not kind.hash_routed:  # what Block._ffn feeds the MoE, and the MoE its gate
+                ffn_in = block.ffn_norm(block._hc_pre(streams, "ffn")[0])
+                scores[ROUTER].append(block.ffn.gate.selection_scores(ffn_in[0]))
+            streams = block._ffn(streams, token_ids, options)
     return scores
 
 

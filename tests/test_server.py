@@ -346,7 +346,8 @@ def test_without_parser_flags_there_is_no_reasoning_split_and_auto_tool_choice_i
 
 
 @pytest.mark.parametrize("flags, names", [(["--port", "70000"], "--port"),
-                                          (["--tensor-parallel-size", "2"], "--tensor-parallel-size")])
+                                          (["--tensor-parallel-size", "2", "--max-model-len", "512"],
+                                           "--tensor-parallel-size")])
 def test_bad_flags_fail_fast_with_one_line_and_status_2(chat_checkpoint, flags, names):
     result = subprocess.run([sys.executable, "-m", "serve", str(chat_checkpoint), *flags], capture_output=True,
                             text=True, timeout=120, cwd=REPO, env={**os.environ, "JAX_PLATFORMS": "cpu"})

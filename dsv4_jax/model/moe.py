@@ -111,22 +111,37 @@ class Gate(nnx.Module):
 
     def __call__(self, x: jax.Array, token_ids: jax.Array) -> tuple[jax.Array, jax.Array]:
         """x [tokens, hidden], token_ids [tokens] -> (experts [tokens, k] int32, weights [tokens, k] f32)"""
-        logits = jnp.einsum("td,ed->te", x.astype(jnp.float32), self.weight[...].astype(jnp.float32))
-        if self.scoring == "sqrtsoftplus":
-            scores = jnp.sqrt(jax.nn.softplus(logits))
-        elif self.scoring == "sigmoid":
-            scores = jax.nn.sigmoid(logits)
-        else:
-            scores = jax.nn.softmax(logits, axis=-1)
+        scores = self._scores(x)
         if self.hash_routed:
             experts = self.tid2eid[...][token_ids].astype(jnp.int32)
             weights = jnp.take_along_axis(scores, experts, axis=-1)
         else:
-            bias = self.bias[...] if hasattr(self, "bias") else jnp.zeros((scores.shape[-1],), jnp.float32)
-            experts, weights = select_experts(scores, bias, self.top_k)
+            experts, weights = select_experts(scores, self._selection_bias(), self.top_k)
         if self.renormalize:
             weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
         return experts, weights * self.scaling
+
+    def selection_scores(self, x: jax.Array) -> jax.Array:
+        """x [tokens, hidden] -> [tokens, experts] float32: what `select_experts` ranks (score +
+        bias) in `__call__`, from the same two parts; public so that
+        `dsv4_jax.testing.router_topk_margins` can measure how close its top-k is to a tie."""
+        if self.hash_routed:
+            raise ValueError("selection_scores: a hash-routed gate (hash_routed=True) picks its experts by token id "
+                             "(tid2eid), it ranks no scores; only top-k-routed gates have selection scores")
+        return self._scores(x) + self._selection_bias()
+
+    def _scores(self, x: jax.Array) -> jax.Array:
+        """x [tokens, hidden] -> [tokens, experts] float32 router scores (the experts' weights)."""
+        logits = jnp.einsum("td,ed->te", x.astype(jnp.float32), self.weight[...].astype(jnp.float32))
+        if self.scoring == "sqrtsoftplus":
+            return jnp.sqrt(jax.nn.softplus(logits))
+        if self.scoring == "sigmoid":
+            return jax.nn.sigmoid(logits)
+        return jax.nn.softmax(logits, axis=-1)
+
+    def _selection_bias(self) -> jax.Array:
+        """[experts] float32: the noaux_tc selection bias, zeros without one."""
+        return self.bias[...] if hasattr(self, "bias") else jnp.zeros(self.weight.shape[:1], jnp.float32)
 
 
 def select_experts(
