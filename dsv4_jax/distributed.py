@@ -150,11 +150,19 @@ class StepChannel:
                 try:
                     conn.sendall(_LENGTH.pack(len(data)) + data)
                 except OSError as error:
-                    self._on_lost(node, f"sending failed: {error}")
+                    if not self._closed:
+                        self._on_lost(node, f"sending failed: {error}")
 
     def receive(self) -> Any:
         """Follower: the leader's next message (EOFError when the leader is gone)."""
         return _read_message(self._sockets[0])
+
+    def finish(self, message: Any) -> None:
+        """Leader: a last message, then close. Marked closed first: followers hang up as soon as
+        they read it, which is then no loss."""
+        self._closed = True
+        self.send(message)
+        self.close()
 
     def close(self) -> None:
         self._closed = True

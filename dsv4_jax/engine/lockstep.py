@@ -63,8 +63,7 @@ class Lockstep:
     def stop(self) -> None:
         """Leader: release the followers (their `follow` returns)."""
         if self.channel is not None:
-            self.channel.send(_STOP)
-            self.channel.close()
+            self.channel.finish(_STOP)
             self.channel = None
 
     def follow(self, channel: StepChannel) -> int:
