@@ -16,6 +16,7 @@ from dsv4_jax.engine.sampler import (
     SamplingRow,
     build_sampling_batch,
     process_logits,
+    row_argmax,
     sample,
 )
 from dsv4_jax.engine.sampling_params import MAX_LOGPROBS, SamplingParams
@@ -341,3 +342,20 @@ def test_batch_builder_rejects_what_does_not_fit():
         build_sampling_batch([penalised, penalised], 1, vocab_size=V)
     with pytest.raises(ValueError, match=r"SamplerConfig\.candidates must be an int >= 1, got 0"):
         SamplerConfig(candidates=0)
+
+
+@pytest.mark.parametrize("vocab", [1000, 1009])  # blocks of 40; a prime: no blocks, the plain argmax
+def test_row_argmax_is_jnp_argmax_with_ties_infs_and_nans(vocab):
+    """The blocked argmax gives numpy's index (the first maximum, the first NaN) on rows with ties
+    across blocks, all -inf, +inf beside -inf (a NaN sum: the plain path), a NaN, and noise."""
+    rng = np.random.default_rng(vocab)
+    x = rng.standard_normal((6, vocab)).astype(np.float32)
+    x[0, [7, 500, 999]] = 9.0  # ties in three blocks: the first wins
+    x[1] = -np.inf
+    x[2, [3, 700]] = [np.inf, -np.inf]
+    x[3, [2, 600]] = [np.nan, 50.0]
+    x[4, vocab - 1] = 30.0  # the very last entry
+    got = np.asarray(jax.jit(row_argmax)(x))
+    assert got.dtype == np.int32 and got.tolist() == np.argmax(x, axis=-1).tolist()
+    x[3, 2] = 0.0  # no NaN left: the blocked path for every row
+    assert np.asarray(jax.jit(row_argmax)(x)).tolist() == np.argmax(x, axis=-1).tolist()

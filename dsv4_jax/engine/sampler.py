@@ -41,6 +41,7 @@ Imports: only what the GPU machine has (jax, numpy and this repository).
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 
 import jax
@@ -225,6 +226,36 @@ def process_logits(logits: jax.Array, batch: SamplingBatch) -> jax.Array:
     return x - pen.frequency[:, None] * counts - pen.presence[:, None] * (counts > 0)
 
 
+def row_argmax(x: jax.Array) -> jax.Array:
+    """`jnp.argmax(x, axis=-1)` as int32, the same index (the first maximum; the first NaN), in two
+    passes over blocks of the vocabulary: XLA:CPU's argmax (a reduction over value-index pairs)
+    takes 5.8 ms on [32, 129280], a max over blocks, the argmax of the block maxima and one in
+    the winning block under 1 ms. [B, V] -> [B]"""
+    b, v = x.shape
+    block = _argmax_block(v)
+    if block is None:
+        return jnp.argmax(x, axis=-1).astype(jnp.int32)
+
+    def blocked() -> jax.Array:
+        blocks = x.reshape(b, v // block, block)
+        best = jnp.argmax(jnp.max(blocks, axis=-1), axis=-1)  # the first block holding the maximum
+        inside = jnp.argmax(jnp.take_along_axis(blocks, best[:, None, None], axis=1)[:, 0], axis=-1)
+        return (best * block + inside).astype(jnp.int32)
+
+    # XLA:CPU's max can drop a NaN that argmax ranks first: a batch whose sum is NaN (any NaN, or
+    # +inf beside -inf: then the plain argmax is merely slower) takes the plain argmax.
+    return jax.lax.cond(jnp.isnan(jnp.sum(x)), lambda: jnp.argmax(x, axis=-1).astype(jnp.int32), blocked)
+
+
+def _argmax_block(v: int) -> int | None:
+    """The divisor of `v` nearest sqrt(v) from above (both passes stay short), or None when `v`
+    has none below v / 8 (no gain)."""
+    for block in range(max(1, math.isqrt(v)), v // 8 + 1):
+        if v % block == 0:
+            return block
+    return None
+
+
 def _row_key(words: jax.Array) -> jax.Array:
     key = jax.random.key(0, impl="threefry2x32")
     for i in range(words.shape[0]):
@@ -264,7 +295,7 @@ def _sample(logits: jax.Array, batch: SamplingBatch, config: SamplerConfig = Sam
     # Runtime branches, not compile variants: a greedy-only batch skips top_k and the draws, a
     # batch without logprob requests skips the log_softmax.
     tokens = jax.lax.cond(
-        jnp.all(batch.greedy), lambda: jnp.argmax(x, axis=-1).astype(jnp.int32), lambda: _draw(x, batch, k)
+        jnp.all(batch.greedy), lambda: row_argmax(x), lambda: _draw(x, batch, k)
     )
     b, top = logits.shape[0], min(MAX_LOGPROBS, logits.shape[-1])
     none = (jnp.zeros(b, jnp.float32), jnp.zeros((b, top), jnp.int32), jnp.zeros((b, top), jnp.float32),
