@@ -21,6 +21,7 @@ from dsv4_jax.engine.runner import StepBuckets
 
 PROMPTS = [[5, 17, 42], [99, 3, 211, 7, 8, 256], [1, 2, 3, 4, 5, 6, 7, 8], [300, 301]]
 ABORTED = "aborted"
+PROMPT_LOGPROBS = "prompt-logprobs"
 EXPERT_WEIGHTS = (".experts.w1.weight", ".experts.w2.weight", ".experts.w3.weight")
 
 
@@ -42,6 +43,8 @@ def main(rank: int, port: int, checkpoint: str, out_path: str) -> None:
         engine.add_request(ABORTED, [7, 7, 7], SamplingParams(max_tokens=40, temperature=0.0))  # runs at once
         for i, prompt in enumerate(PROMPTS):
             engine.add_request(str(i), prompt, greedy)
+        # Prompt logprobs: the head over every position, read on node 0 after a gather in lockstep.
+        engine.add_request(PROMPT_LOGPROBS, PROMPTS[2], SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0))
         finished, steps = {}, 0
         while engine.has_unfinished():
             for out in engine.step():
@@ -57,6 +60,9 @@ def main(rank: int, port: int, checkpoint: str, out_path: str) -> None:
                                                                      out.outputs[0].logprobs or [])]}
             for rid, out in finished.items()
         }
+        prompt = PROMPTS[2]
+        result["prompt_logprobs"] = [entry[prompt[i]].logprob
+                                     for i, entry in enumerate(finished[PROMPT_LOGPROBS].prompt_logprobs) if entry]
     else:
         result["calls"] = llm.follow()
     with open(out_path, "w") as f:

@@ -83,7 +83,7 @@ def test_two_processes_generate_as_one_dense_forward(two_processes, checkpoint):
 
     requests = two_processes[0]["requests"]
     prompts = {str(i): p for i, p in enumerate(worker.PROMPTS)}
-    assert set(requests) == {*prompts, worker.ABORTED}
+    assert set(requests) == {*prompts, worker.ABORTED, worker.PROMPT_LOGPROBS}
     model = dsv4_jax.load_model(checkpoint, dtype="float32")
     length = max(len(p) + 6 for p in prompts.values())
     ids = np.zeros((len(prompts), length), np.int32)  # right padding: causal, so it changes nothing before it
@@ -103,6 +103,13 @@ def test_two_processes_generate_as_one_dense_forward(two_processes, checkpoint):
             assert abs(requests[rid]["logprobs"][i] - logp[token]) <= 1e-4, (rid, i)
             compared += 1
     assert compared >= 20
+    # Prompt logprobs (the head over every prefill position, gathered to node 0 in lockstep): each
+    # prompt token's logprob given the tokens before it, as the dense forward gives it.
+    row, prompt = 2, worker.PROMPTS[2]
+    at = logits[row, : len(prompt) - 1]
+    logp = at - at.max(-1, keepdims=True) - np.log(np.exp(at - at.max(-1, keepdims=True)).sum(-1, keepdims=True))
+    want = [logp[i, prompt[i + 1]] for i in range(len(prompt) - 1)]
+    assert np.allclose(two_processes[0]["prompt_logprobs"], want, atol=1e-4)
     aborted = requests[worker.ABORTED]
     assert aborted["finish_reason"] == "abort" and 0 < len(aborted["tokens"]) < 40
 
