@@ -51,6 +51,10 @@ class FakeRunner:
         scheduling: the real runner reads them on the device)."""
         c, sampled = self.config, {}
         self.previous = previous or {}
+        # One step is one bucket for every rank: when any row is a prefill chunk, every rank's
+        # rows must fit a prefill bucket.
+        if any(len(row.token_ids) > 1 for row in output.rows):
+            assert all(len(output.rows_of(rank)) <= c.max_prefill_rows for rank in range(c.dp_size))
         for rank in range(c.dp_size):
             rows = output.rows_of(rank)
             lengths = [len(row.token_ids) for row in rows]
@@ -359,6 +363,29 @@ def test_dp_ranks_have_independent_allocators_and_their_own_max_num_seqs():
     assert [bm.num_free_blocks for bm in scheduler.block_managers] == [94, 92]
     assert scheduler.num_running == 3 and scheduler.num_waiting == 2 and scheduler.kv_cache_usage == pytest.approx(
         (2 / 96 + 4 / 96) / 2)
+
+
+def test_a_rank_that_only_decodes_fits_the_prefill_bucket_another_rank_needs():
+    """Rank 0 runs more decodes than a prefill bucket holds; when rank 1 prefills, rank 0's rows
+    in that step are capped at the prefill bucket's rows (one bucket per step), and the decodes
+    left out are served in the next steps."""
+    config = SchedulerConfig(**{**vars(CONFIG), "dp_size": 2, "max_prefill_rows": 2, "max_decode_rows": 8})
+    scheduler, runner = Scheduler(config), FakeRunner(config)
+    for i in range(5):
+        scheduler.add(new_request(f"d{i}", 3, 60))
+    for request in list(scheduler._waiting[1]):  # keep every decode on rank 0
+        scheduler._waiting[1].remove(request)
+        request.dp_rank = 0
+        scheduler._waiting[0].append(request)
+    while scheduler.num_waiting or any(r.num_output_tokens == 0 for r in scheduler._running[0]):
+        run_step(scheduler, runner)
+    assert len(run_step(scheduler, runner).rows_of(0)) == 5  # decode-only steps take all five
+    late = new_request("late", 200, 2)
+    scheduler.add(late)
+    assert late.dp_rank == 1
+    output = run_step(scheduler, runner)
+    assert [row.request.request_id for row in output.rows_of(1)] == ["late"]
+    assert len(output.rows_of(0)) == 2 and len(output.rows_of(1)[0].token_ids) > 1
 
 
 def test_block_manager_counts_and_refuses_what_it_cannot_hold():
