@@ -147,3 +147,37 @@ def test_kernel_dots_take_bf16_operands():
             dots = _kernel_dots(jax.make_jaxpr(fn)(*args).jaxpr, [])
             assert dots, (kernel, variant)
             assert all(d == ("bfloat16", "bfloat16") for d in dots), (kernel, variant, set(dots))
+
+
+@pytest.mark.parametrize("kernel, sinks_at, head_axis", [("sparse_decode", 4, 1), ("sparse_prefill", 5, 2)])
+def test_attention_kernels_under_tensor_parallelism_lower_per_rank(kernel, sinks_at, head_axis):
+    """On a (data 1 x tensor 2) mesh of abstract H200s, the model's `heads_over_tensor` runs the
+    Triton kernel inside a manual (shard_map) computation with half the query heads and sinks per
+    rank, the pools whole: XLA never has to partition (or gather around) the opaque kernel. Lowering
+    only, not compiling."""
+    import re
+    import warnings
+
+    from jax.sharding import AbstractDevice, AbstractMesh, AxisType, NamedSharding, PartitionSpec
+
+    from dsv4_jax.model.attention import heads_over_tensor
+
+    variant, fn, args = next(c for c in check.cases(kernel, "NVIDIA H200") if c[0] == "fp8_ds_mla/csa")
+    mesh = AbstractMesh((1, 2), ("data", "tensor"), axis_types=(AxisType.Auto,) * 2,
+                        abstract_device=AbstractDevice(device_kind="NVIDIA H200", num_cores=None, platform="cuda"))
+    with jax.sharding.use_abstract_mesh(mesh), warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # "Pallas Triton is deprecated"
+        exported = jax.export.export(
+            jax.jit(lambda *a: heads_over_tensor(fn, a, sinks_at=sinks_at, head_axis=head_axis),
+                    in_shardings=NamedSharding(mesh, PartitionSpec())),
+            platforms=["cuda"], disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
+        )(*args)
+    text = exported.mlir_module()
+    assert exported.nr_devices == 2 and "sdy.manual_computation" in text and "__gpu$xla.gpu.triton" in text
+    q, sinks = args[0], args[sinks_at]
+    per_rank = list(q.shape)
+    per_rank[head_axis] //= 2
+    kernel_args = re.search(rf"func\.func private @{kernel}\((.*)", text).group(1)
+    q_type = "x".join(map(str, per_rank)) + "xbf16"
+    assert f"%arg0: tensor<{q_type}>" in kernel_args, kernel_args[:200]
+    assert f"tensor<{sinks.shape[0] // 2}xf32>" in kernel_args
