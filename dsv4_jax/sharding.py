@@ -23,6 +23,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -177,12 +178,31 @@ def check_model_splits(config: DeepseekV4Config, parallel: ParallelConfig) -> No
 
     abstract = nnx.state(nnx.eval_shape(lambda: DeepseekV4(config, mtp=True, stack_layers=True)))
     mesh_shape = {DATA: parallel.data_parallel_size, TENSOR: parallel.tensor_parallel_size}
+    flags = (f"--tensor-parallel-size {parallel.tensor_parallel_size} --data-parallel-size "
+             f"{parallel.data_parallel_size}{' --enable-expert-parallel' if parallel.enable_expert_parallel else ''}")
     try:
-        partition_specs(abstract, mesh_shape, parallel)
+        specs = partition_specs(abstract, mesh_shape, parallel)
     except ValueError as error:
-        flags = (f"--tensor-parallel-size {parallel.tensor_parallel_size} --data-parallel-size "
-                 f"{parallel.data_parallel_size}{' --enable-expert-parallel' if parallel.enable_expert_parallel else ''}")
         raise ValueError(f"{flags} cannot split this model: {error}") from None
+    # A block-scaled weight dequantises on its own shard: each shard must hold whole scale blocks
+    # (fp8: the checkpoint's weight_block_size over the last two dims; fp4: 32 values = 16 bytes).
+    leaves = dict(nnx.to_flat_state(abstract))
+    spec_of = dict(nnx.to_flat_state(specs))
+    for path, scale in leaves.items():
+        weight = leaves.get((*path[:-1], "weight"))
+        if path[-1] != "scale" or weight is None:
+            continue
+        shape = weight.get_value().shape
+        fp8 = weight.get_value().dtype == jnp.float8_e4m3fn
+        last = tuple(config.quantization.weight_block_size) if fp8 else (1, shape[-1] // scale.get_value().shape[-1])
+        blocks = (1,) * (len(shape) - 2) + last
+        for dim, (size, block, axes) in enumerate(zip(shape, blocks, spec_of[path])):
+            parts = math.prod(mesh_shape[a] for a in ((axes,) if isinstance(axes, str) else axes or ()))
+            if parts > 1 and (size // parts) % block:
+                raise ValueError(
+                    f"{flags} cannot split this model: {'.'.join(map(str, path[:-1]))} dimension {dim} ({size}) "
+                    f"in {parts} shards of {size // parts} cuts its scale blocks of {block}"
+                )
 
 
 def mesh_options(options: ForwardOptions, mesh: Mesh, parallel: ParallelConfig) -> ForwardOptions:

@@ -27,6 +27,7 @@ from flax import nnx
 
 import dsv4_jax
 from dsv4_jax import LLM, SamplingParams
+from dsv4_jax.engine.compiles import CompileCounter
 from dsv4_jax.engine.runner import StepBuckets
 from dsv4_jax.model.cache_step import StepSequences
 from dsv4_jax.presets import get_config
@@ -116,8 +117,10 @@ def run_engine(path: str, parallel: ParallelConfig) -> dict:
         buckets=StepBuckets(prefill=((2, 8),), decode=(2,)), tensor_parallel_size=parallel.tensor_parallel_size,
         data_parallel_size=parallel.data_parallel_size, enable_expert_parallel=parallel.enable_expert_parallel,
     )
+    serving = CompileCounter()  # everything was compiled at warm-up: nothing is built from here
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
                         SamplingParams(max_tokens=6, temperature=0.0, logprobs=2), use_tqdm=False)
+    built_while_serving = serving.built
     runner = llm.engine.runner
     b, s = runner.buckets.decode[0] * runner.dp, 1
     seqs = StepSequences(
@@ -148,6 +151,7 @@ def run_engine(path: str, parallel: ParallelConfig) -> dict:
         "expert_bytes": bytes_per_device(leaves(runner.state, EXPERT_WEIGHTS)),
         "step_collectives": [[kind, shape] for shape, kind in COLLECTIVE.findall(step_hlo)],
         "idle_after": llm.engine.scheduler.num_running + llm.engine.scheduler.num_waiting,
+        "built_while_serving": built_while_serving,
     }
 
 

@@ -117,6 +117,14 @@ def test_a_parameter_without_axes_is_an_error():
         sh.partition_specs(state, {"data": 1, "tensor": 1}, sh.ParallelConfig())
 
 
+def test_a_split_that_cuts_scale_blocks_is_an_error_naming_the_flags():
+    """1984 = 15.5 blocks of 128 per shard at tp=2: each shard would dequantise with the wrong
+    scales. The block counts divide, so only the block check catches it."""
+    flash = get_config("dsv4-flash").replace(moe_intermediate_size=1984)
+    with pytest.raises(ValueError, match=r"--tensor-parallel-size 2 .* cuts its scale blocks of 128"):
+        sh.check_model_splits(flash, sh.ParallelConfig(tensor_parallel_size=2))
+
+
 def test_too_few_devices_and_bad_sizes_are_errors():
     message = r"--tensor-parallel-size 2 x --data-parallel-size 2 needs 4 devices, but 1 are visible"
     with pytest.raises(ValueError, match=message):
@@ -206,6 +214,13 @@ def test_engine_on_meshes_matches_one_device_under_the_gap_rule(worker):
                 assert abs(got["logprobs"][i] - want["logprobs"][i]) <= 1e-4, (label, i)
                 compared += 1
     assert compared >= 40  # most positions were compared, not skipped as near-ties
+
+
+def test_nothing_compiles_while_serving_on_a_mesh(worker):
+    """Warm-up compiles the step, the sampler and the placeholder filling for the shardings steps
+    really have (the step's logits, samples replicated on the mesh): generating builds nothing."""
+    assert {label: engine["built_while_serving"] for label, engine in worker["engine"].items()} == {
+        label: 0 for label in worker["engine"]}
 
 
 def test_engine_kv_pools_split_over_data_and_replicate_over_tensor(worker):

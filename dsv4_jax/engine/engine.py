@@ -141,7 +141,7 @@ class LLMEngine:
             "sample": self._sample_batch,
             "head": self.runner.head,
             "gather": self.runner.gather,
-        })
+        }, passed_on=frozenset({"fill", "run", "sample"}))
         self._tracked: dict[str, _Tracked] = {}
         self._numbers = itertools.count()
         self._steps = 0
@@ -387,20 +387,21 @@ class LLMEngine:
         compiled = self.runner.warmup()
         self.runner.compiles.reset()
         vocab = self.config.vocab_size
-        for b in sorted({self.runner.dp * b for b, _ in self.runner.buckets.all}):
-            logits = jax.numpy.zeros((b, vocab), jax.numpy.float32)
+        # On the warm-up steps' own logits and samples: on a mesh their shardings are part of what
+        # an executable is compiled for, so anything else would compile again while serving.
+        previous = None
+        for b, logits in sorted(self.runner.warmup_logits.items()):
             for params in (SamplingParams(temperature=1.0, logprobs=1), SamplingParams(repetition_penalty=1.1)):
                 batch = build_sampling_batch([SamplingRow(params, 0, [0], [])], b, vocab_size=vocab,
                                              config=self.sampler_config)
-                jax.block_until_ready(self._sample_batch(logits, batch))
-        previous = jax.device_put(np.zeros(self.sampler_config.pad_rows, np.int32))
+                previous = self._sample_batch(logits, batch).token_ids
+                jax.block_until_ready(previous)
+            if jax.process_count() > 1:  # host reads of logits gather them first (_host_logits)
+                jax.block_until_ready(self.runner.gather(logits))
         for b, s in self.runner.buckets.all:  # async scheduling's placeholder filling
             b *= self.runner.dp
             jax.block_until_ready(_fill_placeholders(np.zeros((b, s), np.int32), np.zeros(b, np.int32), previous))
-        if jax.process_count() > 1:  # host reads of logits gather them first (_host_logits)
-            for b, s in self.runner.buckets.all:
-                b *= self.runner.dp
-                jax.block_until_ready(self.runner.gather(jax.numpy.zeros((b, vocab), jax.numpy.float32)))
+        self.runner.warmup_logits.clear()
         compiled += self.runner.compiles.compiles
         self.runner.compiles.reset()
         return compiled

@@ -192,7 +192,7 @@ class LLM:
         DistributedConfig(nnodes, node_rank, master_addr, master_port, headless=node_rank > 0)
         path = builtin_model_dir() if str(model) in BUILTIN_NAMES else Path(model)
         cls._check_against_model(path, max_model_len, block_size, kv_cache_dtype, attention_backend)
-        cls._check_parallel(path, tensor_parallel_size, data_parallel_size, enable_expert_parallel)
+        cls._check_parallel(path, tensor_parallel_size, data_parallel_size, enable_expert_parallel, nnodes)
         if not isinstance(async_scheduling, bool):
             raise ValueError(f"async_scheduling must be a bool, got {async_scheduling!r}")
         if tokenizer is not None and not Path(tokenizer).exists():
@@ -235,7 +235,7 @@ class LLM:
 
     @staticmethod
     def _check_parallel(path: Path, tensor_parallel_size: int, data_parallel_size: int,
-                        enable_expert_parallel: bool) -> None:
+                        enable_expert_parallel: bool, nnodes: int = 1) -> None:
         """The mesh's sizes against the visible devices and the model's dimensions (no weights read)."""
         import jax
 
@@ -247,6 +247,13 @@ class LLM:
             raise ValueError(
                 f"--tensor-parallel-size {tensor_parallel_size} x --data-parallel-size {data_parallel_size} needs "
                 f"{parallel.world_size} devices, but {jax.device_count()} are visible"
+            )
+        if nnodes > 1 and parallel.world_size != jax.device_count():
+            # Every node runs every step: each must own devices of the mesh.
+            raise ValueError(
+                f"--tensor-parallel-size {tensor_parallel_size} x --data-parallel-size {data_parallel_size} = "
+                f"{parallel.world_size} devices, but the {nnodes} nodes (--nnodes) have {jax.device_count()}: "
+                "across nodes the mesh must use every device of every node"
             )
         check_model_splits(DeepseekV4Config.from_json(path), parallel)
 

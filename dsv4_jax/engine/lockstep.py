@@ -22,7 +22,9 @@ from dsv4_jax.distributed import StepChannel
 logger = logging.getLogger(__name__)
 
 _STOP = "stop"
-_KEEP = 256  # arrays remembered for later calls: a few steps' outputs
+# Results a later call may take, remembered for the last few such calls (two steps of fill, run,
+# sample: the previous step's samples and this step's logits are the furthest back a call reaches).
+_KEEP_CALLS = 6
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,11 +44,17 @@ def _device_arrays(value: Any) -> list[jax.Array]:
 
 
 class Lockstep:
-    def __init__(self, calls: dict[str, Callable[..., Any]]):
+    """`calls`: every device call by name; `passed_on`: the names whose results later calls take
+    as arguments (only those are remembered: the others, such as a head over every position, can
+    be large and are read once on the host)."""
+
+    def __init__(self, calls: dict[str, Callable[..., Any]], passed_on: frozenset[str]):
         self.calls = calls
+        self.passed_on = passed_on
         self.channel: StepChannel | None = None
-        self._arrays: collections.OrderedDict[int, jax.Array] = collections.OrderedDict()
+        self._arrays: dict[int, jax.Array] = {}
         self._numbers: dict[int, int] = {}  # id(array) -> its number (leader)
+        self._recent: collections.deque[list[int]] = collections.deque()  # numbers, per remembered call
         self._next = 0
 
     def call(self, name: str, *args: Any) -> Any:
@@ -54,7 +62,7 @@ class Lockstep:
         if self.channel is None:
             return self.calls[name](*args)
         self.channel.send((name, tuple(self._outgoing(a) for a in args)))
-        return self._remember(self.calls[name](*args))
+        return self._remember(name, self.calls[name](*args))
 
     def lead(self, channel: StepChannel) -> None:
         """From now on, every call is also made by the followers behind `channel`."""
@@ -78,7 +86,7 @@ class Lockstep:
                 channel.close()
                 return made
             name, args = message
-            self._remember(self.calls[name](*(self._incoming(a) for a in args)))
+            self._remember(name, self.calls[name](*(self._incoming(a) for a in args)))
             made += 1
 
     def _outgoing(self, arg: Any) -> Any:
@@ -92,12 +100,19 @@ class Lockstep:
     def _incoming(self, arg: Any) -> Any:
         return self._arrays[arg.number] if isinstance(arg, ArrayRef) else arg
 
-    def _remember(self, result: Any) -> Any:
+    def _remember(self, name: str, result: Any) -> Any:
+        """Number the result's arrays (every call, the same on every process); keep those of a
+        call in `passed_on`, for the last _KEEP_CALLS such calls."""
+        numbers = []
         for array in _device_arrays(result):
-            self._arrays[self._next] = array
-            self._numbers[id(array)] = self._next
+            if name in self.passed_on:
+                self._arrays[self._next] = array
+                self._numbers[id(array)] = self._next
+                numbers.append(self._next)
             self._next += 1
-        while len(self._arrays) > _KEEP:
-            _, old = self._arrays.popitem(last=False)
-            self._numbers.pop(id(old), None)
+        if name in self.passed_on:
+            self._recent.append(numbers)
+            while len(self._recent) > _KEEP_CALLS:
+                for number in self._recent.popleft():
+                    self._numbers.pop(id(self._arrays.pop(number)), None)
         return result

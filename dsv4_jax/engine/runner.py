@@ -175,7 +175,9 @@ class ModelRunner:
         # device first (with several processes each holds only its own devices' part).
         whole = None if self.mesh is None else NamedSharding(self.mesh, P())
         self._rows = None if self.mesh is None else NamedSharding(self.mesh, P(DATA))
-        self._head = jax.jit(functools.partial(_head, self.graphdef), out_shardings=whole)
+        # (Whole on every device only where the host needs it: with several processes.)
+        self._head = jax.jit(functools.partial(_head, self.graphdef),
+                             out_shardings=whole if jax.process_count() > 1 else None)
         self._gather = jax.jit(lambda x: x, out_shardings=whole)
 
     # ---- host batches -------------------------------------------------------------------------
@@ -243,7 +245,11 @@ class ModelRunner:
         if token_ids is not None:
             if tuple(token_ids.shape) != bucket:
                 raise ValueError(f"token_ids has shape {tuple(token_ids.shape)}, the step's bucket is {bucket}")
-            tokens_dev, seqs_dev = token_ids.astype(jnp.int32), jax.device_put(seqs, self._rows)
+            # On a mesh the ids are put on the rows' sharding too (a device-side move): the step's
+            # inputs always look the same, so it never compiles a second executable for them.
+            tokens_dev = token_ids.astype(jnp.int32)
+            tokens_dev, seqs_dev = (tokens_dev if self._rows is None else jax.device_put(tokens_dev, self._rows),
+                                    jax.device_put(seqs, self._rows))
         else:
             tokens_dev, seqs_dev = jax.device_put((tokens, seqs), self._rows)  # one transfer for the whole batch
         logits, streams, self.cache = self._step(self.state, self.cache, tokens_dev, seqs_dev)
@@ -267,6 +273,7 @@ class ModelRunner:
         number of compiles it took; `progress(i, n, bucket, seconds)` is called after each."""
         self.compiles.reset()
         self._touch_interpreter()
+        self.warmup_logits: dict[int, jax.Array] = {}  # step rows -> a warm-up step's logits
         buckets = self.buckets.all
         for i, (rank_rows, s) in enumerate(buckets):
             b = rank_rows * self.dp
@@ -280,6 +287,7 @@ class ModelRunner:
             out = self._step(self.state, self.cache, *jax.device_put((np.zeros((b, s), np.int32), seqs), self._rows))
             self.cache = out[2]
             jax.block_until_ready(out)
+            self.warmup_logits[b] = out[0]  # as steps lay them out: the sampler warms up on these
             if s > 1:  # prompt logprobs come from prefill steps
                 jax.block_until_ready(self.all_logits(StepOutput(*out[:2], 0, (b, s))))
             if not before.is_deleted():
