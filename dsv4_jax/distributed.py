@@ -103,30 +103,55 @@ class StepChannel:
         self._on_lost = on_lost or _exit_on_lost
 
     @classmethod
-    def leader(cls, config: DistributedConfig, timeout_s: float = 300.0,
+    def leader(cls, config: DistributedConfig, settings: dict[str, Any], timeout_s: float = 300.0,
                on_lost: Callable[[int, str], None] | None = None) -> StepChannel:
+        """Wait for every follower; each sends its node rank and `settings` (what must be the same
+        on every node: model, dtype, mesh, limits). A follower whose settings differ gets the
+        differences back and this raises a ValueError naming them, as the follower does."""
         server = socket.create_server(config.channel_address, reuse_port=False)
         server.settimeout(timeout_s)
         sockets: dict[int, socket.socket] = {}
+        differences: list[str] = []
         try:
             while len(sockets) < config.nnodes - 1:
-                conn, _ = server.accept()
+                conn, peer = server.accept()
                 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                node = _read_message(conn)
-                sockets[int(node)] = conn
+                conn.settimeout(30)  # a peer that connects and says nothing is not a follower
+                try:
+                    node, theirs = _read_message(conn)
+                except (OSError, EOFError, ValueError, TypeError, pickle.UnpicklingError) as error:
+                    logger.warning("step channel: dropped a connection from %s that is not a follower (%s)", peer, error)
+                    conn.close()
+                    continue
+                conn.settimeout(None)
+                if node in sockets or not 0 < node < config.nnodes:
+                    raise ValueError(f"a follower announced --node-rank {node}: the ranks of --nnodes {config.nnodes} "
+                                     f"are 1..{config.nnodes - 1}, each once")
+                sockets[node] = conn
+                differences += [f"{name}: node 0 has {settings.get(name)!r}, node {node} has {theirs.get(name)!r}"
+                                for name in sorted(set(settings) | set(theirs)) if settings.get(name) != theirs.get(name)]
         except TimeoutError:
             raise RuntimeError(f"only {len(sockets)} of {config.nnodes - 1} followers connected to "
                                f"{config.channel_address} within {timeout_s:.0f}s") from None
         finally:
             server.close()
+        verdict = "; ".join(differences) or None
+        for conn in sockets.values():
+            _write_message(conn, verdict)
+        if verdict:
+            for conn in sockets.values():
+                conn.close()
+            raise ValueError(f"the nodes must be started with the same model and flags: {verdict}")
         channel = cls(sockets, on_lost)
         for node, conn in sockets.items():  # followers never send again: a read returns only when one is gone
             threading.Thread(target=channel._watch, args=(node, conn), daemon=True, name=f"follower-{node}").start()
-        logger.info("step channel: %d follower(s) connected", len(sockets))
+        logger.info("step channel: %d follower(s) connected, settings agree", len(sockets))
         return channel
 
     @classmethod
-    def follower(cls, config: DistributedConfig, timeout_s: float = 300.0) -> StepChannel:
+    def follower(cls, config: DistributedConfig, settings: dict[str, Any], timeout_s: float = 300.0) -> StepChannel:
+        """Connect to the leader and send this node's rank and `settings`; a ValueError naming the
+        differences when the leader's differ."""
         deadline = time.monotonic() + timeout_s
         while True:
             try:
@@ -139,7 +164,11 @@ class StepChannel:
                 time.sleep(0.2)
         conn.settimeout(None)
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        _write_message(conn, config.node_rank)
+        _write_message(conn, (config.node_rank, settings))
+        verdict = _read_message(conn)
+        if verdict:
+            conn.close()
+            raise ValueError(f"the nodes must be started with the same model and flags: {verdict}")
         return cls({0: conn})
 
     def send(self, message: Any) -> None:

@@ -87,7 +87,11 @@ def _follow(kwargs: dict) -> int:
     shuts down (exit 0) or disappears (exit 1, with the reason)."""
     from dsv4_jax import LLM
 
-    llm = LLM(**kwargs)
+    try:
+        llm = LLM(**kwargs)  # a ValueError (flags that differ from node 0's, ...) is one line and status 2
+    except RuntimeError as error:  # node 0 unreachable, or gone while starting
+        print(f"serve: error: {error}", file=sys.stderr)
+        return 1
     logger.info("follower node %d: running node 0's steps", llm.distributed.node_rank)
     try:
         calls = llm.follow()

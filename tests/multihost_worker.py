@@ -1,5 +1,5 @@
 """One process of tests/test_multihost.py's two-process run: `python tests/multihost_worker.py RANK
-PORT CHECKPOINT OUT.json`, started with two CPU devices (XLA_FLAGS) and JAX_PLATFORMS=cpu.
+PORT CHECKPOINT OUT.json [MAX_NUM_SEQS]`, started with two CPU devices (XLA_FLAGS) and JAX_PLATFORMS=cpu.
 
 Both processes build the same `LLM` on a dp=2 x tp=2 mesh with expert parallelism over the four
 devices of the two processes (`nnodes=2`). Node 0 adds the requests, steps the engine, aborts the
@@ -25,8 +25,8 @@ PROMPT_LOGPROBS = "prompt-logprobs"
 EXPERT_WEIGHTS = (".experts.w1.weight", ".experts.w2.weight", ".experts.w3.weight")
 
 
-def main(rank: int, port: int, checkpoint: str, out_path: str) -> None:
-    llm = LLM(checkpoint, dtype="float32", kv_cache_dtype="float32", max_model_len=128, max_num_seqs=2,
+def main(rank: int, port: int, checkpoint: str, out_path: str, max_num_seqs: int = 2) -> None:
+    llm = LLM(checkpoint, dtype="float32", kv_cache_dtype="float32", max_model_len=128, max_num_seqs=max_num_seqs,
               block_size=128, buckets=StepBuckets(prefill=((2, 8),), decode=(2,)), tensor_parallel_size=2,
               data_parallel_size=2, enable_expert_parallel=True, nnodes=2, node_rank=rank, master_port=port)
     experts = [v.get_value() for path, v in nnx.to_flat_state(llm.model.state)
@@ -70,4 +70,4 @@ def main(rank: int, port: int, checkpoint: str, out_path: str) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4])
+    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], *map(int, sys.argv[5:]))

@@ -114,6 +114,22 @@ def test_two_processes_generate_as_one_dense_forward(two_processes, checkpoint):
     assert aborted["finish_reason"] == "abort" and 0 < len(aborted["tokens"]) < 40
 
 
+def test_nodes_started_with_different_flags_stop_before_loading_naming_the_flag(checkpoint, tmp_path):
+    """A follower with another --max-num-seqs would size other pools and compute wrong tokens in
+    silence: both nodes stop at the handshake, before any collective, each naming the flag."""
+    port = free_port()
+    processes = [_start([sys.executable, str(WORKER), str(rank), str(port), str(checkpoint), str(tmp_path / f"{rank}.json"),
+                         str(seqs)], tmp_path / f"{rank}.log") for rank, seqs in ((0, 2), (1, 1))]
+    try:
+        codes = [p.wait(timeout=120) for p in processes]
+    finally:
+        _kill(processes)
+    for rank in (0, 1):
+        log = (tmp_path / f"{rank}.log").read_text()
+        assert codes[rank] != 0 and "--max-num-seqs: node 0 has 2, node 1 has 1" in log, log[-2000:]
+        assert not (tmp_path / f"{rank}.json").exists()
+
+
 SERVER_FLAGS = ["--dtype", "float32", "--kv-cache-dtype", "float32", "--max-model-len", "128", "--max-num-seqs", "2",
                 "--block-size", "128", "--max-num-batched-tokens", "16", "-tp", "2", "-dp", "2",
                 "--enable-expert-parallel", "--nnodes", "2", "--master-addr", "127.0.0.1"]

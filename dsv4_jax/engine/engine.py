@@ -263,14 +263,16 @@ class LLMEngine:
                       and (t := self._tracked[rid].next_forced()) is not None}
         chosen.update(forced_now)
         got = self.scheduler.update(scheduled, chosen)
-        outputs = []
+        outputs, host_logits = [], None
         for request in got:
             tracked = self._tracked[request.request_id]
             if request.request_id in forced_now:
                 tracked.forced.popleft()
             if logprob_arrays is not None and tracked.logprobs is not None:
-                # np.asarray first: indexing the device array would compile a slice after warm-up.
-                forced_logits = self._host_logits(out.logits)[step.position[request.request_id]] \
+                # On the host first (once a step): indexing the device array would compile a slice.
+                if request.request_id in forced_now and host_logits is None:
+                    host_logits = self._host_logits(out.logits)
+                forced_logits = host_logits[step.position[request.request_id]] \
                     if request.request_id in forced_now else None
                 self._record_logprobs(tracked, logprob_arrays, step.position[request.request_id], forced_logits)
             self._after_token(tracked)

@@ -117,6 +117,22 @@ class LLM:
                                     seed=seed, block_size=block_size, tokenizer=tokenizer)
         compute = checkpoint_dtype(path) if dtype == "auto" else dtype
         self.parallel = ParallelConfig(tensor_parallel_size, data_parallel_size, enable_expert_parallel)
+        buckets = buckets or default_buckets(max_num_seqs, max_model_len, max_num_batched_tokens)
+        channel = None
+        if nnodes > 1:  # before anything runs a collective: every node must run the same program
+            from dsv4_jax.config import DeepseekV4Config
+
+            settings = {  # what must be equal on every node (the model's path may differ, its config not)
+                "model config": DeepseekV4Config.from_json(path), "--dtype": compute, "--kv-cache-dtype": kv_cache_dtype,
+                "--attention-backend": attention_backend, "--max-model-len": max_model_len,
+                "--max-num-seqs": max_num_seqs, "--max-num-batched-tokens": max_num_batched_tokens,
+                "--block-size": block_size, "--num-gpu-blocks-override": num_gpu_blocks_override,
+                "--tensor-parallel-size": tensor_parallel_size, "--data-parallel-size": data_parallel_size,
+                "--enable-expert-parallel": enable_expert_parallel, "--seed": seed, "buckets": buckets,
+                "usable_blocks_cap": usable_blocks_cap,
+            }
+            channel = (StepChannel.leader(self.distributed, settings) if self.distributed.is_leader
+                       else StepChannel.follower(self.distributed, settings))
         mesh = make_mesh(self.parallel) if self.parallel.world_size > 1 else None
         self.model = dsv4_jax.load_model(path, dtype=compute, kv_cache_dtype=kv_cache_dtype,
                                          attention_backend=attention_backend, mesh=mesh,
@@ -132,9 +148,14 @@ class LLM:
         self.tokenizer = load_tokenizer(tokenizer or path)
         self.plan, self.layout = self._size_pools(max_model_len, max_num_seqs, block_size,
                                                   gpu_memory_utilization, num_gpu_blocks_override)
+        if channel is not None:  # the leader's pools are every node's (device memory may differ)
+            if self.distributed.is_leader:
+                channel.send(self.layout)
+            else:
+                self.layout = channel.receive()
         self.engine = LLMEngine(
             self.model, self.tokenizer, self.layout, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-            buckets=buckets or default_buckets(max_num_seqs, max_model_len, max_num_batched_tokens),
+            buckets=buckets,
             attention_backend=self.spec.attention_backend, max_num_batched_tokens=max_num_batched_tokens,
             seed=seed, usable_blocks_cap=usable_blocks_cap, async_scheduling=async_scheduling,
         )
@@ -147,11 +168,11 @@ class LLM:
         logger.info("warm-up: %d compiles in %.1fs", compiled, time.perf_counter() - start)
         self._ids = 0
         self._channel = None
-        if nnodes > 1:  # every process warmed up the same way; from here the leader's steps are every node's
+        if channel is not None:  # every process warmed up the same way; from here the leader's steps are every node's
             if self.distributed.is_leader:
-                self.engine.lead(StepChannel.leader(self.distributed))
+                self.engine.lead(channel)
             else:
-                self._channel = StepChannel.follower(self.distributed)
+                self._channel = channel
 
     # ---- several hosts ----------------------------------------------------------------------------
     def follow(self) -> int:
