@@ -294,7 +294,13 @@ def grouped_experts(
         h = (swiglu(g.astype(jnp.float32), u.astype(jnp.float32), limit) * wt[..., None]).astype(dtype)
         return jnp.einsum("ntf,ndf->ntd", h, w2(et)).astype(jnp.float32)
 
-    if n_tiles <= _TILES_PER_STEP:
+    if local < n_experts:
+        # This device's experts' tiles come first (the other devices' pairs sort last): only
+        # the chunks of tiles that hold them run, about pairs / EP rows rather than all of them.
+        used = jnp.sum(mine) if tile == 1 else (padded_start[local - 1] + padded[local - 1]) // tile
+        chunk = max(1, min(_TILES_PER_STEP, math.ceil(n_tiles / (2 * (n_experts // local)))))
+        y = _run_used_tiles(run_tiles, (x_rows, w_rows, tile_expert), used, chunk)
+    elif n_tiles <= _TILES_PER_STEP:
         y = run_tiles((x_rows, w_rows, tile_expert))
     else:
         y = jax.lax.map(
@@ -303,6 +309,23 @@ def grouped_experts(
             batch_size=_TILES_PER_STEP,
         )
     return jnp.zeros((tokens, x.shape[-1]), jnp.float32).at[row_token].add(y.reshape(rows, -1))
+
+
+def _run_used_tiles(run_tiles, tiles: tuple[jax.Array, ...], used: jax.Array, chunk: int) -> jax.Array:
+    """`run_tiles(tiles)` ([n, tile, hidden] float32) for the first `used` tiles (a traced count),
+    `chunk` tiles at a time; the chunks past them are zeros and cost nothing."""
+    n_tiles = tiles[0].shape[0]
+    n_chunks = math.ceil(n_tiles / chunk)
+    padded = jax.tree.map(lambda a: jnp.pad(a, [(0, n_chunks * chunk - n_tiles)] + [(0, 0)] * (a.ndim - 1)), tiles)
+    chunks = jax.tree.map(lambda a: a.reshape(n_chunks, chunk, *a.shape[1:]), padded)
+    out_shape = jax.eval_shape(run_tiles, jax.tree.map(lambda a: a[0], chunks))
+
+    def one(args):
+        index, part = args
+        return jax.lax.cond(index * chunk < used, run_tiles, lambda _: jnp.zeros(out_shape.shape, out_shape.dtype), part)
+
+    y = jax.lax.map(one, (jnp.arange(n_chunks), chunks))
+    return y.reshape(n_chunks * chunk, *y.shape[2:])[:n_tiles]
 
 
 def tile_plan(pairs: int, n_experts: int) -> tuple[int, int]:
