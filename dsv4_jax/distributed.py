@@ -173,11 +173,11 @@ class StepChannel:
 
     def send(self, message: Any) -> None:
         """Leader: one message to every follower."""
-        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        frame = _frame(message)  # pickled once for every follower
         with self._lock:
             for node, conn in self._sockets.items():
                 try:
-                    conn.sendall(_LENGTH.pack(len(data)) + data)
+                    conn.sendall(frame)
                 except OSError as error:
                     if not self._closed:
                         self._on_lost(node, f"sending failed: {error}")
@@ -208,9 +208,14 @@ class StepChannel:
             self._on_lost(node, reason)
 
 
-def _write_message(conn: socket.socket, message: Any) -> None:
+def _frame(message: Any) -> bytes:
+    """A message as sent: its pickled length, then the pickle."""
     data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-    conn.sendall(_LENGTH.pack(len(data)) + data)
+    return _LENGTH.pack(len(data)) + data
+
+
+def _write_message(conn: socket.socket, message: Any) -> None:
+    conn.sendall(_frame(message))
 
 
 def _read_exact(conn: socket.socket, n: int) -> bytes:

@@ -355,8 +355,7 @@ def _dense_topk_scores(
     """`DeepseekV4.hidden_streams` with the dense attention for one sequence, layer by layer
     (stacked layers sliced out of their stack), taking the scores of both top-k choices on the way."""
     model = nnx.merge(graphdef, state)
-    x = model.embed(token_ids, options.jnp_dtype)
-    streams = jnp.broadcast_to(x[:, :, None, :], (*x.shape[:2], model.config.hc_mult, x.shape[-1]))
+    streams = model.input_streams(token_ids, options)
     tables = model.rope_tables(token_ids.shape[1])
     scores: dict[str, list[jax.Array]] = {INDEXER: [], ROUTER: []}
     for plan, segment in zip(model.segments_plan, model.segments):

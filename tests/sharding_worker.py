@@ -29,7 +29,6 @@ import dsv4_jax
 from dsv4_jax import LLM, SamplingParams
 from dsv4_jax.engine.compiles import CompileCounter
 from dsv4_jax.engine.runner import StepBuckets
-from dsv4_jax.model.cache_step import StepSequences
 from dsv4_jax.presets import get_config
 from dsv4_jax.sharding import ParallelConfig, make_mesh, shard_model
 
@@ -122,13 +121,8 @@ def run_engine(path: str, parallel: ParallelConfig) -> dict:
                         SamplingParams(max_tokens=6, temperature=0.0, logprobs=2), use_tqdm=False)
     built_while_serving = serving.built
     runner = llm.engine.runner
-    b, s = runner.buckets.decode[0] * runner.dp, 1
-    seqs = StepSequences(
-        np.zeros((b, s), np.int32), np.zeros(b, np.int32), np.full(b, -1, np.int32),
-        np.full((b, runner.layout.sliding_ring), -1, np.int32),
-        np.full((b, runner.layout.max_blocks_per_seq), -1, np.int32),
-    )
-    step_hlo = runner._step.lower(runner.state, runner.cache, np.zeros((b, s), np.int32), seqs).compile().as_text()
+    padding = runner.padding_step((runner.buckets.decode[0] * runner.dp, 1))
+    step_hlo = runner._step.lower(runner.state, runner.cache, *padding).compile().as_text()
     requests = []
     for out in outs:
         completion = out.outputs[0]

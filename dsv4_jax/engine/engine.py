@@ -119,9 +119,9 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.seed = seed
-        # Sampled tokens padded to the widest bucket: one placeholder-filling compile per bucket.
         self.runner = ModelRunner(model, layout, attention_backend=attention_backend, buckets=buckets)
         dp = self.runner.dp  # data-parallel ranks: a step holds dp x the bucket's rows
+        # Sampled tokens padded to the widest step: one placeholder-filling compile per bucket.
         self.sampler_config = dataclasses.replace(sampler_config, pad_rows=dp * max(b for b, _ in buckets.all))
         self.async_scheduling = async_scheduling  # may be switched between steps
         eos = self.config.eos_token_id

@@ -261,14 +261,10 @@ class LLM:
         import jax
 
         from dsv4_jax.config import DeepseekV4Config
-        from dsv4_jax.sharding import ParallelConfig, check_model_splits
+        from dsv4_jax.sharding import ParallelConfig, check_model_splits, make_mesh
 
         parallel = ParallelConfig(tensor_parallel_size, data_parallel_size, enable_expert_parallel)
-        if parallel.world_size > jax.device_count():
-            raise ValueError(
-                f"--tensor-parallel-size {tensor_parallel_size} x --data-parallel-size {data_parallel_size} needs "
-                f"{parallel.world_size} devices, but {jax.device_count()} are visible"
-            )
+        make_mesh(parallel)  # too few devices: its ValueError names the flags
         if nnodes > 1 and parallel.world_size != jax.device_count():
             # Every node runs every step: each must own devices of the mesh.
             raise ValueError(
@@ -284,7 +280,7 @@ class LLM:
         from dsv4_jax.kv_cache.paged import PagedCacheLayout
         from dsv4_jax.kv_cache.planner import MeshShape, live_device_memory, plan_capacity
 
-        device = jax.local_devices()[0]  # this process's: every node must plan the same pools
+        device = jax.local_devices()[0]  # this process's (across nodes, node 0's plan is used)
         memory = live_device_memory(device) if device.platform == "gpu" else None
         # What the first device holds (every device holds the same share).
         weight_bytes = sum(s.data.nbytes for x in jax.tree.leaves(self.model.state)

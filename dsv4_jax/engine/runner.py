@@ -172,13 +172,13 @@ class ModelRunner:
         # One jitted function each, compiled once per bucket shape; the cache is donated.
         self._step = jax.jit(step, donate_argnums=1)
         # On a mesh: step rows go over the data axis; what the host reads is made whole on every
-        # device first (with several processes each holds only its own devices' part).
-        whole = None if self.mesh is None else NamedSharding(self.mesh, P())
+        # device first where the host needs it, with several processes (each holds only its own
+        # devices' part).
+        replicated = None if self.mesh is None else NamedSharding(self.mesh, P())
         self._rows = None if self.mesh is None else NamedSharding(self.mesh, P(DATA))
-        # (Whole on every device only where the host needs it: with several processes.)
         self._head = jax.jit(functools.partial(_head, self.graphdef),
-                             out_shardings=whole if jax.process_count() > 1 else None)
-        self._gather = jax.jit(lambda x: x, out_shardings=whole)
+                             out_shardings=replicated if jax.process_count() > 1 else None)
+        self._gather = jax.jit(lambda x: x, out_shardings=replicated)
 
     # ---- host batches -------------------------------------------------------------------------
     def build(self, rows: Sequence[StepRow]) -> tuple[tuple[int, int], np.ndarray, StepSequences]:
@@ -215,6 +215,16 @@ class ModelRunner:
             compressed[at, : len(row.compressed_blocks)] = row.compressed_blocks
         return (b, s), tokens, StepSequences(positions, lens, slots, sliding, compressed)
 
+    def padding_step(self, bucket: tuple[int, int]) -> tuple[np.ndarray, StepSequences]:
+        """Host arrays of a step of padding rows only (it reads and writes nothing): token ids
+        [B, S] and the row arrays, for warm-up and ahead-of-time lowering."""
+        b, s = bucket
+        return np.zeros((b, s), np.int32), StepSequences(
+            np.tile(np.arange(s, dtype=np.int32), (b, 1)), np.zeros(b, np.int32), np.full(b, -1, np.int32),
+            np.full((b, self.layout.sliding_ring), -1, np.int32),
+            np.full((b, self.layout.max_blocks_per_seq), -1, np.int32),
+        )
+
     def row_positions(self, rows: Sequence[StepRow], step_rows: int) -> list[int]:
         """The row of the step's arrays ([step_rows, ...]) that each of `rows` occupies: its rank's
         block of rows, in order."""
@@ -245,11 +255,11 @@ class ModelRunner:
         if token_ids is not None:
             if tuple(token_ids.shape) != bucket:
                 raise ValueError(f"token_ids has shape {tuple(token_ids.shape)}, the step's bucket is {bucket}")
-            # On a mesh the ids are put on the rows' sharding too (a device-side move): the step's
-            # inputs always look the same, so it never compiles a second executable for them.
-            tokens_dev = token_ids.astype(jnp.int32)
-            tokens_dev, seqs_dev = (tokens_dev if self._rows is None else jax.device_put(tokens_dev, self._rows),
-                                    jax.device_put(seqs, self._rows))
+            tokens_dev, seqs_dev = token_ids.astype(jnp.int32), jax.device_put(seqs, self._rows)
+            if self._rows is not None:
+                # On the rows' sharding too (a device-side move): the step's inputs always look the
+                # same, so it never compiles a second executable for them.
+                tokens_dev = jax.device_put(tokens_dev, self._rows)
         else:
             tokens_dev, seqs_dev = jax.device_put((tokens, seqs), self._rows)  # one transfer for the whole batch
         logits, streams, self.cache = self._step(self.state, self.cache, tokens_dev, seqs_dev)
@@ -261,7 +271,8 @@ class ModelRunner:
         return self.head(output.streams)
 
     def head(self, streams: jax.Array) -> jax.Array:
-        """`all_logits` of a step's streams [B, S, hc_mult, hidden] -> [B, S, vocab], whole on every device."""
+        """`all_logits` of a step's streams [B, S, hc_mult, hidden] -> [B, S, vocab] (whole on every
+        device with several processes)."""
         return self._head(self.state, streams)
 
     def gather(self, x: jax.Array) -> jax.Array:
@@ -279,12 +290,7 @@ class ModelRunner:
             b = rank_rows * self.dp
             t0 = time.perf_counter()
             before = jax.tree.leaves(self.cache)[0]
-            seqs = StepSequences(
-                np.tile(np.arange(s, dtype=np.int32), (b, 1)), np.zeros(b, np.int32), np.full(b, -1, np.int32),
-                np.full((b, self.layout.sliding_ring), -1, np.int32),
-                np.full((b, self.layout.max_blocks_per_seq), -1, np.int32),
-            )
-            out = self._step(self.state, self.cache, *jax.device_put((np.zeros((b, s), np.int32), seqs), self._rows))
+            out = self._step(self.state, self.cache, *jax.device_put(self.padding_step((b, s)), self._rows))
             self.cache = out[2]
             jax.block_until_ready(out)
             self.warmup_logits[b] = out[0]  # as steps lay them out: the sampler warms up on these

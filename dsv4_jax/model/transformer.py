@@ -173,15 +173,18 @@ class DeepseekV4(nnx.Module):
         positions = jnp.arange(seq)
         return tuple(rope_angles(positions, inv_freq) for inv_freq in self.rope_frequencies())
 
+    def input_streams(self, token_ids: jax.Array, options: ForwardOptions) -> jax.Array:
+        """[batch, seq] -> [batch, seq, hc_mult, hidden]: each token's embedding in every mHC stream."""
+        x = self.embed(token_ids, options.jnp_dtype)
+        return jnp.broadcast_to(x[:, :, None, :], (*x.shape[:2], self.config.hc_mult, x.shape[-1]))
+
     def hidden_streams(
         self,
         token_ids: jax.Array,  # [batch, seq] int32, already checked against the vocabulary
         options: ForwardOptions,
         core: AttentionCore = dense_attention,
     ) -> jax.Array:  # [batch, seq, hc_mult, hidden]: the streams before hc_head
-        dtype = options.jnp_dtype
-        x = self.embed(token_ids, dtype)
-        streams = jnp.broadcast_to(x[:, :, None, :], (*x.shape[:2], self.config.hc_mult, x.shape[-1]))
+        streams = self.input_streams(token_ids, options)
         tables = self.rope_tables(token_ids.shape[1])
         for plan, segment in zip(self.segments_plan, self.segments):
             if plan.count > 1:
@@ -201,8 +204,7 @@ class DeepseekV4(nnx.Module):
     ) -> tuple[jax.Array, PagedKVCache]:  # streams before hc_head [batch, S, hc_mult, hidden]
         """One step over the paged cache: each row's chunk at its own positions, reading what
         earlier steps wrote and writing what later steps read (see `Attention.step`)."""
-        x = self.embed(token_ids, options.jnp_dtype)
-        streams = jnp.broadcast_to(x[:, :, None, :], (*x.shape[:2], self.config.hc_mult, x.shape[-1]))
+        streams = self.input_streams(token_ids, options)
         rotations = tuple((*rope_angles(seqs.positions, f), f) for f in self.rope_frequencies())
         for plan, segment in zip(self.segments_plan, self.segments):
             if plan.count > 1:
