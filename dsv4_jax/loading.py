@@ -320,13 +320,22 @@ def _read_safetensors(
     placer = _Placer(config, stack_layers, mesh, parallel)
     report = load_checkpoint(path, config, placer)
     module = _assemble(*_abstract_model(config, report.mtp_enabled, stack_layers), placer.placed)
-    if jax.default_backend() == "cpu":
-        # XLA:CPU multiplies bf16 matrices slowly (no native bf16 dot): the vocabulary head, whose
-        # logits are float32 anyway, is kept in float32 (the same values, converted once here
-        # rather than on every step; elementwise, so a sharded head keeps its shards). GPUs read
-        # it as stored (Linear.float32). Cache entries hold it converted (the platform is keyed).
-        module.head.weight.set_value(module.head.weight[...].astype(jnp.float32))
     return module, report.warnings, report.mtp_enabled
+
+
+def _add_float32_head(module: DeepseekV4) -> None:
+    """On CPUs, a float32 copy of a bf16 vocabulary head beside it (`Linear.weight_float32`).
+
+    The head's logits are float32 (spec 2). From the bf16 weight, `Linear.float32` multiplies
+    three bf16 slices of x, which XLA:CPU runs fast up to 64 matmul rows (up to 21 logits rows) and
+    far slower past them (its bf16 dot leaves YNNPACK's fast path); a float32 weight is faster
+    there (mid-size head, 2026-12-01: 8 rows 15 ms sliced vs 59 ms float32; 32 rows 54 vs 47 ms).
+    So CPUs hold both (the float32 copy converted once here, not on every step; elementwise, so
+    a sharded head keeps its shards). Not in the converted-weights cache: added after it."""
+    weight = module.head.weight
+    if jax.default_backend() != "cpu" or weight[...].dtype != jnp.bfloat16:
+        return
+    module.head.weight_float32 = nnx.Param(weight[...].astype(jnp.float32), axes=weight.get_metadata().get("axes"))
 
 
 def _restore_cached(
@@ -384,12 +393,21 @@ def _load_weights(
     return module, mtp_enabled
 
 
+def default_stack_layers() -> bool:
+    """Stacked layers (one scan: compile time independent of depth) except on CPUs. XLA:CPU copies
+    each layer's weights out of the stack on every step wherever a loop or a library matmul reads
+    them (the routed experts' loop, YNNPACK's dots): on the mid-size benchmark model that was about
+    a third of a 32-row decode step (490 ms stacked, 332 ms unrolled); CPU-sized models compile
+    unrolled in about the same time."""
+    return jax.default_backend() != "cpu"
+
+
 def load_model(
     path: str | Path,
     dtype: str = "float32",
     *,
     kv_cache_rounding: bool = False,
-    stack_layers: bool = True,
+    stack_layers: bool | None = None,
     attention_backend: str | None = None,
     kv_cache_dtype: str | None = None,
     mesh: Mesh | None = None,
@@ -400,7 +418,8 @@ def load_model(
     """Load a DeepSeek-V4 checkpoint directory (DeepSeek's names, or transformers' saved ones).
 
     `dtype` is the compute dtype of activations and dequantised weights; `kv_cache_rounding`
-    rounds KV as the fp8 caches store it; `stack_layers=False` runs every layer unrolled;
+    rounds KV as the fp8 caches store it; `stack_layers` runs repeated layers under one scan
+    over stacked weights (True) or every layer unrolled (False); None: `default_stack_layers()`;
     `attention_backend` ("xla", "pallas_fp8_ds_mla", "pallas_bf16") runs attention through that
     KV-cache backend's kernels instead of the dense reference. `kv_cache_dtype` ("auto", "fp8",
     "bfloat16", "float32", ... as `--kv-cache-dtype`) resolves the KV layout and backend for this
@@ -419,6 +438,8 @@ def load_model(
     A bad directory (missing, no or invalid config.json, missing or truncated shards, tensors
     that do not fit the config) raises a ValueError or FileNotFoundError naming the file."""
     weight_cache.check_load_format(load_format)
+    if stack_layers is None:
+        stack_layers = default_stack_layers()
     mesh, parallel = _resolve_mesh(mesh, parallel)
     path = _model_directory(path)
     config = DeepseekV4Config.from_json(path)
@@ -431,6 +452,7 @@ def load_model(
     module, mtp_enabled = _load_weights(
         path, config, dtype, stack_layers, mesh, parallel, load_format, weights_cache_dir
     )
+    _add_float32_head(module)
     core = _attention_core(attention_backend, config, kv_spec)
     model = CausalLM(module, options, mtp_enabled, core)
     model.kv_cache_spec = kv_spec  # what --kv-cache-dtype resolved to, or None

@@ -216,7 +216,10 @@ def _moe_flops(n_experts: int, tokens: int) -> float:
 
 
 @pytest.mark.parametrize("tokens", [3, 6])  # decode-sized: fewer pairs than twice the experts
-def test_moe_flops_do_not_grow_with_the_number_of_experts(tokens):
+def test_moe_flops_do_not_grow_with_the_number_of_experts(tokens, monkeypatch):
+    # The batched tiles (GPUs): XLA's cost analysis sees them all. CPUs run loops whose trip
+    # counts it cannot see (test_expert_loop_runs_only_used_tiles).
+    monkeypatch.setattr("dsv4_jax.model.moe.cpu_schedules", lambda: False)
     small, large = _moe_flops(8, tokens), _moe_flops(16, tokens)
     config = dsv4_tiny_test()
     useful = 3 * 2 * tokens * config.num_experts_per_tok * config.hidden_size * config.moe_intermediate_size
@@ -283,15 +286,21 @@ def test_program_size_does_not_grow_with_stacked_depth():
     assert eight < 1.02 * two
 
 
+@pytest.mark.parametrize("on_cpu", [False, True], ids=["gpu-schedule", "cpu-schedule"])
 @pytest.mark.parametrize(
     "tokens,expert_format",
-    # 8 pairs over 8 experts: 1-row tiles; 80 pairs: 8-row tiles; 800 pairs: 64-row tiles
-    [(4, None), (40, None), (400, None), (40, "fp4"), (40, "fp8")],
+    # GPU schedule: 2 or 8 pairs over 8 experts: 1-row tiles; 64 or 80 pairs: 8-row tiles; 800
+    # pairs: 64-row tiles. CPU schedules: 2 pairs: a loop over 8-row tiles; 8 and 64 pairs: rounds
+    # of 16 rows per expert (64: the crowded expert takes two); 80 and 800 pairs: a loop over 16-
+    # and 128-row tiles (the crowded expert's rows span tiles).
+    [(1, None), (4, None), (32, None), (40, None), (400, None), (40, "fp4"), (40, "fp8"), (32, "fp8")],
 )
-def test_grouped_expert_matmul_equals_a_plain_loop(tokens, expert_format):
+def test_grouped_expert_matmul_equals_a_plain_loop(tokens, expert_format, on_cpu, monkeypatch):
     from dsv4_jax import weights as wfmt
     from dsv4_jax.model.moe import RoutedExperts, swiglu, tile_plan
     from dsv4_jax.presets import quantized
+
+    monkeypatch.setattr("dsv4_jax.model.moe.cpu_schedules", lambda: on_cpu)
 
     config = dsv4_tiny_test()
     if expert_format:
@@ -327,8 +336,50 @@ def test_grouped_expert_matmul_equals_a_plain_loop(tokens, expert_format):
             i = picks[t, k]
             h = np.asarray(swiglu(jnp.asarray(w1[i] @ x[t]), jnp.asarray(w3[i] @ x[t]), 1.0), np.float64)
             want[t] += weights[t, k] * (w2[i] @ h)
-    assert tile_plan(tokens * 2, config.n_routed_experts)[0] == {4: 1, 40: 8, 400: 64}[tokens]
+    tiles = {1: 8, 4: 8, 32: 8, 40: 16, 400: 128} if on_cpu else {1: 1, 4: 1, 32: 8, 40: 8, 400: 64}
+    assert tile_plan(tokens * 2, config.n_routed_experts, on_cpu)[0] == tiles[tokens]
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-4)
+
+
+def test_expert_loop_runs_only_used_tiles(monkeypatch):
+    """CPU schedules. With pairs for under half the experts the loop makes as many iterations as
+    there are tiles holding pairs (whole tiles per expert), not the planned count (a possible
+    tile for every expert); with decode-sized shares every expert takes its pairs in rounds, as
+    many as the busiest expert needs."""
+    from dsv4_jax.model import moe
+
+    config = dsv4_tiny_test()
+    e, d, f = 64, config.hidden_size, config.moe_intermediate_size
+    real_loop, real_rounds, seen = moe._run_tiles_one_at_a_time, moe._expert_rounds, {}
+
+    def loop(run_tiles, tiles, used):
+        seen["iterations"] = int(used)  # eager: the count is concrete
+        return real_loop(run_tiles, tiles, used)
+
+    def rounds(x, sorted_expert, *rest):
+        seen["busiest"] = int(np.max(np.bincount(np.asarray(sorted_expert))[:e]))
+        return real_rounds(x, sorted_expert, *rest)
+
+    monkeypatch.setattr(moe, "_run_tiles_one_at_a_time", loop)
+    monkeypatch.setattr(moe, "_expert_rounds", rounds)
+    rng = np.random.default_rng(0)
+    stored = tuple((jnp.asarray(rng.normal(size=s).astype(np.float32)), None) for s in ((e, f, d), (e, d, f), (e, f, d)))
+
+    def run(tokens):
+        picks = np.stack([rng.choice(np.arange(2, e), 2, replace=False) for _ in range(tokens)]).astype(np.int32)
+        picks[:, 0] = 1  # expert 1 takes a pair of every token
+        x = jnp.asarray(rng.normal(size=(tokens, d)).astype(np.float32))
+        moe.grouped_experts(x, jnp.asarray(picks), jnp.ones(picks.shape, jnp.float32), stored, fmt=None,
+                            block=None, limit=0.0, n_experts=e, first=0, on_cpu=True)
+        return picks
+
+    picks = run(12)  # 24 pairs, under half the 64 experts: the loop; expert 1's 12 pairs take two tiles
+    counts = np.bincount(picks.reshape(-1), minlength=e)
+    tile, planned = moe.tile_plan(picks.size, e, on_cpu=True)
+    assert tile == moe.CPU_MIN_TILE and counts[1] > tile
+    assert seen.pop("iterations") == int(np.sum(-(-counts // tile))) < planned
+    run(40)  # 80 pairs: rounds of 16 rows per expert; expert 1's 40 pairs take three
+    assert seen == {"busiest": 40}
 
 
 def test_head_logits_read_a_bf16_weight_as_stored():

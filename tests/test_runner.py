@@ -255,7 +255,8 @@ def test_decode_token_ids_can_come_from_the_previous_steps_device_output(runner)
     prompt = [5, 6, 7, 8, 9]
     snapshot = _copy(runner.cache)
     first = runner.step([StepRow(0, 0, prompt, [9])])
-    sampled = jnp.argmax(first.logits, axis=-1).astype(jnp.int32)[:1, None]  # [B=1, S=1] on the device
+    decode_rows = runner.buckets.pick(1, 1)[0]  # a one-row decode's bucket (two rows on CPUs)
+    sampled = jnp.argmax(first.logits, axis=-1).astype(jnp.int32)[:decode_rows, None]  # [B, S=1] on the device
     on_device = np.asarray(runner.step([StepRow(0, 5, [0], [9])], token_ids=sampled).logits)[0]
     runner.cache = snapshot
     first = runner.step([StepRow(0, 0, prompt, [9])])
@@ -263,7 +264,7 @@ def test_decode_token_ids_can_come_from_the_previous_steps_device_output(runner)
     from_host = np.asarray(runner.step([StepRow(0, 5, [token], [9])]).logits)[0]
     np.testing.assert_array_equal(on_device, from_host)
     with pytest.raises(ValueError, match="bucket"):
-        runner.step([StepRow(0, 6, [0], [9])], token_ids=jnp.zeros((2, 1), jnp.int32))
+        runner.step([StepRow(0, 6, [0], [9])], token_ids=jnp.zeros((decode_rows + 1, 1), jnp.int32))
 
 
 def test_compile_counter_tells_compiles_from_persistent_cache_hits(tmp_path):

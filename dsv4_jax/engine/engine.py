@@ -120,6 +120,7 @@ class LLMEngine:
         self.max_model_len = max_model_len
         self.seed = seed
         self.runner = ModelRunner(model, layout, attention_backend=attention_backend, buckets=buckets)
+        buckets = self.runner.buckets  # as the runner runs them (CPUs widen one-row decodes)
         dp = self.runner.dp  # data-parallel ranks: a step holds dp x the bucket's rows
         # Sampled tokens padded to the widest step: one placeholder-filling compile per bucket.
         self.sampler_config = dataclasses.replace(sampler_config, pad_rows=dp * max(b for b, _ in buckets.all))

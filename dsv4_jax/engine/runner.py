@@ -83,6 +83,16 @@ class StepBuckets:
     def all(self) -> tuple[tuple[int, int], ...]:
         return (*self.prefill, *((b, 1) for b in self.decode))
 
+    def with_min_decode_rows(self, rows: int) -> StepBuckets:
+        """These buckets with every decode bucket at least `rows` rows (merging any that meet)."""
+        return dataclasses.replace(self, decode=tuple(sorted({max(b, rows) for b in self.decode})))
+
+
+# Rows of a decode step at least, on CPUs: XLA:CPU runs a one-row bf16 matmul by converting the
+# whole weight to float32 first (YNNPACK takes two rows and up), which made a one-row decode step
+# of the mid-size benchmark model slower than a two-row one (165 vs 106 ms, 2026-12-01).
+CPU_MIN_DECODE_ROWS = 2
+
 
 @dataclasses.dataclass(frozen=True)
 class StepRow:
@@ -144,7 +154,7 @@ class ModelRunner:
     ):
         self.config = model.config
         self.layout = layout
-        self.buckets = buckets
+        self.buckets = buckets.with_min_decode_rows(CPU_MIN_DECODE_ROWS) if jax.default_backend() == "cpu" else buckets
         self.backend = get_backend(attention_backend)
         self.graphdef, self.state = model.graphdef, model.state
         self.mesh = model.options.mesh

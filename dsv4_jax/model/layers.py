@@ -21,10 +21,11 @@ from dsv4_jax.sharding import EMBED, NORM, VOCAB
 # loading takes whatever dtype the checkpoint file has (transformers saves float32).
 STORED_DTYPE = jnp.bfloat16
 
-# Rows up to which `Linear.float32` multiplies a bf16 weight as stored (three bf16 slices of x).
-# Measured on XLA:CPU with the 129280 x 128 head: 2 rows 3.4 ms sliced vs 42 ms converting,
-# 32 rows 51 vs 72, 64 rows 98 vs 56 (the slices triple the FLOPs, which win from there on).
-SLICED_MAX_ROWS = 32
+# Rows up to which `Linear.float32` multiplies a bf16 weight as stored (three bf16 slices of x:
+# matmuls of up to 63 rows). XLA:CPU's bf16 dot is fast up to 64 rows and leaves its fast path
+# above (129280 x 128 head, 2026-12-01: 64 rows 2.8 ms, 65 rows 12.6 ms). More rows use the
+# float32 copy of the weight (`weight_float32`, CPUs) or convert the weight once per call.
+SLICED_MAX_ROWS = 21
 
 
 def rms_normalize(x: jax.Array, eps: float) -> jax.Array:
@@ -80,10 +81,14 @@ class Linear(nnx.Module):
     def float32(self, x: jax.Array) -> jax.Array:
         """x [..., in] -> x @ W^T [..., out] in float32. For the vocabulary head: with a bf16
         weight and a few rows (decode steps, the last token of each row) it reads the weight as
-        stored (`float32_matmul_bf16`) instead of converting all of it on every call."""
+        stored (`float32_matmul_bf16`) instead of converting all of it on every call; with more
+        rows it reads `weight_float32` where loading kept one (CPUs, `loading._add_float32_head`)."""
         weight = self.weight[...]
-        if not self.quantized and weight.dtype == jnp.bfloat16 and math.prod(x.shape[:-1]) <= SLICED_MAX_ROWS:
-            return float32_matmul_bf16(x.astype(jnp.float32), weight)
+        if not self.quantized and weight.dtype == jnp.bfloat16:
+            if math.prod(x.shape[:-1]) <= SLICED_MAX_ROWS:
+                return float32_matmul_bf16(x.astype(jnp.float32), weight)
+            if hasattr(self, "weight_float32"):
+                return jnp.einsum("...i,oi->...o", x.astype(jnp.float32), self.weight_float32[...])
         return self(x, jnp.float32)
 
 
