@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -393,13 +394,27 @@ def _load_weights(
     return module, mtp_enabled
 
 
-def default_stack_layers() -> bool:
-    """Stacked layers (one scan: compile time independent of depth) except on CPUs. XLA:CPU copies
-    each layer's weights out of the stack on every step wherever a loop or a library matmul reads
-    them (the routed experts' loop, YNNPACK's dots): on the mid-size benchmark model that was about
-    a third of a 32-row decode step (490 ms stacked, 332 ms unrolled); CPU-sized models compile
-    unrolled in about the same time."""
-    return jax.default_backend() != "cpu"
+# Decoder-layer weights (as stored) from which CPUs unroll the layers (`default_stack_layers`).
+CPU_UNROLL_LAYER_BYTES = 64 << 20
+
+
+def default_stack_layers(config: DeepseekV4Config) -> bool:
+    """Stacked layers (one scan: compile time independent of depth) unless on a CPU with more
+    than `CPU_UNROLL_LAYER_BYTES` of layer weights. XLA:CPU copies each layer's weights out of
+    the stack on every step wherever a loop or a library matmul reads them: on the mid-size
+    benchmark model (about 0.6 GB of layers) that was about a third of a 32-row decode step (490
+    ms stacked, 335 ms unrolled, 2026-12-01). Small models (the built-in, the tests' models)
+    copy little and compile faster stacked."""
+    from dsv4_jax.checkpoint import checkpoint_layout
+
+    if jax.default_backend() != "cpu":
+        return True
+    itemsize = {"F32": 4, "BF16": 2, "I64": 8}  # the rest (fp8, packed fp4, scales) one byte
+    layer_bytes = sum(
+        math.prod(spec.shape) * itemsize.get(spec.dtype, 1)
+        for name, spec in checkpoint_layout(config, include_mtp=False).items() if name.startswith("layers.")
+    )
+    return layer_bytes <= CPU_UNROLL_LAYER_BYTES
 
 
 def load_model(
@@ -438,11 +453,11 @@ def load_model(
     A bad directory (missing, no or invalid config.json, missing or truncated shards, tensors
     that do not fit the config) raises a ValueError or FileNotFoundError naming the file."""
     weight_cache.check_load_format(load_format)
-    if stack_layers is None:
-        stack_layers = default_stack_layers()
     mesh, parallel = _resolve_mesh(mesh, parallel)
     path = _model_directory(path)
     config = DeepseekV4Config.from_json(path)
+    if stack_layers is None:
+        stack_layers = default_stack_layers(config)
     kv_spec, attention_backend, kv_cache_rounding = _resolve_attention(
         config, kv_cache_dtype, attention_backend, kv_cache_rounding
     )

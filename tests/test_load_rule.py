@@ -54,7 +54,7 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def stacked(checkpoint):
-    model = dsv4_jax.load_model(checkpoint)
+    model = dsv4_jax.load_model(checkpoint, stack_layers=True)
     assert [plan.count for plan in nnx.merge(model.graphdef, model.state).segments_plan] == [1, 2]
     return model
 

@@ -19,6 +19,8 @@ from flax import nnx
 
 import dsv4_jax
 from dsv4_jax import weight_cache
+from dsv4_jax.config import DeepseekV4Config
+from dsv4_jax.loading import default_stack_layers
 from dsv4_jax.testing import write_random_checkpoint
 
 WORKER = Path(__file__).with_name("weight_cache_worker.py")
@@ -90,7 +92,7 @@ def test_each_load_format_logs_the_path_it_took(loads):
 
 
 def key_directory(checkpoint: Path, cache: Path) -> Path:
-    return weight_cache.entry_directory(weight_cache.key_fields(checkpoint, "float32", True, None, None), cache)
+    return weight_cache.entry_directory(weight_cache.key_fields(checkpoint, "float32", default_stack_layers(DeepseekV4Config.from_json(checkpoint)), None, None), cache)
 
 
 @pytest.mark.parametrize("change", ["touch a shard", "resize config.json"])
