@@ -297,10 +297,15 @@ def test_program_size_does_not_grow_with_stacked_depth():
 )
 def test_grouped_expert_matmul_equals_a_plain_loop(tokens, expert_format, on_cpu, monkeypatch):
     from dsv4_jax import weights as wfmt
+    from dsv4_jax.model import moe
     from dsv4_jax.model.moe import RoutedExperts, swiglu, tile_plan
     from dsv4_jax.presets import quantized
 
-    monkeypatch.setattr("dsv4_jax.model.moe.cpu_schedules", lambda: on_cpu)
+    monkeypatch.setattr(moe, "cpu_schedules", lambda: on_cpu)
+    ran = []
+    for name in ("_expert_rounds", "_run_tiles_one_at_a_time", "_run_used_tiles"):
+        real = getattr(moe, name)
+        monkeypatch.setattr(moe, name, lambda *a, _real=real, _name=name: ran.append(_name) or _real(*a))
 
     config = dsv4_tiny_test()
     if expert_format:
@@ -338,6 +343,9 @@ def test_grouped_expert_matmul_equals_a_plain_loop(tokens, expert_format, on_cpu
             want[t] += weights[t, k] * (w2[i] @ h)
     tiles = {1: 8, 4: 8, 32: 8, 40: 16, 400: 128} if on_cpu else {1: 1, 4: 1, 32: 8, 40: 8, 400: 64}
     assert tile_plan(tokens * 2, config.n_routed_experts, on_cpu)[0] == tiles[tokens]
+    # The schedule that ran: rounds only for decode-sized shares of experts stored as computed.
+    rounds = on_cpu and tokens in (4, 32) and expert_format is None
+    assert ran == ["_expert_rounds" if rounds else "_run_tiles_one_at_a_time" if on_cpu else "_run_used_tiles"]
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-4)
 
 
@@ -345,41 +353,43 @@ def test_expert_loop_runs_only_used_tiles(monkeypatch):
     """CPU schedules. With pairs for under half the experts the loop makes as many iterations as
     there are tiles holding pairs (whole tiles per expert), not the planned count (a possible
     tile for every expert); with decode-sized shares every expert takes its pairs in rounds, as
-    many as the busiest expert needs."""
+    many as the busiest expert needs. Both equal the plain per-pair sum."""
     from dsv4_jax.model import moe
 
     config = dsv4_tiny_test()
     e, d, f = 64, config.hidden_size, config.moe_intermediate_size
-    real_loop, real_rounds, seen = moe._run_tiles_one_at_a_time, moe._expert_rounds, {}
+    trips, real_fori = [], jax.lax.fori_loop
 
-    def loop(run_tiles, tiles, used):
-        seen["iterations"] = int(used)  # eager: the count is concrete
-        return real_loop(run_tiles, tiles, used)
+    def counting_fori(lower, upper, body, init):
+        trips.append(int(upper))  # eager: the trip count is concrete
+        return real_fori(lower, upper, body, init)
 
-    def rounds(x, sorted_expert, *rest):
-        seen["busiest"] = int(np.max(np.bincount(np.asarray(sorted_expert))[:e]))
-        return real_rounds(x, sorted_expert, *rest)
-
-    monkeypatch.setattr(moe, "_run_tiles_one_at_a_time", loop)
-    monkeypatch.setattr(moe, "_expert_rounds", rounds)
+    monkeypatch.setattr(jax.lax, "fori_loop", counting_fori)
     rng = np.random.default_rng(0)
-    stored = tuple((jnp.asarray(rng.normal(size=s).astype(np.float32)), None) for s in ((e, f, d), (e, d, f), (e, f, d)))
+    dense = [rng.normal(size=s).astype(np.float32) / np.sqrt(s[-1]) for s in ((e, f, d), (e, d, f), (e, f, d))]
+    stored = tuple((jnp.asarray(w), None) for w in dense)
 
     def run(tokens):
         picks = np.stack([rng.choice(np.arange(2, e), 2, replace=False) for _ in range(tokens)]).astype(np.int32)
         picks[:, 0] = 1  # expert 1 takes a pair of every token
-        x = jnp.asarray(rng.normal(size=(tokens, d)).astype(np.float32))
-        moe.grouped_experts(x, jnp.asarray(picks), jnp.ones(picks.shape, jnp.float32), stored, fmt=None,
-                            block=None, limit=0.0, n_experts=e, first=0, on_cpu=True)
-        return picks
+        x = rng.normal(size=(tokens, d)).astype(np.float32)
+        got = moe.grouped_experts(jnp.asarray(x), jnp.asarray(picks), jnp.ones(picks.shape, jnp.float32), stored,
+                                  fmt=None, block=None, limit=0.0, n_experts=e, first=0, on_cpu=True)
+        want = np.zeros((tokens, d))
+        for t, k in np.ndindex(picks.shape):
+            w1, w2, w3 = (w[picks[t, k]].astype(np.float64) for w in dense)
+            h = np.asarray(moe.swiglu(jnp.asarray(w1 @ x[t]), jnp.asarray(w3 @ x[t]), 0.0), np.float64)
+            want[t] += w2 @ h
+        np.testing.assert_allclose(np.asarray(got), want, atol=2e-5, rtol=1e-4)
+        return np.bincount(picks.reshape(-1), minlength=e)
 
-    picks = run(12)  # 24 pairs, under half the 64 experts: the loop; expert 1's 12 pairs take two tiles
-    counts = np.bincount(picks.reshape(-1), minlength=e)
-    tile, planned = moe.tile_plan(picks.size, e, on_cpu=True)
+    counts = run(12)  # 24 pairs, under half the 64 experts: the loop; expert 1's 12 pairs take two tiles
+    tile, planned = moe.tile_plan(int(counts.sum()), e, on_cpu=True)
     assert tile == moe.CPU_MIN_TILE and counts[1] > tile
-    assert seen.pop("iterations") == int(np.sum(-(-counts // tile))) < planned
-    run(40)  # 80 pairs: rounds of 16 rows per expert; expert 1's 40 pairs take three
-    assert seen == {"busiest": 40}
+    assert trips == [int(np.sum(-(-counts // tile)))] and trips[0] < planned
+    trips.clear()
+    counts = run(40)  # 80 pairs: rounds of 16 rows per expert; expert 1's 40 pairs take three
+    assert trips == [-(-counts.max() // moe.CPU_ROUND_ROWS)] == [3]
 
 
 def test_head_logits_read_a_bf16_weight_as_stored():

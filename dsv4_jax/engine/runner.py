@@ -155,6 +155,9 @@ class ModelRunner:
         self.config = model.config
         self.layout = layout
         self.buckets = buckets.with_min_decode_rows(CPU_MIN_DECODE_ROWS) if jax.default_backend() == "cpu" else buckets
+        if self.buckets != buckets:
+            logger.info("decode buckets %s run as %s: on CPUs a decode step has at least %d rows",
+                        buckets.decode, self.buckets.decode, CPU_MIN_DECODE_ROWS)
         self.backend = get_backend(attention_backend)
         self.graphdef, self.state = model.graphdef, model.state
         self.mesh = model.options.mesh

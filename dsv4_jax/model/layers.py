@@ -21,11 +21,13 @@ from dsv4_jax.sharding import EMBED, NORM, VOCAB
 # loading takes whatever dtype the checkpoint file has (transformers saves float32).
 STORED_DTYPE = jnp.bfloat16
 
-# Rows up to which `Linear.float32` multiplies a bf16 weight as stored (three bf16 slices of x:
-# matmuls of up to 63 rows). XLA:CPU's bf16 dot is fast up to 64 rows and leaves its fast path
-# above (129280 x 128 head, 2026-12-01: 64 rows 2.8 ms, 65 rows 12.6 ms). More rows use the
-# float32 copy of the weight (`weight_float32`, CPUs) or convert the weight once per call.
-SLICED_MAX_ROWS = 21
+# Rows up to which `Linear.float32` multiplies a bf16 weight as stored (three bf16 slices of x)
+# rather than converting the whole weight for the call (GPUs; the slices triple the FLOPs).
+SLICED_MAX_ROWS = 32
+# The same where a float32 copy of the weight exists (`weight_float32`, CPUs): up to 63 matmul
+# rows, as XLA:CPU's bf16 dot is fast up to 64 rows and leaves its fast path above (129280 x 128
+# head, 2026-12-01: 64 rows 2.8 ms, 65 rows 12.6 ms); more rows read the copy.
+SLICED_MAX_ROWS_BESIDE_FLOAT32 = 21
 
 
 def rms_normalize(x: jax.Array, eps: float) -> jax.Array:
@@ -85,10 +87,11 @@ class Linear(nnx.Module):
         rows it reads `weight_float32` where loading kept one (CPUs, `loading._add_float32_head`)."""
         weight = self.weight[...]
         if not self.quantized and weight.dtype == jnp.bfloat16:
-            if math.prod(x.shape[:-1]) <= SLICED_MAX_ROWS:
+            copy = getattr(self, "weight_float32", None)
+            if math.prod(x.shape[:-1]) <= (SLICED_MAX_ROWS if copy is None else SLICED_MAX_ROWS_BESIDE_FLOAT32):
                 return float32_matmul_bf16(x.astype(jnp.float32), weight)
-            if hasattr(self, "weight_float32"):
-                return jnp.einsum("...i,oi->...o", x.astype(jnp.float32), self.weight_float32[...])
+            if copy is not None:
+                return jnp.einsum("...i,oi->...o", x.astype(jnp.float32), copy[...])
         return self(x, jnp.float32)
 
 

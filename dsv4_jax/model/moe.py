@@ -4,19 +4,22 @@ shared expert.
 
 Routed experts run as a grouped matmul over (token, expert) pairs sorted by expert: each
 expert's rows are padded to a tile of `G` rows and each tile multiplies one expert's weights,
-dequantised from the checkpoint format per tile. `G` is at most pairs / experts, so the padding
-(under one tile per expert) stays below the useful rows: FLOPs are at most about twice
-tokens x top-k x the expert matmuls whatever the expert count (exactly that when `G` = 1).
-Weight fetches (one per tile) number at most about 2 x the experts in use.
+dequantised from the checkpoint format per tile. On GPUs `G` is at most pairs / experts, so the
+padding (under one tile per expert) stays below the useful rows: FLOPs are at most about twice
+tokens x top-k x the expert matmuls whatever the expert count (exactly that when `G` = 1), and
+weight fetches (one per tile) number at most about 2 x the experts in use. CPUs trade FLOPs for
+fewer weight reads (below).
 
 Only the tiles that hold pairs run. On GPUs they run in chunks of many tiles (one batched matmul
 over the chunk's gathered weights, chunks past the used tiles skipped). XLA:CPU copies every
 gathered tile's weights before a batched matmul and runs few-row batches slowly, so CPUs take
 one of two schedules instead (`cpu_schedules`), by how many pairs each expert gets on average:
-* from 1/2 to `CPU_ROUND_ROWS` / 2 (decode-sized steps, most experts in use): rounds in which
-  every expert takes up to `CPU_ROUND_ROWS` of its pairs and all experts multiply at once with
-  their weights read in place, one batched matmul per projection (`_expert_rounds`; usually one
-  round, whose cost does not depend on how many experts are in use);
+* from 1/2 to `CPU_ROUND_ROWS` / 2 (decode-sized steps, most experts in use), with experts stored
+  in the compute dtype: rounds in which every expert takes up to `CPU_ROUND_ROWS` of its pairs
+  and all experts multiply at once with their weights read in place, one batched matmul per
+  projection (`_expert_rounds`; usually one round, whose cost does not depend on how many experts
+  are in use; up to `CPU_ROUND_ROWS` x experts matmul rows for a few useful ones). Experts that
+  need dequantising or converting take the loop: rounds would convert all of them every step;
 * otherwise (few experts in use, or prefill-sized steps): a loop over the tiles holding pairs,
   one expert's weights per iteration (`_run_tiles_one_at_a_time`), tiles of at least
   `CPU_MIN_TILE` rows.
@@ -301,8 +304,11 @@ def grouped_experts(
     sorted_token = order // k
     sorted_weight = pair_weight[order]
     dtype = x.dtype
-    if on_cpu and local <= 2 * pairs <= local * CPU_ROUND_ROWS:
-        every = tuple(gather_experts(fmt, block, s, None, dtype) for s in stored)
+    # Rounds read the stored experts in place, so only when nothing needs dequantising or
+    # converting; the average share is pairs / n_experts (with expert parallelism too).
+    in_place = fmt is None and stored[0][0].dtype == dtype
+    if on_cpu and in_place and n_experts <= 2 * pairs <= n_experts * CPU_ROUND_ROWS:
+        every = tuple(s[0] for s in stored)
         return _expert_rounds(x, sorted_expert, sorted_token, sorted_weight, every, CPU_ROUND_ROWS, limit)
     if tile == 1:
         dest, tile_expert = jnp.arange(pairs), sorted_expert
@@ -367,7 +373,7 @@ def _expert_rounds(
     sorted_expert: jax.Array,  # [pairs] local expert of each pair, sorted (other devices' = local)
     sorted_token: jax.Array,  # [pairs]
     sorted_weight: jax.Array,  # [pairs] float32
-    every: tuple[jax.Array, jax.Array, jax.Array],  # w1, w2, w3 of every local expert, dequantised
+    every: tuple[jax.Array, jax.Array, jax.Array],  # w1, w2, w3 of every local expert, in x's dtype
     capacity: int,  # rows per expert per round
     limit: float,
 ) -> jax.Array:  # [tokens, hidden] float32
@@ -395,7 +401,8 @@ def _expert_rounds(
         h = h * weight.reshape(local, capacity, 1)
         y = jnp.einsum("ecf,edf->ecd", h.astype(x.dtype), w2, preferred_element_type=jnp.float32)
         y = y.astype(x.dtype).astype(jnp.float32)  # rounded as the tile schedules' outputs are
-        return out.at[token].add(y.reshape(slots, hidden))
+        # Empty slots add nothing anywhere (an unused expert's weights never reach a real row).
+        return out.at[jnp.where(filled, token, out.shape[0])].add(y.reshape(slots, hidden), mode="drop")
 
     return jax.lax.fori_loop(0, rounds, one_round, jnp.zeros((x.shape[0], hidden), jnp.float32))
 
