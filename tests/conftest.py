@@ -19,7 +19,7 @@ FIXTURES = REPO / "tests" / "fixtures"
 # Backend compiles the whole suite may run from a cold cache. Each issue that adds compiles
 # raises it by exactly what it adds (measured on a cold cache), so a test that starts
 # recompiling per call, or a new bucket nobody budgeted, fails the run.
-COMPILE_COUNT_CAP = int(os.environ.get("DSV4_COMPILE_COUNT_CAP", "1564"))
+COMPILE_COUNT_CAP = int(os.environ.get("DSV4_COMPILE_COUNT_CAP", "1567"))
 
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(REPO / ".jax_cache"))
 # LLM and the server write converted-weights cache entries (`--load-format auto`) keyed by each
