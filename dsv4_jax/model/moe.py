@@ -89,19 +89,16 @@ class ExpertWeights(nnx.Module):
 
 
 def gather_experts(
-    fmt: str | None, block: tuple[int, int] | None, stored: tuple[jax.Array, jax.Array | None],
-    experts: jax.Array | None, dtype,
+    fmt: str | None, block: tuple[int, int] | None, stored: tuple[jax.Array, jax.Array | None], experts: jax.Array, dtype
 ) -> jax.Array:
     """Dequantised weights of the given experts from one stored projection (`ExpertWeights.arrays`,
-    or a shard of it). experts [n] -> [n, out, in]; None: every stored expert, read in place."""
+    or a shard of it). experts [n] -> [n, out, in]"""
     weight, scale = stored
-    w = weight if experts is None else weight[experts]
-    if scale is not None and experts is not None:
-        scale = scale[experts]
+    w = weight[experts]
     if fmt == "fp4":
-        return jax.vmap(lambda p, s: wfmt.dequantize_mxfp4(p, s, dtype))(w, scale)
+        return jax.vmap(lambda p, s: wfmt.dequantize_mxfp4(p, s, dtype))(w, scale[experts])
     if fmt == "fp8":
-        return jax.vmap(lambda q, s: wfmt.dequantize_fp8_blocks(q, s, block, dtype))(w, scale)
+        return jax.vmap(lambda q, s: wfmt.dequantize_fp8_blocks(q, s, block, dtype))(w, scale[experts])
     return w.astype(dtype)
 
 
