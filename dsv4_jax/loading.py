@@ -324,21 +324,6 @@ def _read_safetensors(
     return module, report.warnings, report.mtp_enabled
 
 
-def _add_float32_head(module: DeepseekV4) -> None:
-    """On CPUs, a float32 copy of a bf16 vocabulary head beside it (`Linear.weight_float32`).
-
-    The head's logits are float32 (spec 2). From the bf16 weight, `Linear.float32` multiplies
-    three bf16 slices of x, which XLA:CPU runs fast up to 64 matmul rows (up to 21 logits rows) and
-    far slower past them (its bf16 dot leaves YNNPACK's fast path); a float32 weight is faster
-    there (mid-size head, 2026-12-01: 8 rows 15 ms sliced vs 59 ms float32; 32 rows 54 vs 47 ms).
-    So CPUs hold both (the float32 copy converted once here, not on every step; elementwise, so
-    a sharded head keeps its shards). Not in the converted-weights cache: added after it."""
-    weight = module.head.weight
-    if jax.default_backend() != "cpu" or weight[...].dtype != jnp.bfloat16:
-        return
-    module.head.weight_float32 = nnx.Param(weight[...].astype(jnp.float32), axes=weight.get_metadata().get("axes"))
-
-
 def _restore_cached(
     entry: weight_cache.CacheEntry, config: DeepseekV4Config, stack_layers: bool, mesh: Mesh | None,
     parallel: sh.ParallelConfig | None,
@@ -467,7 +452,6 @@ def load_model(
     module, mtp_enabled = _load_weights(
         path, config, dtype, stack_layers, mesh, parallel, load_format, weights_cache_dir
     )
-    _add_float32_head(module)
     core = _attention_core(attention_backend, config, kv_spec)
     model = CausalLM(module, options, mtp_enabled, core)
     model.kv_cache_spec = kv_spec  # what --kv-cache-dtype resolved to, or None

@@ -13,7 +13,7 @@ from flax import nnx
 
 from dsv4_jax.checkpoint import checkpoint_layout
 from dsv4_jax.config import DeepseekV4Config
-from dsv4_jax.model import kv_rounding
+from dsv4_jax.model import kv_rounding, layers
 from dsv4_jax.model.indexer import Indexer, select_visible_topk
 from dsv4_jax.model.layers import Linear
 from dsv4_jax.model.moe import MoE
@@ -393,17 +393,27 @@ def test_expert_loop_runs_only_used_tiles(monkeypatch):
 
 
 def test_head_logits_read_a_bf16_weight_as_stored():
-    """A few rows of float32 logits from a bf16 head: float32-accurate, and no float32 copy of the
-    weight in the compiled step (that copy was ~30 ms of a ~34 ms CPU decode step)."""
+    """Float32 logits from a bf16 head, float32-accurate for bf16 and float32 activations, with no
+    float32 copy of the weight in the compiled step (that copy was ~30 ms of a ~34 ms CPU decode
+    step). The row counts cover XLA:CPU's dot limits: one row (padded to two), and more rows than
+    one dot takes (split into chunks) for one bf16 slice (x in bf16) and for three (float32 x)."""
     head = Linear(64, 1000, get_config("dsv4-tiny-test"), quantized=False)
     rng = np.random.default_rng(0)
     weight = rng.standard_normal((1000, 64)).astype(jnp.bfloat16)
     head.weight[...] = jnp.asarray(weight)
-    x = rng.standard_normal((2, 3, 64)).astype(np.float32)
+    low, high = layers.CPU_BF16_DOT_ROWS
+    xs = (
+        rng.standard_normal((2, 3, 64)).astype(np.float32),
+        rng.standard_normal((high // 3 + 4, 64)).astype(np.float32),
+        rng.standard_normal((1, 1, 64)).astype(jnp.bfloat16),
+        rng.standard_normal((high + 6, 64)).astype(jnp.bfloat16),
+    )
     graphdef, state = nnx.split(head)
-    logits = jax.jit(lambda s, v: nnx.merge(graphdef, s).float32(v))
-    want = x.astype(np.float64) @ weight.astype(np.float64).T
-    got = np.asarray(logits(state, x))
-    assert got.dtype == np.float32 and got.shape == (2, 3, 1000)
-    np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * np.abs(want).max())
-    assert "f32[1000,64]" not in logits.lower(state, x).compile().as_text()
+    logits = jax.jit(lambda s, *vs: tuple(nnx.merge(graphdef, s).float32(v) for v in vs))
+    for x, got in zip(xs, logits(state, *xs), strict=True):
+        want = x.astype(np.float64) @ weight.astype(np.float64).T
+        got = np.asarray(got)
+        assert got.dtype == np.float32 and got.shape == (*x.shape[:-1], 1000)
+        np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * np.abs(want).max())
+    assert low == 2 and xs[0].size // 64 * 3 <= high < xs[1].shape[0] * 3  # one dot, then two chunks
+    assert "f32[1000,64]" not in logits.lower(state, *xs).compile().as_text()

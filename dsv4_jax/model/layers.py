@@ -7,6 +7,7 @@ per use, so no dequantised copy of a weight ever lives on the device.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -21,13 +22,13 @@ from dsv4_jax.sharding import EMBED, NORM, VOCAB
 # loading takes whatever dtype the checkpoint file has (transformers saves float32).
 STORED_DTYPE = jnp.bfloat16
 
-# Rows up to which `Linear.float32` multiplies a bf16 weight as stored (three bf16 slices of x)
-# rather than converting the whole weight for the call (GPUs; the slices triple the FLOPs).
+# Float32 rows up to which a GPU multiplies three bf16 slices of x by a bf16 weight as stored
+# rather than converting the whole weight for the call (the slices triple the FLOPs).
 SLICED_MAX_ROWS = 32
-# The same where a float32 copy of the weight exists (`weight_float32`, CPUs): up to 63 matmul
-# rows, as XLA:CPU's bf16 dot is fast up to 64 rows and leaves its fast path above (129280 x 128
-# head, 2026-12-01: 64 rows 2.8 ms, 65 rows 12.6 ms); more rows read the copy.
-SLICED_MAX_ROWS_BESIDE_FLOAT32 = 21
+# Matmul rows per bf16 dot on XLA:CPU: it runs a bf16 weight fast (YNNPACK) from 2 to 64 rows; one
+# row converts the whole weight to float32 first, and past 64 rows it leaves the fast path
+# (129280 x 128 head, 2026-12-01: 1 row 24 ms, 2 rows 1.9 ms, 64 rows 4.1 ms, 65 rows 15.9 ms).
+CPU_BF16_DOT_ROWS = (2, 64)
 
 
 def rms_normalize(x: jax.Array, eps: float) -> jax.Array:
@@ -81,41 +82,61 @@ class Linear(nnx.Module):
         return jnp.einsum("...i,oi->...o", x.astype(dtype), self.dequantized(dtype))
 
     def float32(self, x: jax.Array) -> jax.Array:
-        """x [..., in] -> x @ W^T [..., out] in float32. For the vocabulary head: with a bf16
-        weight and a few rows (decode steps, the last token of each row) it reads the weight as
-        stored (`float32_matmul_bf16`) instead of converting all of it on every call; with more
-        rows it reads `weight_float32` where loading kept one (CPUs, `loading._add_float32_head`)."""
+        """x [..., in] -> x @ W^T [..., out] in float32 (the vocabulary head, spec 2). A bf16
+        weight is read as stored (`float32_matmul_bf16`) rather than converted on every call,
+        except for many float32 rows on a GPU, where three bf16 slices would cost more."""
         weight = self.weight[...]
-        if not self.quantized and weight.dtype == jnp.bfloat16:
-            copy = getattr(self, "weight_float32", None)
-            if math.prod(x.shape[:-1]) <= (SLICED_MAX_ROWS if copy is None else SLICED_MAX_ROWS_BESIDE_FLOAT32):
-                return float32_matmul_bf16(x.astype(jnp.float32), weight)
-            if copy is not None:
-                return jnp.einsum("...i,oi->...o", x.astype(jnp.float32), copy[...])
-        return self(x, jnp.float32)
+        on_cpu = jax.default_backend() == "cpu"
+        if self.quantized or weight.dtype != jnp.bfloat16:
+            return self(x, jnp.float32)
+        if x.dtype != jnp.bfloat16 and not on_cpu and math.prod(x.shape[:-1]) > SLICED_MAX_ROWS:
+            return self(x, jnp.float32)
+        return float32_matmul_bf16(x, weight, rows_per_dot=CPU_BF16_DOT_ROWS if on_cpu else None)
 
 
 def float32_matmul_bf16(
-    x: jax.Array,  # [..., in] float32
+    x: jax.Array,  # [..., in] bfloat16 or float32
     weight: jax.Array,  # [out, in] bfloat16
+    rows_per_dot: tuple[int, int] | None = None,  # (min, max) matmul rows of one dot, or any
 ) -> jax.Array:  # [..., out] float32: x @ weight^T as a float32 matmul computes it
     """The float32 product with a bf16 weight, without converting the weight.
 
     Converting first materialises a float32 copy of the whole weight on every call (XLA:CPU does
     not fuse the convert into the dot): for the 129280 x 128 vocabulary head that copy was most
-    of a decode step (~40 of ~50 ms on 2 busy cores). Instead x is split into three bf16 slices
-    (hi + mid + lo = x to float32 precision) and one bf16 matmul with float32 accumulation
-    multiplies all three by the weight as stored: bf16 x bf16 products are exact in float32, so
-    the result matches the float32 matmul to float32 rounding (summation order)."""
-    slices, rest = [], x
-    for _ in range(3):
-        piece = rest.astype(jnp.bfloat16)
-        slices.append(piece)
-        rest = rest - piece.astype(jnp.float32)
-    y = jax.lax.dot_general(
-        jnp.stack(slices), weight, (((x.ndim,), (1,)), ((), ())), preferred_element_type=jnp.float32
-    )
-    return y[0] + y[1] + y[2]
+    of a decode step. bf16 x bf16 products are exact in float32, so one bf16 dot with float32
+    accumulation gives the float32 product up to summation order: directly for bf16 x (the final
+    norm's output in bf16 models), and for float32 x over three bf16 slices of it (hi + mid + lo
+    = x to float32 precision), multiplied in the same dot. `rows_per_dot` (XLA:CPU) pads a single
+    row to the minimum and splits more rows than the maximum into equal chunks, one dot each."""
+    lead, dim = x.shape[:-1], x.shape[-1]
+    rows = math.prod(lead)
+    if x.dtype == jnp.bfloat16:
+        pieces = x.reshape(1, rows, dim)
+    else:
+        slices, rest = [], x.reshape(rows, dim).astype(jnp.float32)
+        for _ in range(3):
+            piece = rest.astype(jnp.bfloat16)
+            slices.append(piece)
+            rest = rest - piece.astype(jnp.float32)
+        pieces = jnp.stack(slices)  # [slices, rows, in]
+
+    def product(chunk):  # [slices, r, in] -> [r, out]
+        y = jax.lax.dot_general(chunk, weight, (((2,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        return functools.reduce(jnp.add, list(y))  # hi + mid + lo
+
+    if rows_per_dot is None:
+        return product(pieces).reshape(*lead, -1)
+    n_slices = pieces.shape[0]
+    least, most = -(-rows_per_dot[0] // n_slices), max(rows_per_dot[1] // n_slices, 1)
+    chunks = -(-max(rows, least) // most)
+    per_chunk = max(-(-rows // chunks), least)
+    pieces = jnp.pad(pieces, ((0, 0), (0, chunks * per_chunk - rows), (0, 0)))
+    if chunks == 1:
+        y = product(pieces)
+    else:
+        by_chunk = pieces.reshape(n_slices, chunks, per_chunk, dim).transpose(1, 0, 2, 3)
+        y = jax.lax.map(product, by_chunk).reshape(chunks * per_chunk, -1)
+    return y[:rows].reshape(*lead, -1)
 
 
 class Embedding(nnx.Module):
