@@ -395,18 +395,18 @@ def test_expert_loop_runs_only_used_tiles(monkeypatch):
 def test_head_logits_read_a_bf16_weight_as_stored():
     """Float32 logits from a bf16 head, float32-accurate for bf16 and float32 activations, with no
     float32 copy of the weight in the compiled step (that copy was ~30 ms of a ~34 ms CPU decode
-    step). The row counts cover XLA:CPU's dot limits: one row (padded to two), and more rows than
-    one dot takes (split into chunks) for one bf16 slice (x in bf16) and for three (float32 x)."""
+    step). Row counts on both sides of the CPU's limits: one bf16 row (padded to two), more bf16
+    rows than XLA:CPU's fast dot takes (one dot still), and float32 rows below and above the most
+    its three bf16 slices serve (above: the weight is converted for the call)."""
     head = Linear(64, 1000, get_config("dsv4-tiny-test"), quantized=False)
     rng = np.random.default_rng(0)
     weight = rng.standard_normal((1000, 64)).astype(jnp.bfloat16)
     head.weight[...] = jnp.asarray(weight)
-    low, high = layers.CPU_BF16_DOT_ROWS
+    sliced = layers.CPU_SLICED_MAX_ROWS
     xs = (
-        rng.standard_normal((2, 3, 64)).astype(np.float32),
-        rng.standard_normal((high // 3 + 4, 64)).astype(np.float32),
+        rng.standard_normal((3, sliced // 3, 64)).astype(np.float32),
         rng.standard_normal((1, 1, 64)).astype(jnp.bfloat16),
-        rng.standard_normal((high + 6, 64)).astype(jnp.bfloat16),
+        rng.standard_normal((70, 64)).astype(jnp.bfloat16),
     )
     graphdef, state = nnx.split(head)
     logits = jax.jit(lambda s, *vs: tuple(nnx.merge(graphdef, s).float32(v) for v in vs))
@@ -415,5 +415,7 @@ def test_head_logits_read_a_bf16_weight_as_stored():
         got = np.asarray(got)
         assert got.dtype == np.float32 and got.shape == (*x.shape[:-1], 1000)
         np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * np.abs(want).max())
-    assert low == 2 and xs[0].size // 64 * 3 <= high < xs[1].shape[0] * 3  # one dot, then two chunks
     assert "f32[1000,64]" not in logits.lower(state, *xs).compile().as_text()
+    above = rng.standard_normal((sliced + 1, 64)).astype(np.float32)
+    want = above.astype(np.float64) @ weight.astype(np.float64).T
+    np.testing.assert_allclose(np.asarray(jax.jit(head.float32)(above)), want, rtol=0, atol=2e-6 * np.abs(want).max())

@@ -22,13 +22,12 @@ from dsv4_jax.sharding import EMBED, NORM, VOCAB
 # loading takes whatever dtype the checkpoint file has (transformers saves float32).
 STORED_DTYPE = jnp.bfloat16
 
-# Float32 rows up to which a GPU multiplies three bf16 slices of x by a bf16 weight as stored
-# rather than converting the whole weight for the call (the slices triple the FLOPs).
+# Float32 rows up to which `Linear.float32` multiplies three bf16 slices of x by a bf16 weight as
+# stored rather than converting the whole weight for the call (the slices triple the rows). GPUs:
+# 32. XLA:CPU runs a bf16 weight fast (YNNPACK) up to 64 matmul rows and leaves that path above
+# (129280 x 128 head, 2026-12-01: 64 rows 4.1 ms, 65 rows 15.9 ms), so 21 there.
 SLICED_MAX_ROWS = 32
-# Matmul rows per bf16 dot on XLA:CPU: it runs a bf16 weight fast (YNNPACK) from 2 to 64 rows; one
-# row converts the whole weight to float32 first, and past 64 rows it leaves the fast path
-# (129280 x 128 head, 2026-12-01: 1 row 24 ms, 2 rows 1.9 ms, 64 rows 4.1 ms, 65 rows 15.9 ms).
-CPU_BF16_DOT_ROWS = (2, 64)
+CPU_SLICED_MAX_ROWS = 21
 
 
 def rms_normalize(x: jax.Array, eps: float) -> jax.Array:
@@ -84,20 +83,20 @@ class Linear(nnx.Module):
     def float32(self, x: jax.Array) -> jax.Array:
         """x [..., in] -> x @ W^T [..., out] in float32 (the vocabulary head, spec 2). A bf16
         weight is read as stored (`float32_matmul_bf16`) rather than converted on every call,
-        except for many float32 rows on a GPU, where three bf16 slices would cost more."""
+        except for float32 x with more rows than its three bf16 slices pay for."""
         weight = self.weight[...]
-        on_cpu = jax.default_backend() == "cpu"
         if self.quantized or weight.dtype != jnp.bfloat16:
             return self(x, jnp.float32)
-        if x.dtype != jnp.bfloat16 and not on_cpu and math.prod(x.shape[:-1]) > SLICED_MAX_ROWS:
+        on_cpu = jax.default_backend() == "cpu"
+        if x.dtype != jnp.bfloat16 and math.prod(x.shape[:-1]) > (CPU_SLICED_MAX_ROWS if on_cpu else SLICED_MAX_ROWS):
             return self(x, jnp.float32)
-        return float32_matmul_bf16(x, weight, rows_per_dot=CPU_BF16_DOT_ROWS if on_cpu else None)
+        return float32_matmul_bf16(x, weight, min_rows=2 if on_cpu else 1)
 
 
 def float32_matmul_bf16(
     x: jax.Array,  # [..., in] bfloat16 or float32
     weight: jax.Array,  # [out, in] bfloat16
-    rows_per_dot: tuple[int, int] | None = None,  # (min, max) matmul rows of one dot, or any
+    min_rows: int = 1,
 ) -> jax.Array:  # [..., out] float32: x @ weight^T as a float32 matmul computes it
     """The float32 product with a bf16 weight, without converting the weight.
 
@@ -106,8 +105,9 @@ def float32_matmul_bf16(
     of a decode step. bf16 x bf16 products are exact in float32, so one bf16 dot with float32
     accumulation gives the float32 product up to summation order: directly for bf16 x (the final
     norm's output in bf16 models), and for float32 x over three bf16 slices of it (hi + mid + lo
-    = x to float32 precision), multiplied in the same dot. `rows_per_dot` (XLA:CPU) pads a single
-    row to the minimum and splits more rows than the maximum into equal chunks, one dot each."""
+    = x to float32 precision) in the same dot. Fewer matmul rows than `min_rows` are padded with
+    zero rows: XLA:CPU runs a one-row bf16 dot by converting the whole weight first (129280 x 128
+    head, 2026-12-01: 1 row 24 ms, 2 rows 1.9 ms; 32 rows 2.5 ms against 10 ms in float32)."""
     lead, dim = x.shape[:-1], x.shape[-1]
     rows = math.prod(lead)
     if x.dtype == jnp.bfloat16:
@@ -118,25 +118,11 @@ def float32_matmul_bf16(
             piece = rest.astype(jnp.bfloat16)
             slices.append(piece)
             rest = rest - piece.astype(jnp.float32)
-        pieces = jnp.stack(slices)  # [slices, rows, in]
-
-    def product(chunk):  # [slices, r, in] -> [r, out]
-        y = jax.lax.dot_general(chunk, weight, (((2,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-        return functools.reduce(jnp.add, list(y))  # hi + mid + lo
-
-    if rows_per_dot is None:
-        return product(pieces).reshape(*lead, -1)
-    n_slices = pieces.shape[0]
-    least, most = -(-rows_per_dot[0] // n_slices), max(rows_per_dot[1] // n_slices, 1)
-    chunks = -(-max(rows, least) // most)
-    per_chunk = max(-(-rows // chunks), least)
-    pieces = jnp.pad(pieces, ((0, 0), (0, chunks * per_chunk - rows), (0, 0)))
-    if chunks == 1:
-        y = product(pieces)
-    else:
-        by_chunk = pieces.reshape(n_slices, chunks, per_chunk, dim).transpose(1, 0, 2, 3)
-        y = jax.lax.map(product, by_chunk).reshape(chunks * per_chunk, -1)
-    return y[:rows].reshape(*lead, -1)
+        pieces = jnp.stack(slices)  # [3, rows, in]
+    padded = max(rows, -(-min_rows // pieces.shape[0]))
+    pieces = jnp.pad(pieces, ((0, 0), (0, padded - rows), (0, 0)))
+    y = jax.lax.dot_general(pieces, weight, (((2,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    return functools.reduce(jnp.add, list(y))[:rows].reshape(*lead, -1)  # hi + mid + lo
 
 
 class Embedding(nnx.Module):
