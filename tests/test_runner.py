@@ -105,6 +105,27 @@ def test_float32_chunked_prefill_and_decode_equal_the_full_forward(model, runner
     assert runner.compiles.built == 0  # nothing compiled, nothing even read from the cache
 
 
+def test_decode_completes_hca_windows_in_a_reused_slot(model, runner):
+    """Decode steps of a compressor without overlap (HCA, ratio 16) write one state row each and
+    pool the window in place, leaving the slot's other rows as they were. In slots that held
+    another sequence's rows: a sequence decoded from its first token completes windows 0 and 1
+    in decode steps, one prefilled to 21 tokens completes window 1 there; logits equal the full
+    forward's."""
+    rng = np.random.default_rng(1)
+    ids = rng.integers(0, CONFIG.vocab_size, size=(2, 40)).astype(np.int32)
+    full = np.asarray(model(ids))
+    fillers = [Sequence(rng.integers(0, CONFIG.vocab_size, 30), slot=s, blocks=[b], plan=[30])
+               for s, b in ((1, 6), (2, 7))]
+    run_steps(runner, fillers)  # rows 0-13 of both slots' HCA state now hold the fillers' tokens
+    runner.compiles.reset()
+    from_start = Sequence(ids[0], slot=1, blocks=[0], plan=[1])  # every step one token
+    prefilled = Sequence(ids[1], slot=2, blocks=[1], plan=[16, 5])
+    got = run_steps(runner, [from_start, prefilled])
+    for g, want in zip(got, full, strict=True):
+        assert relative_error(g, want) <= EXACT
+    assert runner.compiles.built == 0
+
+
 def test_a_step_donates_the_cache(runner):
     before = jax.tree.leaves(runner.cache)
     runner.step([StepRow(0, 0, [1, 2, 3], [6])])

@@ -16,8 +16,18 @@ from dsv4_jax.model import kv_rounding
 from dsv4_jax.kv_cache.paged import PagedKVCache
 from dsv4_jax.kv_cache.resolver import FP8_DS_MLA
 from dsv4_jax.model.attention_core import AttentionCore, dense_attention
-from dsv4_jax.model.cache_step import CacheStep, LayerPlace, StepSequences, entry_slots, kept_rows, store_rows, window_slots
-from dsv4_jax.model.compressor import Compressor
+from dsv4_jax.model.cache_step import (
+    CacheStep,
+    LayerPlace,
+    StepSequences,
+    entry_slots,
+    kept_rows,
+    slot_rows,
+    store_rows,
+    store_token_row,
+    window_slots,
+)
+from dsv4_jax.model.compressor import Compressor, pool_current_window
 from dsv4_jax.model.indexer import Indexer
 from dsv4_jax.model.layers import Linear, RMSNorm, rms_normalize
 from dsv4_jax.model.options import ForwardOptions
@@ -160,10 +170,20 @@ class Attention(nnx.Module):
     def _compress(self, compressor, state_name, x, inv_freq, cache, seqs, place):
         """Advance `compressor` over the chunk from the rows it kept; store the rows to keep."""
         state = getattr(cache, state_name)
-        kept = kept_rows(state, place.compressed, seqs)
-        entries, windows, kept = compressor.step(x, seqs.positions, seqs.lens, inv_freq, kept)
-        cache = dataclasses.replace(cache, **{state_name: store_rows(state, place.compressed, seqs.slots, kept)})
-        return entries, windows, cache
+        if x.shape[1] == 1 and not compressor.overlap:
+            # Decode without overlap (HCA): write the token's row and pool the window in place
+            # rather than rebuild and store every kept row (ratio rows a sequence, 128 in Flash).
+            kv, score = compressor.project(x, seqs.positions)
+            row = seqs.start % compressor.ratio
+            state = store_token_row(state, place.compressed, seqs.slots, row, kv[:, 0], score[:, 0])
+            rows = slot_rows(state, place.compressed, seqs.slots)
+            windows = pool_current_window(rows.kv, rows.score, seqs.start, seqs.lens > 0, ratio=compressor.ratio)
+            entries = compressor.entries(windows, inv_freq, x.dtype)
+        else:
+            kept = kept_rows(state, place.compressed, seqs)
+            entries, windows, kept = compressor.step(x, seqs.positions, seqs.lens, inv_freq, kept)
+            state = store_rows(state, place.compressed, seqs.slots, kept)
+        return entries, windows, dataclasses.replace(cache, **{state_name: state})
 
 
 def _replace_pool(cache: PagedKVCache, name: str, planes) -> PagedKVCache:

@@ -73,10 +73,9 @@ def kept_rows(state: CompressorState, layer: jax.Array, seqs: StepSequences) -> 
     """The rows each sequence's compressor kept ([batch, c*r, c*d]). A row at position 0 starts
     a sequence: it gets empty rows whatever the slot held before (a slot is reused without being
     cleared), and so do padding rows."""
-    safe = jnp.maximum(seqs.slots, 0)
-    kv, score = state.kv[layer, safe], state.score[layer, safe]
+    rows = slot_rows(state, layer, seqs.slots)
     pad = ((seqs.slots < 0) | (seqs.start == 0))[:, None, None]
-    return CompressorRows(jnp.where(pad, 0.0, kv), jnp.where(pad, -jnp.inf, score))
+    return CompressorRows(jnp.where(pad, 0.0, rows.kv), jnp.where(pad, -jnp.inf, rows.score))
 
 
 def store_rows(state: CompressorState, layer: jax.Array, slots: jax.Array, rows: CompressorRows) -> CompressorState:
@@ -85,6 +84,28 @@ def store_rows(state: CompressorState, layer: jax.Array, slots: jax.Array, rows:
         kv=state.kv.at[layer, target].set(rows.kv, mode="drop"),
         score=state.score.at[layer, target].set(rows.score, mode="drop"),
     )
+
+
+def store_token_row(
+    state: CompressorState,
+    layer: jax.Array,
+    slots: jax.Array,  # [batch] int32, -1 for padding rows (dropped)
+    row: jax.Array,  # [batch] int32: the state row of each sequence's token
+    kv: jax.Array,  # [batch, c*d] float32
+    score: jax.Array,  # [batch, c*d] float32
+) -> CompressorState:
+    """One decode token's row per sequence (the other rows stay as they are)."""
+    target = jnp.where(slots < 0, state.kv.shape[1], slots)
+    return CompressorState(
+        kv=state.kv.at[layer, target, row].set(kv, mode="drop"),
+        score=state.score.at[layer, target, row].set(score, mode="drop"),
+    )
+
+
+def slot_rows(state: CompressorState, layer: jax.Array, slots: jax.Array) -> CompressorRows:
+    """Every row of each sequence's state as stored ([batch, c*r, c*d]; padding rows read slot 0)."""
+    safe = jnp.maximum(slots, 0)
+    return CompressorRows(state.kv[layer, safe], state.score[layer, safe])
 
 
 # ---- flat pool slots -----------------------------------------------------------------------------

@@ -110,6 +110,26 @@ def pool_windows(
     return windows, CompressorRows(keep(kv_line, done), keep(score_line, done))
 
 
+def pool_current_window(
+    kv_rows: jax.Array,  # [batch, ratio, head_dim] fp32: each sequence's current window rows
+    score_rows: jax.Array,  # [batch, ratio, head_dim] fp32 gate logits (ape added)
+    position: jax.Array,  # [batch] int32: the decode token just written into its row
+    real: jax.Array,  # [batch] bool: a real row (not padding)
+    *,
+    ratio: int,
+) -> PooledWindows:  # E = 1
+    """A decode step of a compressor without overlap: the window its token completes, if any.
+
+    The state keeps token t of the current window in row t % ratio and a decode step writes only
+    its own row, so rows the window has not reached yet hold an earlier window's tokens (or the
+    empty rows of a fresh slot); the window is pooled only once all its rows are its own, when
+    position % ratio == ratio - 1, which `pool_windows` would compute from the same rows."""
+    pooled = jnp.sum(kv_rows * jax.nn.softmax(score_rows, axis=1), axis=1)[:, None]
+    valid = (((position + 1) % ratio == 0) & real)[:, None]
+    entry_ids = (position // ratio)[:, None].astype(jnp.int32)
+    return PooledWindows(jnp.where(valid[..., None], pooled, 0.0), entry_ids, valid)
+
+
 class Compressor(nnx.Module):
     def __init__(self, config: DeepseekV4Config, ratio: int, head_dim: int, overlap: bool):
         self.ratio, self.head_dim, self.overlap = ratio, head_dim, overlap
@@ -167,5 +187,10 @@ class Compressor(nnx.Module):
         lie in an earlier chunk), and the rows to keep."""
         kv, score = self.project(x, positions)
         windows, kept = pool_windows(kv, score, kept, positions[:, 0], lens, ratio=self.ratio, overlap=self.overlap)
+        return self.entries(windows, inv_freq, x.dtype), windows, kept
+
+    def entries(self, windows: PooledWindows, inv_freq: jax.Array, dtype: jnp.dtype) -> jax.Array:
+        """The pooled windows as cache entries [batch, E, head_dim] in `dtype`, rotated at their
+        own positions j * ratio (which may lie in an earlier chunk)."""
         cos, sin = rope_angles(windows.entry_ids * self.ratio, inv_freq)
-        return self.finish(windows.pooled, cos, sin, x.dtype), windows, kept
+        return self.finish(windows.pooled, cos, sin, dtype)
