@@ -112,14 +112,14 @@ def test_decode_completes_hca_windows_in_a_reused_slot(model, runner):
     in decode steps, one prefilled to 21 tokens completes window 1 there; logits equal the full
     forward's."""
     rng = np.random.default_rng(1)
-    ids = rng.integers(0, CONFIG.vocab_size, size=(2, 40)).astype(np.int32)
-    full = np.asarray(model(ids))
+    ids = rng.integers(0, CONFIG.vocab_size, size=(3, 300)).astype(np.int32)  # the forward's shape above
+    full = np.asarray(model(ids))[:2, :40]  # causal: the first 40 positions are those of 40 tokens
     fillers = [Sequence(rng.integers(0, CONFIG.vocab_size, 30), slot=s, blocks=[b], plan=[30])
                for s, b in ((1, 6), (2, 7))]
     run_steps(runner, fillers)  # rows 0-13 of both slots' HCA state now hold the fillers' tokens
     runner.compiles.reset()
-    from_start = Sequence(ids[0], slot=1, blocks=[0], plan=[1])  # every step one token
-    prefilled = Sequence(ids[1], slot=2, blocks=[1], plan=[16, 5])
+    from_start = Sequence(ids[0, :40], slot=1, blocks=[0], plan=[1])  # every step one token
+    prefilled = Sequence(ids[1, :40], slot=2, blocks=[1], plan=[16, 5])
     got = run_steps(runner, [from_start, prefilled])
     for g, want in zip(got, full, strict=True):
         assert relative_error(g, want) <= EXACT

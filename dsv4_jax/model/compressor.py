@@ -144,9 +144,9 @@ class Compressor(nnx.Module):
         x: jax.Array,  # [batch, S, hidden]
         positions: jax.Array,  # [batch or 1, S] int32 absolute positions
     ) -> tuple[jax.Array, jax.Array]:  # kv, score rows, each [batch, S, c * head_dim] fp32
-        x32 = x.astype(jnp.float32)  # the official compressor runs in fp32
-        kv = self.wkv(x32, jnp.float32)
-        score = self.wgate(x32, jnp.float32) + self.ape[...].astype(jnp.float32)[positions % self.ratio]
+        # The official compressor runs in fp32; `float32` reads bf16 weights as stored.
+        kv = self.wkv.float32(x)
+        score = self.wgate.float32(x) + self.ape[...].astype(jnp.float32)[positions % self.ratio]
         return kv, score
 
     def finish(

@@ -40,7 +40,7 @@ class Indexer(nnx.Module):
 
     def head_weights(self, x: jax.Array) -> jax.Array:
         """Per-head score weights [batch, seq, heads] fp32, softmax scale and 1/sqrt(heads) folded in."""
-        return self.weights_proj(x, jnp.float32) * (self.head_dim**-0.5 * self.n_heads**-0.5)
+        return self.weights_proj.float32(x) * (self.head_dim**-0.5 * self.n_heads**-0.5)
 
     def __call__(
         self,
