@@ -447,6 +447,9 @@ class _Fixed(nnx.Module):
     def __call__(self, *args, **kwargs):
         return self.value
 
+    def float32(self, *args, **kwargs):  # as `Linear.float32` (the indexer's head weights)
+        return self.value
+
 
 @pytest.mark.parametrize("key_fmt", ["bf16", "fp8"])
 def test_indexer_reference_matches_model_indexer(key_fmt):
