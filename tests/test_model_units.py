@@ -353,7 +353,8 @@ def test_expert_loop_runs_only_used_tiles(monkeypatch):
     """CPU schedules. With pairs for under half the experts the loop makes as many iterations as
     there are tiles holding pairs (whole tiles per expert), not the planned count (a possible
     tile for every expert); with decode-sized shares every expert takes its pairs in rounds, as
-    many as the busiest expert needs. Both equal the plain per-pair sum."""
+    many as the busiest expert needs. Both equal the plain per-pair sum; padding tokens' pairs run
+    in no tile."""
     from dsv4_jax.model import moe
 
     config = dsv4_tiny_test()
@@ -369,22 +370,25 @@ def test_expert_loop_runs_only_used_tiles(monkeypatch):
     dense = [rng.normal(size=s).astype(np.float32) / np.sqrt(s[-1]) for s in ((e, f, d), (e, d, f), (e, f, d))]
     stored = tuple((jnp.asarray(w), None) for w in dense)
 
-    def run(tokens):
+    def run(tokens, padding=0):
         picks = np.stack([rng.choice(np.arange(2, e), 2, replace=False) for _ in range(tokens)]).astype(np.int32)
         picks[:, 0] = 1  # expert 1 takes a pair of every token
+        picks[tokens - padding:] = e  # padding tokens (MoE's `valid`): id e, an expert stored nowhere
         x = rng.normal(size=(tokens, d)).astype(np.float32)
         got = moe.grouped_experts(jnp.asarray(x), jnp.asarray(picks), jnp.ones(picks.shape, jnp.float32), stored,
                                   fmt=None, block=None, limit=0.0, n_experts=e, first=0, on_cpu=True)
-        want = np.zeros((tokens, d))
-        for t, k in np.ndindex(picks.shape):
+        want = np.zeros((tokens, d))  # padding tokens: nothing
+        for t, k in zip(*np.nonzero(picks < e)):
             w1, w2, w3 = (w[picks[t, k]].astype(np.float64) for w in dense)
             h = np.asarray(moe.swiglu(jnp.asarray(w1 @ x[t]), jnp.asarray(w3 @ x[t]), 0.0), np.float64)
             want[t] += w2 @ h
         np.testing.assert_allclose(np.asarray(got), want, atol=2e-5, rtol=1e-4)
-        return np.bincount(picks.reshape(-1), minlength=e)
+        return np.bincount(picks[picks < e], minlength=e)
 
-    counts = run(12)  # 24 pairs, under half the 64 experts: the loop; expert 1's 12 pairs take two tiles
-    tile, planned = moe.tile_plan(int(counts.sum()), e, on_cpu=True)
+    # 30 pairs, under half the 64 experts: the loop; expert 1's 12 real pairs take two tiles, and
+    # the 3 padding tokens' 6 pairs take none.
+    counts = run(15, padding=3)
+    tile, planned = moe.tile_plan(30, e, on_cpu=True)
     assert tile == moe.CPU_MIN_TILE and counts[1] > tile
     assert trips == [int(np.sum(-(-counts // tile)))] and trips[0] < planned
     trips.clear()

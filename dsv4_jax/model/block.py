@@ -72,8 +72,10 @@ class Block(nnx.Module):
         """The block on the paged cache (`Attention.step`); the MoE half is the same as above."""
         x, post, comb = self._hc_pre(streams, "attn")
         out, cache = self.attn.step(self.attn_norm(x), rotation, cache, ctx, seqs, place)
-        return self._ffn(hc_post(out, streams, post, comb), token_ids, options), cache
+        valid = jnp.arange(token_ids.shape[1])[None, :] < seqs.lens[:, None]  # padding runs no expert
+        return self._ffn(hc_post(out, streams, post, comb), token_ids, options, valid), cache
 
-    def _ffn(self, streams: jax.Array, token_ids: jax.Array, options: ForwardOptions) -> jax.Array:
+    def _ffn(self, streams: jax.Array, token_ids: jax.Array, options: ForwardOptions,
+             valid: jax.Array | None = None) -> jax.Array:
         x, post, comb = self._hc_pre(streams, "ffn")
-        return hc_post(self.ffn(self.ffn_norm(x), token_ids, options), streams, post, comb)
+        return hc_post(self.ffn(self.ffn_norm(x), token_ids, options, valid), streams, post, comb)

@@ -194,11 +194,22 @@ class MoE(nnx.Module):
         if c.n_shared_experts:
             self.shared_experts = SharedExpert(c)
 
-    def __call__(self, x: jax.Array, token_ids: jax.Array, options: ForwardOptions = ForwardOptions()) -> jax.Array:
-        """x [batch, seq, hidden] ffn_norm output, token_ids [batch, seq] -> [batch, seq, hidden]"""
+    def __call__(
+        self,
+        x: jax.Array,  # [batch, seq, hidden] ffn_norm output
+        token_ids: jax.Array,  # [batch, seq]
+        options: ForwardOptions = ForwardOptions(),
+        valid: jax.Array | None = None,  # [batch, seq] bool: False for padding of a cached step
+    ) -> jax.Array:  # [batch, seq, hidden]
         batch, seq, hidden = x.shape
         flat = x.reshape(-1, hidden)
         experts, weights = self.gate(flat, token_ids.reshape(-1))
+        if valid is not None:
+            # Padding tokens' pairs run no expert (id n_experts is stored nowhere): a padded
+            # decode step reads only the real rows' experts' weights.
+            real = valid.reshape(-1, 1)
+            experts = jnp.where(real, experts, self.experts.n_experts)
+            weights = jnp.where(real, weights, 0.0)
         out = self.experts(flat, experts, weights, self.limit, options)
         if hasattr(self, "shared_experts"):
             out = out + self.shared_experts(flat).astype(jnp.float32)
@@ -270,7 +281,7 @@ def _sharded_experts(run, x, experts, weights, stored, mesh, expert_parallel: bo
 
 def grouped_experts(
     x: jax.Array,  # [tokens, hidden]
-    experts: jax.Array,  # [tokens, k] int32 global expert ids
+    experts: jax.Array,  # [tokens, k] int32 global expert ids; ids not stored here weigh nothing
     weights: jax.Array,  # [tokens, k] float32
     stored: tuple,  # (w1, w2, w3) `ExpertWeights.arrays()`, or the local experts' shards of them
     *,
@@ -285,16 +296,15 @@ def grouped_experts(
     tokens, k = experts.shape
     local = stored[0][0].shape[0]
     pair_expert = experts.reshape(-1) - first
-    pair_weight = weights.reshape(-1)
-    mine = jnp.ones(pair_expert.shape, bool)
-    if local < n_experts:  # expert parallelism: other devices run the other experts' pairs
-        mine = (pair_expert >= 0) & (pair_expert < local)
-        pair_weight = jnp.where(mine, pair_weight, 0.0)
-        pair_expert = jnp.where(mine, pair_expert, local)  # sorts after the local experts
+    # Pairs of experts stored elsewhere (expert parallelism) or nowhere (padding tokens: id
+    # n_experts) weigh nothing and sort after the local experts, outside the tiles that run.
+    mine = (pair_expert >= 0) & (pair_expert < local)
+    pair_weight = jnp.where(mine, weights.reshape(-1), 0.0)
+    pair_expert = jnp.where(mine, pair_expert, local)
     pairs = tokens * k
     tile, n_tiles = tile_plan(pairs, n_experts, on_cpu)
     rows = n_tiles * tile
-    groups = local + 1 if local < n_experts else local  # + 1: the other devices' pairs
+    groups = local + 1  # + 1: the pairs that are not this device's
 
     order = jnp.argsort(pair_expert, stable=True)
     sorted_expert = pair_expert[order]
