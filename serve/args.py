@@ -9,7 +9,7 @@ differs from vLLM (everything else has vLLM's name, meaning and default):
                                 random weights, real tokenizer)
     --host                      127.0.0.1 (this machine only)     all interfaces
     --max-num-seqs              8 (sized for CPU)                 256
-    --max-model-len             4096                              the model's max_position_embeddings
+    --max-model-len             max_position_embeddings, <= 4096  the model's max_position_embeddings
     --dtype                     auto, bfloat16, float32           also half, float16, float
     --kv-cache-dtype            auto, fp8, fp8_e4m3, fp8_ds_mla,  auto, fp8, ...
                                 bfloat16, bf16, float32
@@ -116,7 +116,7 @@ class ServerArgs:
     max_num_seqs: int
     max_num_batched_tokens: int | None
     num_gpu_blocks_override: int | None
-    max_model_len: int
+    max_model_len: int | None  # None: LLM.resolve_max_model_len, once the model is known
     dtype: str
     kv_cache_dtype: str
     attention_backend: str | None  # None: the KV resolver chooses by device
@@ -270,8 +270,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="tokens per engine step at most (default: None = chosen from --max-num-seqs and the chunk length)")
     add("--num-gpu-blocks-override", type=_positive_int, default=None,
         help="number of compressed KV blocks, instead of sizing them from memory (default: None)")
-    add("--max-model-len", type=_human_positive_int, default=4096,
-        help="prompt + output tokens per sequence at most (default: %(default)s)")
+    add("--max-model-len", type=_human_positive_int, default=None,
+        help="prompt + output tokens per sequence at most (default: the model's max_position_embeddings, "
+             "at most 4096)")
     add("--dtype", type=_dtype, default="auto", metavar="{" + ",".join(DTYPES) + "}",
         help="compute dtype; auto = the checkpoint's own (default: %(default)s)")
     add("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",

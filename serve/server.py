@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import signal
@@ -62,6 +63,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.model_is_builtin:
         logger.info("no model given: serving the built-in %s (random weights, the real V4 tokenizer)", args.model)
     model_dir = LLM.check_arguments(**kwargs)  # every check that needs no weights, before the port opens
+    if args.max_model_len is None:  # the model's own limit (at most 4096), reported as the server's
+        args = dataclasses.replace(args, max_model_len=LLM.resolve_max_model_len(model_dir, None))
+        kwargs["max_model_len"] = args.max_model_len
 
     from serve.app import build_app
     from serve.state import ServingState

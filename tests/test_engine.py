@@ -466,6 +466,26 @@ def test_arguments_that_need_the_config_fail_before_the_weights_load(checkpoint,
         LLM(str(checkpoint), **kwargs)
 
 
+def test_max_model_len_defaults_to_the_models_positions_at_most_4096(checkpoint, tmp_path, monkeypatch):
+    """Without max_model_len, LLM and `python -m serve` take the model's max_position_embeddings,
+    capped at 4096: the built-in dsv4-tiny (1024 positions) starts with every default."""
+    import json
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("load_model was called")
+
+    monkeypatch.setattr(dsv4_jax, "load_model", no_loading)
+    assert CONFIG.max_position_embeddings < 4096
+    assert LLM.check_arguments(str(checkpoint)) == checkpoint  # no max_model_len: within the model's
+    assert LLM.resolve_max_model_len(checkpoint, None) == CONFIG.max_position_embeddings
+    assert LLM.resolve_max_model_len(checkpoint, 300) == 300
+    long = tmp_path / "long"
+    long.mkdir()
+    raw = json.loads((checkpoint / "config.json").read_text())
+    (long / "config.json").write_text(json.dumps({**raw, "max_position_embeddings": 1048576}))
+    assert LLM.resolve_max_model_len(long, None) == 4096
+
+
 # ---- 4. pool sizes ---------------------------------------------------------------------------------
 def _compressed_bytes_per_block(plan) -> int:
     return sum(plan.pool(name).bytes_per_block for name in ("csa", "indexer", "hca"))

@@ -49,7 +49,7 @@ def test_defaults():
     assert (args.model, args.model_is_builtin, args.served_model_name) == ("dsv4-tiny", True, ("dsv4-tiny",))
     assert (args.host, args.port, args.tokenizer) == ("127.0.0.1", 8000, None)
     assert (args.tensor_parallel_size, args.data_parallel_size, args.enable_expert_parallel) == (1, 1, False)
-    assert (args.gpu_memory_utilization, args.max_num_seqs, args.max_model_len) == (0.9, 8, 4096)
+    assert (args.gpu_memory_utilization, args.max_num_seqs, args.max_model_len) == (0.9, 8, None)  # the model's
     assert (args.max_num_batched_tokens, args.num_gpu_blocks_override) == (None, None)
     assert (args.dtype, args.kv_cache_dtype, args.attention_backend, args.block_size) == ("auto", "auto", None, 256)
     assert (args.enable_auto_tool_choice, args.tool_call_parser, args.reasoning_parser) == (False, None, None)

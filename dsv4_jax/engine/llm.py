@@ -28,6 +28,9 @@ logger = logging.getLogger(__name__)
 
 BUILTIN_NAMES = ("dsv4-tiny",)
 DTYPES = ("auto", "float32", "bfloat16")
+# max_model_len when none is given: the model's max_position_embeddings, at most this (the pools on
+# CPU are sized from max_num_seqs x max_model_len; Flash's 1M positions would not fit).
+DEFAULT_MAX_MODEL_LEN = 4096
 
 
 def _positive_int(name: str, value: Any, allow_none: bool = False) -> None:
@@ -69,7 +72,7 @@ class LLM:
         dtype: str = "auto",
         kv_cache_dtype: str = "auto",
         attention_backend: str | None = None,
-        max_model_len: int = 4096,
+        max_model_len: int | None = None,
         max_num_seqs: int = 8,
         max_num_batched_tokens: int | None = None,
         num_gpu_blocks_override: int | None = None,
@@ -115,6 +118,7 @@ class LLM:
                                     data_parallel_size=data_parallel_size,
                                     enable_expert_parallel=enable_expert_parallel, load_format=load_format,
                                     seed=seed, block_size=block_size, tokenizer=tokenizer)
+        max_model_len = self.resolve_max_model_len(path, max_model_len)
         compute = checkpoint_dtype(path) if dtype == "auto" else dtype
         self.parallel = ParallelConfig(tensor_parallel_size, data_parallel_size, enable_expert_parallel)
         buckets = buckets or default_buckets(max_num_seqs, max_model_len, max_num_batched_tokens)
@@ -190,7 +194,7 @@ class LLM:
     @classmethod
     def check_arguments(cls, model: str | Path = "dsv4-tiny", *, dtype: str = "auto", kv_cache_dtype: str = "auto",
                         attention_backend: str | None = None,
-                        max_model_len: int = 4096, max_num_seqs: int = 8, max_num_batched_tokens: int | None = None,
+                        max_model_len: int | None = None, max_num_seqs: int = 8, max_num_batched_tokens: int | None = None,
                         num_gpu_blocks_override: int | None = None, gpu_memory_utilization: float = 0.9,
                         tensor_parallel_size: int = 1, data_parallel_size: int = 1,
                         enable_expert_parallel: bool = False, load_format: str = "auto", seed: int = 0,
@@ -212,7 +216,8 @@ class LLM:
         check_load_format(load_format)
         DistributedConfig(nnodes, node_rank, master_addr, master_port, headless=node_rank > 0)
         path = builtin_model_dir() if str(model) in BUILTIN_NAMES else Path(model)
-        cls._check_against_model(path, max_model_len, block_size, kv_cache_dtype, attention_backend)
+        cls._check_against_model(path, cls.resolve_max_model_len(path, max_model_len), block_size,
+                                 kv_cache_dtype, attention_backend)
         cls._check_parallel(path, tensor_parallel_size, data_parallel_size, enable_expert_parallel, nnodes)
         if not isinstance(async_scheduling, bool):
             raise ValueError(f"async_scheduling must be a bool, got {async_scheduling!r}")
@@ -221,11 +226,22 @@ class LLM:
         return path
 
     @staticmethod
+    def resolve_max_model_len(path: Path, max_model_len: int | None) -> int:
+        """`max_model_len` as given, or else the model's max_position_embeddings capped at
+        DEFAULT_MAX_MODEL_LEN (the built-in dsv4-tiny has 1024 positions)."""
+        if max_model_len is not None:
+            return max_model_len
+        from dsv4_jax.config import DeepseekV4Config
+
+        positions = DeepseekV4Config.from_json(path).max_position_embeddings
+        return min(DEFAULT_MAX_MODEL_LEN, positions)
+
+    @staticmethod
     def _check_arguments(dtype, max_model_len, max_num_seqs, max_num_batched_tokens, num_gpu_blocks_override,
                          gpu_memory_utilization, seed, block_size) -> None:
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
-        _positive_int("max_model_len", max_model_len)
+        _positive_int("max_model_len", max_model_len, allow_none=True)
         _positive_int("block_size", block_size)
         _positive_int("max_num_seqs", max_num_seqs)
         _positive_int("max_num_batched_tokens", max_num_batched_tokens, allow_none=True)
