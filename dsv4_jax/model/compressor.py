@@ -61,6 +61,12 @@ def overlapping_windows(
     return kv, score
 
 
+def gated_pool(kv: jax.Array, score: jax.Array, *, axis: int) -> jax.Array:
+    """One entry from the rows along `axis`: kv weighted by a per-channel softmax of the scores
+    over those rows (fp32), the one pooling rule of every compressor path."""
+    return jnp.sum(kv * jax.nn.softmax(score, axis=axis), axis=axis)
+
+
 def pool_windows(
     kv_rows: jax.Array,  # [batch, S, c * head_dim] fp32 projections of the chunk's tokens
     score_rows: jax.Array,  # [batch, S, c * head_dim] fp32 gate logits, ape added
@@ -100,8 +106,7 @@ def pool_windows(
         kv_win, score_win = overlapping_windows(kv_win, score_win, width // 2)
     # Candidates are timeline windows c - 1 ..; the last one can never complete in the chunk.
     kv_win, score_win = kv_win[:, :n_out], score_win[:, :n_out]
-    weights = jax.nn.softmax(score_win, axis=2)  # per channel over the pooled rows
-    pooled = jnp.sum(kv_win * weights, axis=2)
+    pooled = gated_pool(kv_win, score_win, axis=2)
     entry_ids = (start // r)[:, None] + jnp.arange(n_out, dtype=jnp.int32)[None, :]
     valid = (entry_ids + 1) * r <= (start + lens)[:, None]
     windows = PooledWindows(jnp.where(valid[..., None], pooled, 0.0), entry_ids.astype(jnp.int32), valid)
@@ -124,7 +129,7 @@ def pool_current_window(
     its own row, so rows the window has not reached yet hold an earlier window's tokens (or the
     empty rows of a fresh slot); the window is pooled only once all its rows are its own, when
     position % ratio == ratio - 1, which `pool_windows` would compute from the same rows."""
-    pooled = jnp.sum(kv_rows * jax.nn.softmax(score_rows, axis=1), axis=1)[:, None]
+    pooled = gated_pool(kv_rows, score_rows, axis=1)[:, None]
     valid = (((position + 1) % ratio == 0) & real)[:, None]
     entry_ids = (position // ratio)[:, None].astype(jnp.int32)
     return PooledWindows(jnp.where(valid[..., None], pooled, 0.0), entry_ids, valid)
