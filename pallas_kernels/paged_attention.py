@@ -353,52 +353,80 @@ def _gather_rows_reference(planes, block_table, keys, *, ring: bool, layer=0):
     return out, exists
 
 
+# Queries per tile of the reference's window band (below): the band of a tile of T consecutive
+# queries is W + T - 1 positions, so the gathered keys are (W + T - 1) / T per query instead of W.
+BAND_TILE = 64
+
+
+def band_tile(seq: int) -> int:
+    """Queries per band tile for rows of `seq` queries: the largest divisor of seq <= BAND_TILE."""
+    return max(t for t in range(1, min(seq, BAND_TILE) + 1) if seq % t == 0)
+
+
 def paged_attention_reference(
     q, positions, q_valid, window_pool, window_block_table, sinks, compressed_pool, compressed_block_table,
     topk_indices, layer, compressed_layer, *, window, ratio, chunk_kv=None, chunk_start=None,
 ):
-    """Attention of queries q [B, S, H, D] at absolute `positions` [B, S] (rows with q_valid False
-    give 0) over the paged cache: fp32, HIGHEST precision. With `chunk_kv` [B, S, D], window keys
-    at positions >= `chunk_start` [B] come from it. q and `chunk_kv` are rounded to bf16, as the
-    kernels' dot operands, unless the pools are float32: then nothing is rounded
-    (`reference_operand`)."""
+    """Attention of queries q [B, S, H, D] at absolute `positions` [B, S] (consecutive in a row:
+    positions[:, s] = positions[:, 0] + s; rows with q_valid False give 0) over the paged cache:
+    fp32, HIGHEST precision. With `chunk_kv` [B, S, D], window keys at positions >= `chunk_start`
+    [B] come from it. q and `chunk_kv` are rounded to bf16, as the kernels' dot operands, unless
+    the pools are float32: then nothing is rounded (`reference_operand`).
+
+    Consecutive queries share most of their window, so keys are gathered once per tile of queries
+    (its band: the W + T - 1 positions ending at its last query) and once per row for HCA (every
+    visible entry); each query masks the band to its own keys. A key row that no query of the
+    tile (row) reads is zeroed before any product, so unread rows (stale, unwritten, another
+    sequence's) never reach an output, whatever they hold."""
     batch, seq, heads, head_dim = q.shape
     scale = head_dim**-0.5
     fmt = pool_format(window_pool)
     qf = reference_operand(q, fmt)
-    kpos = positions[..., None] - window + 1 + jnp.arange(window)  # [B, S, W]
-    kw, exists = _gather_rows_reference(window_pool, window_block_table, kpos, ring=True, layer=layer)
+    tile = band_tile(seq)
+    tiles, span = seq // tile, window + tile - 1
+    band = positions[:, ::tile, None] - window + 1 + jnp.arange(span)  # [B, tiles, span]
+    kw, exists = _gather_rows_reference(window_pool, window_block_table, band, ring=True, layer=layer)
     if chunk_kv is not None:
-        rel = kpos - chunk_start.astype(jnp.int32)[:, None, None]  # [B, S, W]
+        rel = band - chunk_start.astype(jnp.int32)[:, None, None]  # [B, tiles, span]
         own = rel >= 0
         chunk = reference_operand(chunk_kv, fmt)
-        rows = chunk[jnp.arange(batch)[:, None, None], jnp.clip(rel, 0, chunk_kv.shape[1] - 1)]  # [B, S, W, D]
+        rows = chunk[jnp.arange(batch)[:, None, None], jnp.clip(rel, 0, chunk_kv.shape[1] - 1)]  # [B, tiles, span, D]
         kw = jnp.where(own[..., None], rows, kw)
         exists = exists | own
-    wvalid = exists & (kpos >= 0) & q_valid[..., None]
-    kw = jnp.where(wvalid[..., None], kw, 0.0)
-    w_logits = jnp.einsum("bshd,bswd->bshw", qf, kw, precision=_HIGHEST) * scale
-    logits = [jnp.where(wvalid[:, :, None], w_logits, -jnp.inf)]
-    values = [kw]
+    # Query t of a tile reads band entries t .. t + W - 1.
+    offset = jnp.arange(span)[None, :] - jnp.arange(tile)[:, None]  # [tile, span]
+    in_window = (offset >= 0) & (offset < window)
+    wvalid = (in_window[None, None] & (exists & (band >= 0))[:, :, None, :]
+              & q_valid.reshape(batch, tiles, tile)[..., None])  # [B, tiles, tile, span]
+    kw = jnp.where(wvalid.any(axis=2)[..., None], kw, 0.0)
+    qt = qf.reshape(batch, tiles, tile, heads, head_dim)
+    w_logits = jnp.einsum("bnthd,bnkd->bnthk", qt, kw, precision=_HIGHEST) * scale
+    logits = [jnp.where(wvalid[:, :, :, None], w_logits, -jnp.inf).reshape(batch, seq, heads, span)]
+    values = [(kw, lambda p, v: jnp.einsum("bnthk,bnkd->bnthd", p.reshape(batch, tiles, tile, heads, -1), v,
+                                           precision=_HIGHEST).reshape(batch, seq, heads, head_dim))]
     if compressed_pool is not None:
         _, c_units, _ = pool_dims(compressed_pool)
         n_visible = (positions + 1) // ratio  # [B, S]
-        if topk_indices is None:  # HCA: every visible entry, one set of rows per sequence
+        if topk_indices is None:  # HCA: every visible entry, gathered once per row
             entries = compressed_block_table.shape[1] * c_units
-            j = jnp.broadcast_to(jnp.arange(entries), (batch, seq, entries))
-            ok = j < n_visible[..., None]
-        else:
+            j = jnp.broadcast_to(jnp.arange(entries), (batch, entries))
+            kc, exists = _gather_rows_reference(
+                compressed_pool, compressed_block_table, j, ring=False, layer=compressed_layer
+            )  # [B, E, D]
+            cvalid = (j[:, None, :] < n_visible[..., None]) & exists[:, None, :] & q_valid[..., None]  # [B, S, E]
+            kc = jnp.where(cvalid.any(axis=1)[..., None], kc, 0.0)
+            c_logits = jnp.einsum("bshd,bkd->bshk", qf, kc, precision=_HIGHEST)
+            values.append((kc, lambda p, v: jnp.einsum("bshk,bkd->bshd", p, v, precision=_HIGHEST)))
+        else:  # CSA: each query's own picks
             j = topk_indices
-            ok = (j >= 0) & (j < n_visible[..., None])
-        kc, exists = _gather_rows_reference(
-            compressed_pool, compressed_block_table, j, ring=False, layer=compressed_layer
-        )
-        cvalid = ok & exists & q_valid[..., None]
-        kc = jnp.where(cvalid[..., None], kc, 0.0)
-        logits.append(
-            jnp.where(cvalid[:, :, None], jnp.einsum("bshd,bskd->bshk", qf, kc, precision=_HIGHEST) * scale, -jnp.inf)
-        )
-        values.append(kc)
+            kc, exists = _gather_rows_reference(
+                compressed_pool, compressed_block_table, j, ring=False, layer=compressed_layer
+            )  # [B, S, K, D]
+            cvalid = (j >= 0) & (j < n_visible[..., None]) & exists & q_valid[..., None]
+            kc = jnp.where(cvalid[..., None], kc, 0.0)
+            c_logits = jnp.einsum("bshd,bskd->bshk", qf, kc, precision=_HIGHEST)
+            values.append((kc, lambda p, v: jnp.einsum("bshk,bskd->bshd", p, v, precision=_HIGHEST)))
+        logits.append(jnp.where(cvalid[:, :, None], c_logits * scale, -jnp.inf))
     sink = sinks.astype(jnp.float32)[None, None, :, None]
     all_logits = jnp.concatenate(logits, axis=-1)
     m = jnp.maximum(jnp.max(all_logits, axis=-1, keepdims=True), sink)
@@ -408,9 +436,8 @@ def paged_attention_reference(
     p = p / jnp.where(den > 0, den, 1.0)
     out = jnp.zeros((batch, seq, heads, head_dim), jnp.float32)
     start = 0
-    for v in values:
-        n = v.shape[2]
-        out = out + jnp.einsum("bshk,bskd->bshd", p[..., start : start + n], v, precision=_HIGHEST)
+    for part, (v, weighted_sum) in zip(logits, values):
+        n = part.shape[-1]
+        out = out + weighted_sum(p[..., start : start + n], v)
         start += n
     return jnp.where(q_valid[:, :, None, None], out, 0.0)
-

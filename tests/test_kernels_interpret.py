@@ -46,7 +46,7 @@ from dsv4_jax import presets
 from dsv4_jax.model import kv_rounding
 from dsv4_jax.model.attention_core import dense_attention
 from dsv4_jax.model.indexer import Indexer
-from pallas_kernels import backend, formats, tuning
+from pallas_kernels import backend, formats, paged_attention, tuning
 from pallas_kernels.indexer_topk import indexer_scores_reference, indexer_topk, indexer_topk_reference
 from pallas_kernels.kv_write import _ue8m0_byte_and_inverse, write_indexer_keys, write_kv, write_kv_reference
 from pallas_kernels.sparse_decode import sparse_decode, sparse_decode_reference
@@ -365,10 +365,19 @@ def test_sparse_prefill_matches_reference_and_dense(fmt, mode, seq, chunk, seed)
         q_full[b, q_start[b] : q_start[b] + q_lens[b]] = q_np[b, : q_lens[b]]
         idx_full[b, q_start[b] : q_start[b] + q_lens[b]] = picks[b, : q_lens[b]]
     dense = _dense(c, jnp.asarray(q_full), sinks, mode, idx_full)
+    # The reference gathers window keys once per tile of consecutive queries (paged_attention.
+    # band_tile): one tile at these lengths; traced again with small tiles, so that several tiles
+    # share a row (bands overlapping the previous tile's, stale ring rows inside a band).
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(paged_attention, "BAND_TILE", 4)
+        assert paged_attention.band_tile(seq) < seq
+        tiled = np.asarray(jax.jit(functools.partial(sparse_prefill_reference.__wrapped__, window=WINDOW,
+                                                     ratio=ratio))(*args))
     for b in range(batch):
-        np.testing.assert_allclose(
-            ref[b, : q_lens[b]], dense[b, q_start[b] : q_start[b] + q_lens[b]], rtol=1e-5, atol=dense_tol(c["kmax"])
-        )
+        for out in (ref, tiled):
+            np.testing.assert_allclose(out[b, : q_lens[b]], dense[b, q_start[b] : q_start[b] + q_lens[b]],
+                                       rtol=1e-5, atol=dense_tol(c["kmax"]))
+        assert not tiled[b, q_lens[b]:].any()
 
 
 # ---- indexer top-k ------------------------------------------------------------------------------
