@@ -36,6 +36,7 @@ from dsv4_jax.chat import (
     encode_messages,
 )
 from dsv4_jax.engine.compiles import CompileCounter
+from dsv4_jax.engine.llm import default_buckets
 from dsv4_jax.engine.request import ForcedTokens
 from dsv4_jax.engine.runner import StepBuckets
 from dsv4_jax.presets import get_config
@@ -484,6 +485,22 @@ def test_max_model_len_defaults_to_the_models_positions_at_most_4096(checkpoint,
     raw = json.loads((checkpoint / "config.json").read_text())
     (long / "config.json").write_text(json.dumps({**raw, "max_position_embeddings": 1048576}))
     assert LLM.resolve_max_model_len(long, None) == 4096
+
+
+def test_default_buckets_prefill_short_prompts_together_in_short_rows():
+    """The default prefill buckets: a long prompt alone in one row of a chunk, long chunks of
+    several prompts in budget-many rows, and short prompts together in rows of an eighth of a
+    chunk, so that eight short prompts are not padded to eight full chunks."""
+    buckets = default_buckets(max_num_seqs=8, max_model_len=1024, max_num_batched_tokens=None)
+    assert buckets.pick(8, 20) == (8, 32)  # eight 20-token prompts: 256 token slots, not 2048
+    assert buckets.pick(5, 32) == (8, 32)
+    assert buckets.pick(1, 200) == (1, 256)
+    assert buckets.pick(2, 33) == (8, 256)
+    assert buckets.pick(8, 1) == (8, 1)  # decodes alone: a decode bucket
+    # the token budget bounds every prefill bucket; tiny limits add no short bucket
+    budgeted = default_buckets(max_num_seqs=8, max_model_len=512, max_num_batched_tokens=512)
+    assert set(budgeted.prefill) == {(1, 256), (2, 256), (2, 32)}
+    assert default_buckets(max_num_seqs=4, max_model_len=16, max_num_batched_tokens=None).prefill == ((1, 16), (4, 16))
 
 
 # ---- 4. pool sizes ---------------------------------------------------------------------------------

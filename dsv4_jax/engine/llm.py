@@ -31,6 +31,8 @@ DTYPES = ("auto", "float32", "bfloat16")
 # max_model_len when none is given: the model's max_position_embeddings, at most this (the pools on
 # CPU are sized from max_num_seqs x max_model_len; Flash's 1M positions would not fit).
 DEFAULT_MAX_MODEL_LEN = 4096
+# Tokens per row of the short-prompt prefill bucket at least (default_buckets).
+SHORT_PREFILL_MIN = 16
 
 
 def _positive_int(name: str, value: Any, allow_none: bool = False) -> None:
@@ -41,14 +43,17 @@ def _positive_int(name: str, value: Any, allow_none: bool = False) -> None:
 
 
 def default_buckets(max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int | None) -> StepBuckets:
-    """Two prefill buckets (one row, and as many rows as fit the token budget) of one chunk length,
-    and two decode buckets (a quarter of max_num_seqs, and max_num_seqs)."""
+    """Prefill buckets of one chunk length: one row (a long prompt alone) and as many rows as fit
+    the token budget; the same rows of an eighth of a chunk (short prompts together: eight
+    20-token prompts would be 92% padding in eight 256-token rows); two decode buckets (a quarter
+    of max_num_seqs, and max_num_seqs). A step runs in the smallest bucket that holds it."""
     chunk = min(256, 1 << max(1, (max_model_len - 1).bit_length()))
     budget = max_num_batched_tokens or min(max_num_seqs, 8) * chunk
     rows = max(1, min(max_num_seqs, budget // chunk))
-    prefill = tuple(sorted({(1, chunk), (rows, chunk)}))
+    short = max(SHORT_PREFILL_MIN, chunk // 8)
+    prefill = {(1, chunk), (rows, chunk)} | ({(rows, short)} if short < chunk else set())
     decode = tuple(sorted({max(1, max_num_seqs // 4), max_num_seqs}))
-    return StepBuckets(prefill=prefill, decode=decode)
+    return StepBuckets(prefill=tuple(sorted(prefill)), decode=decode)
 
 
 def checkpoint_dtype(path: Path) -> str:
