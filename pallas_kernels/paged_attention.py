@@ -353,14 +353,16 @@ def _gather_rows_reference(planes, block_table, keys, *, ring: bool, layer=0):
     return out, exists
 
 
-# Queries per tile of the reference's window band (below): the band of a tile of T consecutive
-# queries is W + T - 1 positions, so the gathered keys are (W + T - 1) / T per query instead of W.
+# Queries per tile of the reference's window band (below) at most: the band of a tile of T
+# consecutive queries is W + T - 1 positions, so a query gathers (W + T - 1) / T key rows instead
+# of W and computes W + T - 1 logits instead of W (T <= W keeps that under twice the work).
 BAND_TILE = 64
 
 
-def band_tile(seq: int) -> int:
-    """Queries per band tile for rows of `seq` queries: the largest divisor of seq <= BAND_TILE."""
-    return max(t for t in range(1, min(seq, BAND_TILE) + 1) if seq % t == 0)
+def band_tile(seq: int, window: int) -> int:
+    """Queries per band tile for rows of `seq` queries: the largest divisor of seq that is at most
+    BAND_TILE and the window."""
+    return max(t for t in range(1, min(seq, window, BAND_TILE) + 1) if seq % t == 0)
 
 
 def paged_attention_reference(
@@ -382,7 +384,7 @@ def paged_attention_reference(
     scale = head_dim**-0.5
     fmt = pool_format(window_pool)
     qf = reference_operand(q, fmt)
-    tile = band_tile(seq)
+    tile = band_tile(seq, window)
     tiles, span = seq // tile, window + tile - 1
     band = positions[:, ::tile, None] - window + 1 + jnp.arange(span)  # [B, tiles, span]
     kw, exists = _gather_rows_reference(window_pool, window_block_table, band, ring=True, layer=layer)

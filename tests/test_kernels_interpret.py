@@ -370,7 +370,7 @@ def test_sparse_prefill_matches_reference_and_dense(fmt, mode, seq, chunk, seed)
     # share a row (bands overlapping the previous tile's, stale ring rows inside a band).
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(paged_attention, "BAND_TILE", 4)
-        assert paged_attention.band_tile(seq) < seq
+        assert paged_attention.band_tile(seq, WINDOW) < seq
         tiled = np.asarray(jax.jit(functools.partial(sparse_prefill_reference.__wrapped__, window=WINDOW,
                                                      ratio=ratio))(*args))
     for b in range(batch):
