@@ -17,6 +17,7 @@ from dsv4_jax.engine.sampler import (
     build_sampling_batch,
     process_logits,
     row_argmax,
+    row_top_k,
     sample,
 )
 from dsv4_jax.engine.sampling_params import MAX_LOGPROBS, SamplingParams
@@ -347,7 +348,7 @@ def test_batch_builder_rejects_what_does_not_fit():
 @pytest.mark.parametrize("vocab", [1000, 1009])  # blocks of 40; a prime: no blocks, the plain argmax
 def test_row_argmax_is_jnp_argmax_with_ties_infs_and_nans(vocab):
     """The blocked argmax gives numpy's index (the first maximum, the first NaN) on rows with ties
-    across blocks, all -inf, +inf beside -inf (a NaN sum: the plain path), a NaN, and noise."""
+    across blocks, all -inf, +inf and -inf in different blocks, a NaN (the plain path), and noise."""
     rng = np.random.default_rng(vocab)
     x = rng.standard_normal((6, vocab)).astype(np.float32)
     x[0, [7, 500, 999]] = 9.0  # ties in three blocks: the first wins
@@ -359,3 +360,36 @@ def test_row_argmax_is_jnp_argmax_with_ties_infs_and_nans(vocab):
     assert got.dtype == np.int32 and got.tolist() == np.argmax(x, axis=-1).tolist()
     x[3, 2] = 0.0  # no NaN left: the blocked path for every row
     assert np.asarray(jax.jit(row_argmax)(x)).tolist() == np.argmax(x, axis=-1).tolist()
+
+
+def _numpy_top_k(x: np.ndarray, k: int) -> np.ndarray:
+    """Ids of lax.top_k's documented order: NaNs first, then larger values, ties by lower index."""
+    return np.stack([
+        np.array(sorted(range(row.size), key=lambda j: (not np.isnan(row[j]), -np.nan_to_num(row[j], nan=0.0), j))[:k])
+        for row in x
+    ])
+
+
+def test_row_top_k_is_lax_top_k_with_ties_infs_and_nans():
+    """The two-pass top-k (blocks of 20 at V = 1000, k = 5) gives the ids and values of numpy's
+    stable order on rows whose best entries share one block, ties spread over more blocks than
+    k (the lowest indices win), all -inf, +inf and -inf in different blocks, noise, a tie between
+    an earlier block and a later, better one, and a last row that holds a NaN, then +inf beside
+    -inf in one block (both: the plain path for the batch), then neither (the blocked path)."""
+    vocab, k = 1000, 5
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((7, vocab)).astype(np.float32)
+    x[0, 60:66] = [9.0, 8.0, 9.5, 7.0, 8.5, 9.0]  # the best six in one block
+    x[1, [999, 40, 940, 300, 10, 520, 77]] = 4.0  # seven ties in seven blocks: ids 10, 40, 77, 300, 520
+    x[2] = -np.inf
+    x[3, [3, 700]] = [np.inf, -np.inf]
+    x[4, vocab - 3 :] = 30.0  # the very last entries
+    x[5] = rng.uniform(-1.0, 1.0, vocab)  # equal entries in a better later block and an earlier one:
+    x[5, [800, 801, 40, 41]] = [9.0, 3.0, 5.0, 3.0]  # 41 before 801
+    top = jax.jit(row_top_k, static_argnums=1)
+    for last in ([np.nan, 50.0], [np.inf, -np.inf], [0.0, 50.0]):
+        x[6, [2, 3]] = last
+        values, ids = map(np.asarray, top(x, k))
+        want = _numpy_top_k(x, k)
+        assert ids.dtype == np.int32 and ids.tolist() == want.tolist()
+        np.testing.assert_array_equal(values, np.take_along_axis(x, want, axis=1))
