@@ -176,9 +176,17 @@ class Attention(nnx.Module):
             kv, score = compressor.project(x, seqs.positions)
             row = seqs.start % compressor.ratio
             state = store_token_row(state, place.compressed, seqs.slots, row, kv[:, 0], score[:, 0])
-            rows = slot_rows(state, place.compressed, seqs.slots)
-            windows = pool_current_window(rows.kv, rows.score, seqs.start, seqs.lens > 0, ratio=compressor.ratio)
-            entries = compressor.entries(windows, inv_freq, x.dtype)
+
+            def pool():
+                rows = slot_rows(state, place.compressed, seqs.slots)
+                windows = pool_current_window(rows.kv, rows.score, seqs.start, seqs.lens > 0, ratio=compressor.ratio)
+                return windows, compressor.entries(windows, inv_freq, x.dtype)
+
+            # Only a step where some row completes its window pools (one in `ratio` steps of a
+            # row): the other branch's windows are all invalid, so nothing is written.
+            completes = jnp.any(((seqs.start + 1) % compressor.ratio == 0) & (seqs.lens > 0))
+            windows, entries = jax.lax.cond(
+                completes, pool, lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), jax.eval_shape(pool)))
         else:
             kept = kept_rows(state, place.compressed, seqs)
             entries, windows, kept = compressor.step(x, seqs.positions, seqs.lens, inv_freq, kept)
