@@ -25,6 +25,7 @@ from dsv4_jax import sharding as sh
 from dsv4_jax import weight_cache
 from dsv4_jax.config import DeepseekV4Config
 from dsv4_jax.model.attention_core import AttentionCore, dense_attention
+from dsv4_jax.model.layers import TRANSPOSED
 from dsv4_jax.model.options import ForwardOptions
 from dsv4_jax.model.transformer import DeepseekV4, Segment, check_token_ids
 
@@ -173,11 +174,14 @@ class _Placer:
         # name -> (leaf path, index in leaf, stacked?)
         self.targets: dict[str, tuple[Path_, tuple[int, ...], bool]] = {}
         self.shapes: dict[Path_, tuple[int, ...]] = {}
+        self.transposed: set[Path_] = set()  # leaves the model keeps as their checkpoint tensor's transpose
         for leaf_path, variable in nnx.to_flat_state(state):
             stacked = leaf_path[0] == "segments" and segments[leaf_path[1]].count > 1
             for index, name in parameter_names(leaf_path, segments, config.n_routed_experts):
                 self.targets[name] = (leaf_path, index, stacked)
             self.shapes[leaf_path] = variable.get_value().shape
+            if variable.get_metadata().get(TRANSPOSED):
+                self.transposed.add(leaf_path)
         self.placed: dict[Path_, jax.Array] = {}
         self._pending: dict[tuple[Path_, tuple[int, ...]], np.ndarray] = {}
         self._filled: dict[tuple[Path_, tuple[int, ...]], int] = {}
@@ -185,6 +189,8 @@ class _Placer:
 
     def __call__(self, name: str, array: np.ndarray) -> None:
         leaf_path, index, stacked = self.targets[name]
+        if leaf_path in self.transposed:
+            array = np.ascontiguousarray(np.swapaxes(array, -1, -2))
         first = self._leaf_dtype.setdefault(leaf_path, (array.dtype, name))
         if first[0] != array.dtype:
             raise ValueError(

@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-FORMAT_VERSION = 2  # bump when the saved layout or meta.json changes: old entries stop matching
+FORMAT_VERSION = 3  # bump when the saved layout or meta.json changes: old entries stop matching
 LOAD_FORMATS = ("auto", "safetensors", "orbax")
 META_FILE = "meta.json"
 STATE_DIR = "state"

@@ -4,6 +4,7 @@ tie-breaking, token-id checks, the MoE's FLOPs, and the abstract DeepSeek-V4-Fla
 from __future__ import annotations
 
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -396,16 +397,19 @@ def test_expert_loop_runs_only_used_tiles(monkeypatch):
     assert trips == [-(-counts.max() // moe.CPU_ROUND_ROWS)] == [3]
 
 
-def test_head_logits_read_a_bf16_weight_as_stored():
+@pytest.mark.parametrize("transposed", [False, True], ids=["out_in", "in_out"])
+def test_head_logits_read_a_bf16_weight_as_stored(transposed):
     """Float32 logits from a bf16 head, float32-accurate for bf16 and float32 activations, with no
     float32 copy of the weight in the compiled step (that copy was ~30 ms of a ~34 ms CPU decode
     step). Row counts on both sides of the CPU's limits: one bf16 row (padded to two), more bf16
     rows than XLA:CPU's fast dot takes (one dot still), and float32 rows below and above the most
-    its three bf16 slices serve (above: the weight is converted for the call)."""
-    head = Linear(64, 1000, get_config("dsv4-tiny-test"), quantized=False)
+    its three bf16 slices serve (above: the weight is converted for the call). Both layouts: the
+    checkpoint's [out, in] and the vocabulary head's transposed [in, out]."""
+    head = Linear(64, 1000, get_config("dsv4-tiny-test"), quantized=False, transposed=transposed)
     rng = np.random.default_rng(0)
     weight = rng.standard_normal((1000, 64)).astype(jnp.bfloat16)
-    head.weight[...] = jnp.asarray(weight)
+    assert head.weight.shape == ((64, 1000) if transposed else (1000, 64))
+    head.weight[...] = jnp.asarray(weight.T if transposed else weight)
     sliced = layers.CPU_SLICED_MAX_ROWS
     xs = (
         rng.standard_normal((3, sliced // 3, 64)).astype(np.float32),
@@ -419,7 +423,7 @@ def test_head_logits_read_a_bf16_weight_as_stored():
         got = np.asarray(got)
         assert got.dtype == np.float32 and got.shape == (*x.shape[:-1], 1000)
         np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * np.abs(want).max())
-    assert "f32[1000,64]" not in logits.lower(state, *xs).compile().as_text()
+    assert not {"f32[1000,64]", "f32[64,1000]"} & set(re.findall(r"f32\[\d+,\d+\]", logits.lower(state, *xs).compile().as_text()))
     above = rng.standard_normal((sliced + 1, 64)).astype(np.float32)
     want = above.astype(np.float64) @ weight.astype(np.float64).T
     np.testing.assert_allclose(np.asarray(jax.jit(head.float32)(above)), want, rtol=0, atol=2e-6 * np.abs(want).max())

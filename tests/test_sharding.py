@@ -90,7 +90,7 @@ def test_deepseek_v4_flash_splits_with_the_issue_rules(parallel):
     }
     assert {k: specs[layer + k] for k in expected} == expected
     assert specs["segments.2.units.0.attn.wq_b.weight"] == P(None, "tensor", None)  # stacked layers
-    assert specs["head.weight"] == P("tensor", None)
+    assert specs["head.weight"] == P(None, "tensor")  # stored [hidden, vocab] (`Linear(transposed=True)`)
 
 
 def test_two_logical_axes_claiming_one_mesh_axis_is_an_error():

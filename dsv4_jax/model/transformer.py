@@ -153,7 +153,7 @@ class DeepseekV4(nnx.Module):
             ]
         )
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.head = Linear(c.hidden_size, c.vocab_size, c, quantized=False, axes=(VOCAB, EMBED))
+        self.head = Linear(c.hidden_size, c.vocab_size, c, quantized=False, axes=(VOCAB, EMBED), transposed=True)
         self.hc_head_fn = nnx.Param(jnp.zeros((n, n * c.hidden_size), jnp.float32), axes=(HC, HC))
         self.hc_head_base = nnx.Param(jnp.zeros((n,), jnp.float32), axes=(HC,))
         self.hc_head_scale = nnx.Param(jnp.zeros((1,), jnp.float32), axes=(HC,))
