@@ -30,7 +30,22 @@ os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(REPO / ".jax_cache"))
 _WEIGHTS_CACHE = tempfile.TemporaryDirectory(prefix="dsv4-weights-cache-")
 os.environ["DSV4_JAX_WEIGHTS_CACHE"] = _WEIGHTS_CACHE.name
 
-import jax  # noqa: E402  (after the cache directory is chosen)
+# The suite compiles ~1600 small programs and runs most a few times: LLVM's optimisation passes
+# cost more there than they save (a cold tests/test_runner.py + test_engine.py on 2 AMD EPYC
+# cores, 2026-12-02: 327 -> 260 s, compiles 232 -> 154 s; XLA's HLO passes run as before). Set
+# before jax is imported; child processes inherit it (`child_xla_flags`), so a server a test
+# starts reads this process's compilation-cache entries (their keys include the flags).
+OPTIMIZATION_FLAG = "--xla_backend_optimization_level=0"
+if OPTIMIZATION_FLAG not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {OPTIMIZATION_FLAG}".strip()
+
+
+def child_xla_flags(cpu_devices: int) -> str:
+    """XLA_FLAGS for a child process with `cpu_devices` host devices (and this suite's flags)."""
+    return f"{os.environ['XLA_FLAGS']} --xla_force_host_platform_device_count={cpu_devices}"
+
+
+import jax  # noqa: E402  (after the cache directory and XLA_FLAGS are chosen)
 
 jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
 # Every executable is persisted, however fast it compiled: a server process started by the tests
@@ -79,7 +94,31 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
             json.dumps({test: len(secs) for test, secs in sorted(_compiles.items())}, indent=1))
 
 
+# ---- subprocesses started early ----------------------------------------------------------------
+# A test module whose fixture waits on a long subprocess (the 8-device sharding worker: ~3 min
+# cold) defines `start_early() -> handle` and `EARLY_FIXTURE` (the fixture's name). Once the
+# selection is known, the handle is started if a selected test uses that fixture, and runs while
+# the tests before it do (this process compiles on one core most of the time); the fixture takes
+# it with `take_early(module name)`, or starts its own where none was started.
+_early: dict[str, object] = {}
+
+
+def pytest_collection_finish(session):
+    for item in session.items:
+        module = getattr(item, "module", None)
+        start = getattr(module, "start_early", None)
+        if start is not None and module.__name__ not in _early and module.EARLY_FIXTURE in item.fixturenames:
+            _early[module.__name__] = start()
+
+
+def take_early(module_name: str):
+    """The handle `start_early` returned for that module at collection, or None."""
+    return _early.pop(module_name, None)
+
+
 def pytest_sessionfinish(session, exitstatus):
+    for handle in _early.values():  # started, never taken (its tests failed first or were skipped)
+        handle.kill()
     count = sum(len(v) for v in _compiles.values())
     if count > COMPILE_COUNT_CAP and exitstatus == 0:
         session.exitstatus = 1

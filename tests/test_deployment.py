@@ -15,7 +15,7 @@ import httpx
 import jax
 import pytest
 
-from conftest import REPO, free_port, wait_healthy  # tests/ is on sys.path
+from conftest import REPO, child_xla_flags, free_port, wait_healthy  # tests/ is on sys.path
 
 NAME = "DeepSeek-V4-Flash"
 
@@ -40,7 +40,7 @@ def test_the_tp2_deployment_command_serves(flash_like_checkpoint, tmp_path):
                "--gpu-memory-utilization", "0.9", "--max-num-seqs", "4", "--dtype", "auto",
                "--tool-call-parser", "deepseek_v4", "--enable-auto-tool-choice", "--reasoning-parser", "deepseek_v4",
                "--max-model-len", "4096"]
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": child_xla_flags(2),
            "JAX_COMPILATION_CACHE_DIR": jax.config.jax_compilation_cache_dir}
     log_path = tmp_path / "server.log"
     with open(log_path, "w") as log:

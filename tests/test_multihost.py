@@ -26,11 +26,11 @@ import numpy as np
 import pytest
 
 import dsv4_jax
-from conftest import REPO, free_port, wait_healthy  # tests/ is on sys.path
+from conftest import REPO, child_xla_flags, free_port, wait_healthy  # tests/ is on sys.path
 from sharding_worker import CONFIG
 
 WORKER = Path(__file__).with_name("multihost_worker.py")
-ENV = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+ENV = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": child_xla_flags(2),
        "JAX_COMPILATION_CACHE_DIR": jax.config.jax_compilation_cache_dir}
 
 

@@ -9,6 +9,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import jax
@@ -20,6 +21,7 @@ from jax.sharding import PartitionSpec as P
 import dsv4_jax
 from dsv4_jax import sharding as sh
 from dsv4_jax.model.transformer import DeepseekV4
+from conftest import child_xla_flags, take_early  # tests/ is on sys.path
 from dsv4_jax.presets import get_config
 
 WORKER = Path(__file__).with_name("sharding_worker.py")
@@ -135,14 +137,44 @@ def test_too_few_devices_and_bad_sizes_are_errors():
 
 
 # ---- the sharded forward on 8 CPU devices (one subprocess) ------------------------------------
+class WorkerRun:
+    """`tests/sharding_worker.py` running in its own process (output and log in a temporary directory)."""
+
+    def __init__(self):
+        self.directory = tempfile.TemporaryDirectory(prefix="sharding-worker-")
+        out = Path(self.directory.name)
+        env = dict(os.environ, XLA_FLAGS=child_xla_flags(8), JAX_PLATFORMS="cpu")
+        with open(out / "log.txt", "w") as log:
+            self.process = subprocess.Popen([sys.executable, str(WORKER), str(out / "result.json")], env=env,
+                                            stdout=log, stderr=subprocess.STDOUT)
+
+    def result(self, timeout_s: float = 600) -> dict:
+        try:
+            code = self.process.wait(timeout=timeout_s)
+        finally:
+            self.kill()
+        out = Path(self.directory.name)
+        assert code == 0, (out / "log.txt").read_text()[-3000:]
+        return json.loads((out / "result.json").read_text())
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(timeout=30)
+
+
+# Started by conftest once the selection is known, so its ~3 minutes overlap earlier tests.
+EARLY_FIXTURE = "worker"
+start_early = WorkerRun
+
+
 @pytest.fixture(scope="module")
-def worker(tmp_path_factory) -> dict:
-    out = tmp_path_factory.mktemp("sharding") / "result.json"
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
-    command = [sys.executable, str(WORKER), str(out)]
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600, check=False)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(out.read_text())
+def worker() -> dict:
+    run = take_early(__name__) or WorkerRun()
+    try:
+        return run.result()
+    finally:
+        run.directory.cleanup()
 
 
 def weight_collectives(mesh: dict, matrix_shapes: list[list[int]], kinds: tuple[str, ...]) -> list:

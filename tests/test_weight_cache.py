@@ -18,6 +18,7 @@ import pytest
 from flax import nnx
 
 import dsv4_jax
+from conftest import child_xla_flags  # tests/ is on sys.path
 from dsv4_jax import weight_cache
 from dsv4_jax.config import DeepseekV4Config
 from dsv4_jax.loading import default_stack_layers
@@ -155,7 +156,7 @@ def test_a_write_that_fails_midway_leaves_no_entry(tmp_path, monkeypatch):
 @pytest.fixture(scope="module")
 def worker(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("weight_cache_worker") / "result.json"
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    env = dict(os.environ, XLA_FLAGS=child_xla_flags(4), JAX_PLATFORMS="cpu")
     done = subprocess.run([sys.executable, str(WORKER), str(out)], env=env, capture_output=True, text=True,
                           timeout=600, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
