@@ -119,6 +119,11 @@ DISTRIBUTIONS = {
 }
 
 
+# Rows with top-k or top-p draw among K candidates: K = 32 of the 64 tokens holds every top-k and
+# top-p nucleus below (14 and 17 tokens), while rows without either must reach past the K.
+DRAW_CONFIG = SamplerConfig(candidates=32)
+
+
 @pytest.fixture(scope="module")
 def draws():
     """10,000 unseeded draws per distribution, all in one call (one compile)."""
@@ -126,7 +131,9 @@ def draws():
     rows = [
         SamplingRow(p, request_index=i * DRAWS + j) for i, p in enumerate(DISTRIBUTIONS.values()) for j in range(DRAWS)
     ]
-    tokens = _run(np.tile(row_logits, (len(rows), 1)), rows, engine_seed=11, step=3).token_ids
+    batch = build_sampling_batch(rows, len(rows), vocab_size=64, engine_seed=11, step=3, config=DRAW_CONFIG)
+    tokens = np.asarray(sample(*jax.device_put((np.tile(row_logits, (len(rows), 1)), batch)), config=DRAW_CONFIG)
+                        .token_ids)
     return row_logits, dict(zip(DISTRIBUTIONS, tokens.reshape(len(DISTRIBUTIONS), DRAWS)))
 
 
@@ -138,6 +145,15 @@ def test_draws_follow_the_exact_distribution(draws, name):
     assert counts[probs == 0].sum() == 0, "sampled a token the rules exclude"
     statistic, df = _chi_square(counts, probs)
     assert statistic < _chi_square_critical(df), (name, statistic, df)
+
+
+def test_rows_without_top_k_or_top_p_are_not_cut_at_the_candidates(draws):
+    row_logits, tokens = draws
+    beyond = np.argsort(-row_logits, kind="stable")[DRAW_CONFIG.candidates :]
+    probs = _distribution_reference(row_logits, DISTRIBUTIONS["temperature"])
+    drawn = np.isin(tokens["temperature"], beyond).sum()
+    expected = DRAWS * probs[beyond].sum()  # ~178 of 10,000 (1.8% of the mass)
+    assert abs(drawn - expected) < 5 * np.sqrt(expected), (drawn, expected)
 
 
 # ---- one step of 32 mixed requests ------------------------------------------------------------

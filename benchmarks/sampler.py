@@ -1,0 +1,59 @@
+"""Time the engine's on-device sampler on one step's logits, per kind of request.
+
+    python3 benchmarks/sampler.py [--batch 32] [--vocab 129280] [--repeats 40]
+
+Each row of the table is one batch where every row has the named settings (the sampler's cost
+depends on the mix: greedy rows take an argmax, rows with top-k or top-p draw among K candidates,
+the others from the whole vocabulary). Median wall milliseconds of `repeats` calls after one
+warm-up call, random logits (normal x 4), prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import jax
+import numpy as np
+
+from dsv4_jax.engine.sampler import SamplerConfig, SamplingRow, build_sampling_batch, sample
+from dsv4_jax.engine.sampling_params import SamplingParams
+
+MIXES = {
+    "greedy": SamplingParams(temperature=0.0),
+    "greedy + 5 logprobs": SamplingParams(temperature=0.0, logprobs=5),
+    "temperature 1 (OpenAI default)": SamplingParams(temperature=1.0),
+    "temperature 0.7, min_p 0.05": SamplingParams(temperature=0.7, min_p=0.05),
+    "top_p 0.95": SamplingParams(temperature=1.0, top_p=0.95),
+    "top_k 50": SamplingParams(temperature=1.0, top_k=50),
+    "top_k 50, top_p 0.9, seeded": SamplingParams(temperature=0.8, top_k=50, top_p=0.9, seed=3),
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--vocab", type=int, default=129_280)
+    parser.add_argument("--repeats", type=int, default=40)
+    args = parser.parse_args()
+
+    config = SamplerConfig()
+    logits = jax.device_put((np.random.default_rng(0).normal(size=(args.batch, args.vocab)) * 4).astype(np.float32))
+    print(f"sampler on [{args.batch}, {args.vocab}] logits, K = {config.candidates}, {jax.devices()[0].device_kind}, "
+          f"median of {args.repeats} calls\n")
+    print("| rows | ms |\n|---|---|")
+    for name, params in MIXES.items():
+        rows = [SamplingRow(params, request_index=i) for i in range(args.batch)]
+        batch = jax.device_put(build_sampling_batch(rows, args.batch, vocab_size=args.vocab, config=config))
+        jax.block_until_ready(sample(logits, batch, config=config))
+        times = []
+        for _ in range(args.repeats):
+            start = time.perf_counter()
+            jax.block_until_ready(sample(logits, batch, config=config))
+            times.append(time.perf_counter() - start)
+        print(f"| {name} | {1e3 * statistics.median(times):.1f} |")
+
+
+if __name__ == "__main__":
+    main()
