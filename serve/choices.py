@@ -72,19 +72,32 @@ def chat_logprobs(texts: TokenTexts, token_ids: list[int], entries: list[dict[in
     return items
 
 
-def completion_logprobs(texts: TokenTexts, token_ids: list[int], entries: list[dict[int, Logprob]], top: int,
+def completion_logprobs(texts: TokenTexts, token_ids: list[int], entries: list[dict[int, Logprob] | None], top: int,
                         text_offset: int) -> dict[str, list]:
-    """OpenAI completions `logprobs` (tokens, token_logprobs, top_logprobs, text_offset)."""
+    """OpenAI completions `logprobs` (tokens, token_logprobs, top_logprobs, text_offset). An entry of
+    None (an echoed prompt's first token, which nothing predicts) gives null logprobs (vLLM)."""
     out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for token, entry in zip(token_ids, entries):
         text = texts.text_of(token)
         out["tokens"].append(text)
-        out["token_logprobs"].append(max(entry[token].logprob, -9999.0))
-        ranked = sorted((lp.rank, t, lp.logprob) for t, lp in entry.items() if lp.rank is not None and lp.rank <= top)
-        out["top_logprobs"].append({texts.text_of(t): max(lp, -9999.0) for _, t, lp in ranked[:top]})
+        if entry is None:
+            out["token_logprobs"].append(None)
+            out["top_logprobs"].append(None)
+        else:
+            out["token_logprobs"].append(max(entry[token].logprob, -9999.0))
+            ranked = sorted((lp.rank, t, lp.logprob) for t, lp in entry.items() if lp.rank is not None and lp.rank <= top)
+            out["top_logprobs"].append({texts.text_of(t): max(lp, -9999.0) for _, t, lp in ranked[:top]})
         out["text_offset"].append(text_offset)
         text_offset += len(text)
     return out
+
+
+def prompt_logprobs(texts: TokenTexts, entries: list[dict[int, Logprob] | None]) -> list[dict | None]:
+    """vLLM's `prompt_logprobs` of a completion choice: per prompt token, None for the first, else
+    {token id: {logprob, rank, decoded_token}} (the prompt's own token, then the most likely)."""
+    return [None if entry is None else {
+        str(t): {"logprob": max(lp.logprob, -9999.0), "rank": lp.rank, "decoded_token": texts.text_of(t)}
+        for t, lp in entry.items()} for entry in entries]
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:

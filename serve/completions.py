@@ -10,7 +10,8 @@ import time
 from typing import Any, AsyncIterator
 
 from dsv4_jax.tokenizer import encode_prompt
-from serve.choices import TokenTexts, completion_logprobs, usage
+from dsv4_jax.engine.outputs import Logprob, RequestOutput
+from serve.choices import TokenTexts, completion_logprobs, prompt_logprobs, usage
 from serve.generation import Generation, new_request_id
 from serve.protocol import CompletionRequest, parse_completion_request
 from serve.sse import sse_response
@@ -26,19 +27,26 @@ class _Choice:
         self.text_offset = 0
         self.text: list[str] = []
         self.logprobs: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        self.prompt_logprobs: list[dict[int, Logprob] | None] | None = None
         self.finish_reason = self.stop_reason = None
 
-    def advance(self, completion: Any, texts: TokenTexts, top: int | None) -> tuple[str, dict | None]:
-        """The text and logprobs `completion` adds (the echoed prompt leads the first piece)."""
+    def advance(self, out: RequestOutput, texts: TokenTexts, top: int | None) -> tuple[str, dict | None]:
+        """The text and logprobs `out` adds. With echo, the prompt leads the first piece, and its
+        tokens lead the logprobs (vLLM: the prompt logprobs, the first token's null)."""
+        completion = out.outputs[0]
+        self.prompt_logprobs = out.prompt_logprobs
         new_text = completion.text[self.sent_chars:]
         self.sent_chars = len(completion.text)
-        lead, self.echo = self.echo or "", None
         tokens = completion.token_ids[self.sent_tokens:]
         entries = completion.logprobs[self.sent_tokens:] if completion.logprobs is not None else None
         self.sent_tokens = len(completion.token_ids)
+        lead, echoing, self.echo = self.echo or "", self.echo is not None, None
         logprobs = None
         if entries is not None:  # offsets count the characters of the whole choice text before each token
             logprobs = completion_logprobs(texts, tokens, entries, top, self.text_offset + len(lead))
+            if echoing and out.prompt_logprobs is not None:
+                echoed = completion_logprobs(texts, out.prompt_token_ids, out.prompt_logprobs, top, self.text_offset)
+                logprobs = {key: echoed[key] + values for key, values in logprobs.items()}
             for key, values in logprobs.items():
                 self.logprobs[key] += values
         text = lead + new_text
@@ -71,14 +79,16 @@ async def create_completion(state: ServingState, body: Any):
     try:
         async with contextlib.aclosing(generation.outputs()) as outputs:
             async for index, out in outputs:
-                choices[index].advance(out.outputs[0], texts, req.params.logprobs)
+                choices[index].advance(out, texts, req.params.logprobs)
     finally:
         generation.close()
     return {
         "id": request_id, "object": "text_completion", "created": created, "model": req.model,
         "choices": [{"index": c.index, "text": "".join(c.text),
                      "logprobs": c.logprobs if req.params.logprobs is not None else None,
-                     "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in choices],
+                     "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+                     "prompt_logprobs": None if c.prompt_logprobs is None else prompt_logprobs(texts, c.prompt_logprobs)}
+                    for c in choices],
         "usage": usage(usage_prompt, sum(c.sent_tokens for c in choices)),
     }
 
@@ -92,7 +102,7 @@ async def _stream(req: CompletionRequest, request_id: str, created: int, generat
         async with contextlib.aclosing(generation.outputs()) as outputs:
             async for index, out in outputs:
                 choice = choices[index]
-                text, logprobs = choice.advance(out.outputs[0], texts, req.params.logprobs)
+                text, logprobs = choice.advance(out, texts, req.params.logprobs)
                 if text or logprobs or choice.finish_reason is not None:
                     entry = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": choice.finish_reason}
                     if choice.finish_reason is not None:

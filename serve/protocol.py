@@ -24,8 +24,9 @@ is a drop-in for `vllm serve`. The points checked there:
   (`serving_chat.py` tests the resolved value). `tool_choice` other than "none" needs `tools`;
   "required" with an empty list becomes "none". Tools stay in the prompt for "none" (vLLM's
   default, `--exclude-tools-when-tool-choice-none` off). A null `tool_choice` counts as left out.
-* completions: with `echo` and `logprobs`, `prompt_logprobs` defaults to `logprobs`; prompt
-  logprobs cannot be streamed.
+* completions: with `echo` and `logprobs`, `prompt_logprobs` defaults to `logprobs`, and the
+  prompt's tokens lead the choice's logprobs (the first one null), streamed too; an explicit
+  `prompt_logprobs` cannot be streamed, and comes back in each choice's `prompt_logprobs` (vLLM).
 """
 
 from __future__ import annotations
