@@ -98,24 +98,25 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
 
 # ---- subprocesses started early ----------------------------------------------------------------
 # A test module whose fixture waits on a long subprocess (the 8-device sharding worker: ~3 min
-# cold) defines `start_early() -> handle` and `EARLY_FIXTURE` (the fixture's name). Once the
-# selection is known, the handle is started if a selected test uses that fixture, and runs while
+# cold; servers and multi-process runs: ~1 min each) maps fixture names to factories in
+# `START_EARLY: dict[str, Callable[[], handle]]` (a handle has `kill()`). Once the selection is
+# known, each factory whose fixture a selected test uses is called, so the subprocess runs while
 # the tests before it do (this process compiles on one core most of the time); the fixture takes
-# it with `take_early(module name)`, or starts its own where none was started.
-_early: dict[str, object] = {}
+# its handle with `take_early(module name, fixture name)`, or starts its own where none was started.
+_early: dict[tuple[str, str], object] = {}
 
 
 def pytest_collection_finish(session):
     for item in session.items:
         module = getattr(item, "module", None)
-        start = getattr(module, "start_early", None)
-        if start is not None and module.__name__ not in _early and module.EARLY_FIXTURE in item.fixturenames:
-            _early[module.__name__] = start()
+        for fixture, start in getattr(module, "START_EARLY", {}).items():
+            if (module.__name__, fixture) not in _early and fixture in item.fixturenames:
+                _early[module.__name__, fixture] = start()
 
 
-def take_early(module_name: str):
-    """The handle `start_early` returned for that module at collection, or None."""
-    return _early.pop(module_name, None)
+def take_early(module_name: str, fixture: str):
+    """The handle `START_EARLY[fixture]` returned for that module at collection, or None."""
+    return _early.pop((module_name, fixture), None)
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -9,43 +9,68 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import httpx
 import jax
 import pytest
 
-from conftest import REPO, child_xla_flags, free_port, wait_healthy  # tests/ is on sys.path
+from conftest import REPO, child_xla_flags, free_port, take_early, wait_healthy  # tests/ is on sys.path
 
 NAME = "DeepSeek-V4-Flash"
 
 
+class DeploymentServer:
+    """The deployment command running in its own process, on a one-layer model with the real V4
+    vocabulary and tokenizer that splits over two devices and takes --max-model-len 4096
+    (checkpoint and log in a temporary directory)."""
+
+    def __init__(self):
+        from dsv4_jax.presets import get_config
+        from dsv4_jax.testing import write_random_checkpoint
+
+        self.directory = tempfile.TemporaryDirectory(prefix="deployment-")
+        config = get_config("dsv4-tiny-test").replace(
+            sliding_window=4, compress_ratios=(16,), index_topk=2, vocab_size=129280, num_hidden_layers=1,
+            num_nextn_predict_layers=0, max_position_embeddings=4096)
+        model = str(write_random_checkpoint(Path(self.directory.name) / "ckpt", config, seed=5))
+        self.port = free_port()
+        command = [sys.executable, "-m", "serve", model, "--tensor-parallel-size", "2", "--trust-remote-code",
+                   "--served-model-name", NAME, "--port", str(self.port), "--tokenizer", model,
+                   "--gpu-memory-utilization", "0.9", "--max-num-seqs", "4", "--dtype", "auto",
+                   "--tool-call-parser", "deepseek_v4", "--enable-auto-tool-choice", "--reasoning-parser", "deepseek_v4",
+                   "--max-model-len", "4096"]
+        env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": child_xla_flags(2),
+               "JAX_COMPILATION_CACHE_DIR": jax.config.jax_compilation_cache_dir}
+        self.log_path = Path(self.directory.name) / "server.log"
+        with open(self.log_path, "w") as log:
+            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(timeout=30)
+
+
+# Started by conftest once the selection is known: its start-up (~1 min cold, one core) overlaps
+# the tests before it.
+START_EARLY = {"deployment": DeploymentServer}
+
+
 @pytest.fixture(scope="module")
-def flash_like_checkpoint(tmp_path_factory) -> Path:
-    """A one-layer model with the real V4 vocabulary and tokenizer that splits over two devices
-    and takes --max-model-len 4096."""
-    from dsv4_jax.presets import get_config
-    from dsv4_jax.testing import write_random_checkpoint
-
-    config = get_config("dsv4-tiny-test").replace(
-        sliding_window=4, compress_ratios=(16,), index_topk=2, vocab_size=129280, num_hidden_layers=1,
-        num_nextn_predict_layers=0, max_position_embeddings=4096)
-    return write_random_checkpoint(tmp_path_factory.mktemp("flash_like") / "ckpt", config, seed=5)
+def deployment():
+    server = take_early(__name__, "deployment") or DeploymentServer()
+    try:
+        yield server
+    finally:
+        server.kill()
+        server.directory.cleanup()
 
 
-def test_the_tp2_deployment_command_serves(flash_like_checkpoint, tmp_path):
-    model, port = str(flash_like_checkpoint), free_port()
-    command = [sys.executable, "-m", "serve", model, "--tensor-parallel-size", "2", "--trust-remote-code",
-               "--served-model-name", NAME, "--port", str(port), "--tokenizer", model,
-               "--gpu-memory-utilization", "0.9", "--max-num-seqs", "4", "--dtype", "auto",
-               "--tool-call-parser", "deepseek_v4", "--enable-auto-tool-choice", "--reasoning-parser", "deepseek_v4",
-               "--max-model-len", "4096"]
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": child_xla_flags(2),
-           "JAX_COMPILATION_CACHE_DIR": jax.config.jax_compilation_cache_dir}
-    log_path = tmp_path / "server.log"
-    with open(log_path, "w") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
-    base = f"http://127.0.0.1:{port}"
+def test_the_tp2_deployment_command_serves(deployment):
+    process, log_path = deployment.process, deployment.log_path
+    base = f"http://127.0.0.1:{deployment.port}"
     try:
         wait_healthy(base, [process], log_path)
         log_text = log_path.read_text()

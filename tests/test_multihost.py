@@ -17,6 +17,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -26,7 +27,7 @@ import numpy as np
 import pytest
 
 import dsv4_jax
-from conftest import REPO, child_xla_flags, free_port, wait_healthy  # tests/ is on sys.path
+from conftest import REPO, child_xla_flags, free_port, take_early, wait_healthy  # tests/ is on sys.path
 from sharding_worker import CONFIG
 
 WORKER = Path(__file__).with_name("multihost_worker.py")
@@ -34,9 +35,20 @@ ENV = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": child_xla_flags(2),
        "JAX_COMPILATION_CACHE_DIR": jax.config.jax_compilation_cache_dir}
 
 
+_checkpoint_dir: list[tempfile.TemporaryDirectory] = []
+
+
+def shared_checkpoint() -> Path:
+    """The module's random checkpoint, written once (at collection when a run is started early)."""
+    if not _checkpoint_dir:
+        _checkpoint_dir.append(tempfile.TemporaryDirectory(prefix="multihost-"))
+        dsv4_jax.testing.write_random_checkpoint(Path(_checkpoint_dir[0].name) / "ckpt", CONFIG, seed=0)
+    return Path(_checkpoint_dir[0].name) / "ckpt"
+
+
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> Path:
-    return dsv4_jax.testing.write_random_checkpoint(tmp_path_factory.mktemp("multihost") / "ckpt", CONFIG, seed=0)
+def checkpoint() -> Path:
+    return shared_checkpoint()
 
 
 def _start(command: list[str], log: Path) -> subprocess.Popen:
@@ -52,19 +64,68 @@ def _kill(processes: list[subprocess.Popen]) -> None:
             process.wait(timeout=30)
 
 
+class TwoWorkers:
+    """Both ranks of tests/multihost_worker.py (outputs and logs in a temporary directory)."""
+
+    def __init__(self):
+        self.directory = tempfile.TemporaryDirectory(prefix="multihost-out-")
+        out, port, checkpoint = Path(self.directory.name), free_port(), shared_checkpoint()
+        self.processes = [_start([sys.executable, str(WORKER), str(rank), str(port), str(checkpoint),
+                                  str(out / f"{rank}.json")], out / f"{rank}.log") for rank in (0, 1)]
+
+    def results(self) -> list[dict]:
+        out = Path(self.directory.name)
+        try:
+            codes = [p.wait(timeout=300) for p in self.processes]
+        finally:
+            self.kill()
+        logs = "\n".join((out / f"{rank}.log").read_text()[-2000:] for rank in (0, 1))
+        assert codes == [0, 0], logs
+        return [json.loads((out / f"{rank}.json").read_text()) for rank in (0, 1)]
+
+    def kill(self) -> None:
+        _kill(self.processes)
+
+
+SERVER_FLAGS = ["--dtype", "float32", "--kv-cache-dtype", "float32", "--max-model-len", "128", "--max-num-seqs", "2",
+                "--block-size", "128", "--max-num-batched-tokens", "16", "-tp", "2", "-dp", "2",
+                "--enable-expert-parallel", "--nnodes", "2", "--master-addr", "127.0.0.1"]
+
+
+class ServerPair:
+    """`python -m serve` as node 0 and a `--headless` node 1 (logs in a temporary directory)."""
+
+    def __init__(self):
+        self.directory = tempfile.TemporaryDirectory(prefix="multihost-serve-")
+        self.logs = Path(self.directory.name)
+        master, http_port = free_port(), free_port()
+        common = [sys.executable, "-m", "serve", str(shared_checkpoint()), *SERVER_FLAGS, "--master-port", str(master)]
+        self.follower = _start([*common, "--node-rank", "1", "--headless"], self.logs / "follower.log")
+        self.leader = _start([*common, "--node-rank", "0", "--port", str(http_port)], self.logs / "leader.log")
+        self.base = f"http://127.0.0.1:{http_port}"
+
+    def kill(self) -> None:
+        _kill([self.leader, self.follower])
+
+
+# Started by conftest once the selection is known: each run (~35 and ~45 s cold, two processes)
+# overlaps the tests before it.
+START_EARLY = {"two_processes": TwoWorkers, "server_pair": ServerPair}
+
+
 @pytest.fixture(scope="module")
-def two_processes(checkpoint, tmp_path_factory) -> list[dict]:
-    out = tmp_path_factory.mktemp("multihost_out")
-    port = free_port()
-    processes = [_start([sys.executable, str(WORKER), str(rank), str(port), str(checkpoint), str(out / f"{rank}.json")],
-                        out / f"{rank}.log") for rank in (0, 1)]
+def two_processes() -> list[dict]:
+    return (take_early(__name__, "two_processes") or TwoWorkers()).results()
+
+
+@pytest.fixture
+def server_pair():
+    pair = take_early(__name__, "server_pair") or ServerPair()
     try:
-        codes = [p.wait(timeout=300) for p in processes]
+        yield pair
     finally:
-        _kill(processes)
-    logs = "\n".join((out / f"{rank}.log").read_text()[-2000:] for rank in (0, 1))
-    assert codes == [0, 0], logs
-    return [json.loads((out / f"{rank}.json").read_text()) for rank in (0, 1)]
+        pair.kill()
+        pair.directory.cleanup()
 
 
 def test_two_processes_share_one_mesh_and_split_the_weights(two_processes):
@@ -130,19 +191,10 @@ def test_nodes_started_with_different_flags_stop_before_loading_naming_the_flag(
         assert not (tmp_path / f"{rank}.json").exists()
 
 
-SERVER_FLAGS = ["--dtype", "float32", "--kv-cache-dtype", "float32", "--max-model-len", "128", "--max-num-seqs", "2",
-                "--block-size", "128", "--max-num-batched-tokens", "16", "-tp", "2", "-dp", "2",
-                "--enable-expert-parallel", "--nnodes", "2", "--master-addr", "127.0.0.1"]
-
-
-def test_a_dead_follower_stops_the_server_within_30_s(checkpoint, tmp_path):
-    master, http_port = free_port(), free_port()
-    common = [sys.executable, "-m", "serve", str(checkpoint), *SERVER_FLAGS, "--master-port", str(master)]
-    follower = _start([*common, "--node-rank", "1", "--headless"], tmp_path / "follower.log")
-    leader = _start([*common, "--node-rank", "0", "--port", str(http_port)], tmp_path / "leader.log")
-    base = f"http://127.0.0.1:{http_port}"
+def test_a_dead_follower_stops_the_server_within_30_s(server_pair):
+    leader, follower, base = server_pair.leader, server_pair.follower, server_pair.base
     try:
-        wait_healthy(base, [leader, follower], tmp_path / "leader.log")
+        wait_healthy(base, [leader, follower], server_pair.logs / "leader.log")
         assert httpx.get(f"{base}/v1/models", timeout=30).status_code == 200
         done = httpx.post(f"{base}/v1/completions", timeout=120,
                           json={"prompt": [5, 17, 42], "max_tokens": 4, "temperature": 0})
@@ -153,7 +205,7 @@ def test_a_dead_follower_stops_the_server_within_30_s(checkpoint, tmp_path):
         code = leader.wait(timeout=30)
         waited = time.monotonic() - killed
     finally:
-        _kill([leader, follower])
-    log = (tmp_path / "leader.log").read_text()
+        server_pair.kill()
+    log = (server_pair.logs / "leader.log").read_text()
     assert code != 0 and waited < 30, log[-3000:]
     assert "follower node 1 is gone" in log, log[-3000:]

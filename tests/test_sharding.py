@@ -164,13 +164,12 @@ class WorkerRun:
 
 
 # Started by conftest once the selection is known, so its ~3 minutes overlap earlier tests.
-EARLY_FIXTURE = "worker"
-start_early = WorkerRun
+START_EARLY = {"worker": WorkerRun}
 
 
 @pytest.fixture(scope="module")
 def worker() -> dict:
-    run = take_early(__name__) or WorkerRun()
+    run = take_early(__name__, "worker") or WorkerRun()
     try:
         return run.result()
     finally:
