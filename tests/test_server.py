@@ -143,34 +143,37 @@ def test_completions_whole_streamed_and_with_token_ids(server, client, chat_llm)
     assert detok == chat_llm.tokenizer.decode(prompt, skip_special_tokens=False)
 
 
-def test_completions_echo_and_prompt_logprobs(server, client, chat_llm):
+def test_completions_echo_and_prompt_logprobs(server, client):
     """vLLM's shapes: with echo and logprobs, the prompt's tokens lead the choice's logprobs (the
-    first one null: nothing predicts it), whole or streamed; `prompt_logprobs` is returned per choice."""
-    prompt = [0, 4000, 5000, 6000, 7000]
-    (offline,) = chat_llm.generate([{"prompt_token_ids": prompt}],
-                                   SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=2), use_tqdm=False)
-    expected = [None] + [entry[token].logprob for token, entry in zip(prompt[1:], offline.prompt_logprobs[1:])]
-    body = {"model": NAME, "prompt": prompt, "max_tokens": 2, "temperature": 0, "echo": True, "logprobs": 2,
-            "ignore_eos": True, "return_tokens_as_token_ids": True}
-    choice = _http(server, "POST", "/v1/completions", json=body).json()["choices"][0]
+    first one null: nothing predicts it), whole or streamed; `prompt_logprobs` is returned per
+    choice. The values: a greedy token's logprob when it was sampled equals its logprob when it is
+    fed back as the prompt's last token (the decode step's sampler against the prefill's head)."""
+    first = [0, 4000, 5000, 6000]
+    body = {"model": NAME, "max_tokens": 2, "temperature": 0, "logprobs": 2, "ignore_eos": True,
+            "return_tokens_as_token_ids": True}
+    sampled = _http(server, "POST", "/v1/completions", json={**body, "prompt": first}).json()["choices"][0]
+    token = int(sampled["logprobs"]["tokens"][0].split(":")[1])
+    prompt = [*first, token]
+    choice = _http(server, "POST", "/v1/completions", json={**body, "prompt": prompt, "echo": True}).json()["choices"][0]
     logprobs = choice["logprobs"]
     assert [int(t.split(":")[1]) for t in logprobs["tokens"][:5]] == prompt and len(logprobs["tokens"]) == 7
     assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
-    np.testing.assert_allclose(logprobs["token_logprobs"][1:5], expected[1:], atol=LOGPROB_TOL)
-    assert all(len(top) == 2 for top in logprobs["top_logprobs"][1:])
+    assert logprobs["token_logprobs"][4] == pytest.approx(sampled["logprobs"]["token_logprobs"][0], abs=LOGPROB_TOL)
+    assert all(lp <= 0 for lp in logprobs["token_logprobs"][1:]) and all(len(top) == 2 for top in logprobs["top_logprobs"][1:])
     # The echoed tokens' offsets add up their strings from 0 (vLLM); the sampled ones' count the text.
     assert logprobs["text_offset"][:5] == [0, *np.cumsum([len(t) for t in logprobs["tokens"][:4]])]
     assert choice["prompt_logprobs"][0] is None and len(choice["prompt_logprobs"]) == len(prompt)
-    for token, entry, want in zip(prompt[1:], choice["prompt_logprobs"][1:], expected[1:]):
-        assert entry[str(token)]["logprob"] == pytest.approx(want, abs=LOGPROB_TOL)
-        assert entry[str(token)]["rank"] >= 1 and len(entry) in (2, 3)  # the prompt's token and the 2 best
-    plain = _http(server, "POST", "/v1/completions", json={**body, "echo": False, "logprobs": None}).json()
-    assert plain["choices"][0]["prompt_logprobs"] is None
+    for position, entry in enumerate(choice["prompt_logprobs"][1:], start=1):
+        own = entry[str(prompt[position])]
+        assert own["logprob"] == logprobs["token_logprobs"][position] and own["rank"] >= 1
+        assert len(entry) in (2, 3) and sorted(e["rank"] for e in entry.values())[:2] == [1, 2]
+    assert _http(server, "POST", "/v1/completions", json={**body, "prompt": prompt}).json()["choices"][0][
+        "prompt_logprobs"] is None
     streamed = client.completions.create(model=NAME, prompt=prompt, max_tokens=2, temperature=0, echo=True,
                                          logprobs=2, stream=True, extra_body={"ignore_eos": True})
     pieces = [c.choices[0] for c in streamed if c.choices]
     assert pieces[0].logprobs.token_logprobs[0] is None
-    np.testing.assert_allclose(pieces[0].logprobs.token_logprobs[1:5], expected[1:], atol=LOGPROB_TOL)
+    np.testing.assert_allclose(pieces[0].logprobs.token_logprobs[1:5], logprobs["token_logprobs"][1:5], atol=LOGPROB_TOL)
     assert sum(len(p.logprobs.tokens) for p in pieces if p.logprobs) == len(prompt) + 2
 
 

@@ -35,7 +35,8 @@ cumulative sums, where `random.categorical` would draw B x V random numbers (~20
 Measured with `benchmarks/sampler.py` at [32, 129280] on 2 AMD EPYC cores (2026-12-02, medians of
 60 interleaved calls, against the earlier sampler that drew every random row among the K):
 temperature-only rows 23-25 -> 5-9 ms, top-k rows unchanged (~25 ms), top-p-only rows 24-28 ->
-27-36 ms (the pass that makes their nucleus exact), greedy rows unchanged.
+27-36 ms (the pass that makes their nucleus exact), greedy rows unchanged; one compile of
+`sample` at B = 8: 1.4 -> 1.9 s.
 
 Logprobs follow vLLM's default (`logprobs_mode="raw_logprobs"`): the log_softmax of the model's
 own logits, before bias, penalties, temperature and truncation. They are computed only when some
@@ -291,12 +292,8 @@ def _row_key(words: jax.Array) -> jax.Array:
     return key
 
 
-def _row_keys(batch: SamplingBatch) -> jax.Array:
-    return jax.vmap(_row_key)(batch.key_words)  # [B] keys
-
-
-def _draw_candidates(x: jax.Array, batch: SamplingBatch, k: int) -> jax.Array:
-    """Step 4 for rows with top-k or top-p (greedy rows: their argmax): [B, V] -> token ids [B]."""
+def _draw_candidates(x: jax.Array, batch: SamplingBatch, keys: jax.Array, k: int) -> jax.Array:
+    """Step 4 for rows with top-k or top-p: [B, V] -> token ids [B]."""
     values, ids = row_top_k(x, k)  # [B, K], most likely first
     scaled = values / batch.temperature[:, None]
     rank = jnp.arange(k)[None, :]
@@ -319,9 +316,8 @@ def _draw_candidates(x: jax.Array, batch: SamplingBatch, k: int) -> jax.Array:
     probs = jnp.exp(survivors - log_mass[:, None])
     mass_before = jnp.cumsum(probs, axis=-1) - probs  # of the more likely survivors
     keep &= (mass_before < batch.top_p[:, None]) | (rank == 0)  # vLLM's top-p, the best always kept
-    gumbel = jax.vmap(lambda key: jax.random.gumbel(key, (k,), jnp.float32))(_row_keys(batch))
+    gumbel = jax.vmap(lambda key: jax.random.gumbel(key, (k,), jnp.float32))(keys)
     choice = jnp.argmax(jnp.where(keep, scaled + gumbel, -jnp.inf), axis=-1)
-    choice = jnp.where(batch.greedy, 0, choice)  # greedy rows: the best candidate, their argmax
     # One gather of the chosen candidate: slicing `ids[:, 0]` instead makes XLA:CPU lower top_k
     # as a full sort (30x slower at the real vocabulary).
     return jnp.take_along_axis(ids, choice[:, None], axis=1)[:, 0]
@@ -342,7 +338,7 @@ def _inverse_cdf(weights: jax.Array, uniform: jax.Array) -> jax.Array:
     return jnp.minimum(index, last)
 
 
-def _draw_untruncated(x: jax.Array, batch: SamplingBatch) -> jax.Array:
+def _draw_untruncated(x: jax.Array, batch: SamplingBatch, keys: jax.Array) -> jax.Array:
     """Step 4 for rows without top-k or top-p: the whole vocabulary (min-p applied), by inverse
     CDF over blocks, then inside the chosen block. [B, V] -> token ids [B]"""
     b, v = x.shape
@@ -358,7 +354,7 @@ def _draw_untruncated(x: jax.Array, batch: SamplingBatch) -> jax.Array:
         scaled = logits / batch.temperature[:, None]
         return jnp.where(scaled - best >= floor, jnp.exp(scaled - best), 0.0)
 
-    uniform = jax.vmap(lambda key: jax.random.uniform(key, (2,), jnp.float32))(_row_keys(batch))  # [B, 2]
+    uniform = jax.vmap(lambda key: jax.random.uniform(key, (2,), jnp.float32))(keys)  # [B, 2]
     chosen = _inverse_cdf(jnp.sum(weigh(x).reshape(b, blocks, block), axis=-1), uniform[:, 0])  # [B] block
     # The chosen block's weights are computed again from its logits: gathering them from the
     # weights of the whole row made XLA:CPU take 20 ms instead of 4 at [32, 129280] (2026-12-02).
@@ -380,16 +376,15 @@ def _sample(logits: jax.Array, batch: SamplingBatch, config: SamplerConfig = Sam
     truncated = ~batch.greedy & (((batch.top_k > 0) & (batch.top_k < logits.shape[-1])) | (batch.top_p < 1))
     untruncated = ~batch.greedy & ~truncated
 
+    keys = jax.vmap(_row_key)(batch.key_words)  # [B]: once, outside the branches (one copy to compile)
+
     def pick(x: jax.Array) -> jax.Array:
-        # One switch over which kinds of rows the batch holds (each conditional that takes the
-        # [B, V] logits may copy them on XLA:CPU). Greedy rows take the argmax, or the best
-        # candidate where candidates are drawn anyway.
-        return jax.lax.switch(2 * jnp.any(truncated) + jnp.any(untruncated), [
-            lambda: row_argmax(x),
-            lambda: jnp.where(untruncated, _draw_untruncated(x, batch), row_argmax(x)),
-            lambda: _draw_candidates(x, batch, k),
-            lambda: jnp.where(untruncated, _draw_untruncated(x, batch), _draw_candidates(x, batch, k)),
-        ])
+        # Each draw runs only in a batch that has its kind of rows (greedy rows: the argmax).
+        tokens = row_argmax(x)
+        tokens = jnp.where(truncated, jax.lax.cond(
+            jnp.any(truncated), lambda: _draw_candidates(x, batch, keys, k), lambda: tokens), tokens)
+        return jnp.where(untruncated, jax.lax.cond(
+            jnp.any(untruncated), lambda: _draw_untruncated(x, batch, keys), lambda: tokens), tokens)
 
     # Runtime branches, not compile variants: a greedy-only batch skips both draws, a
     # batch without logprob requests skips the log_softmax, and a batch without biases or banned
