@@ -47,7 +47,7 @@ class Generation:
                     state.metrics.request_started(rid, len(prompt_ids))
         except ValueError as error:  # the engine's numbers: prompt + max_tokens beyond max_model_len, ...
             self.close()
-            raise OpenAIError(str(error), param=_param_of(error)) from None
+            raise OpenAIError(str(error), param=getattr(error, "param", None)) from None
         except BaseException:
             self.close()
             raise
@@ -94,15 +94,3 @@ class Generation:
             await asyncio.gather(*tasks, return_exceptions=True)
             self.close()
 
-
-def _param_of(error: ValueError) -> str | None:
-    text = str(error)
-    if "max_tokens" in text or "max_model_len" in text:
-        return "max_tokens"
-    if "prompt token ids" in text:
-        return "prompt"
-    if "logit_bias" in text:
-        return "logit_bias"
-    if "stop_token_ids" in text:
-        return "stop_token_ids"
-    return None

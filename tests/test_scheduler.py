@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dsv4_jax.engine.block_manager import BlockManager
-from dsv4_jax.engine.request import PLACEHOLDER, Request, RequestStatus
+from dsv4_jax.engine.request import PLACEHOLDER, Request, RequestRejected, RequestStatus
 from dsv4_jax.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 
 # Small pools: 600 + 64 tokens need 42 blocks of 16, and 96 usable blocks hold few such requests at
@@ -199,22 +199,24 @@ def test_random_limits_keep_every_invariant(block_size, cap, rows, tokens, decod
 
 # ---- refusals ---------------------------------------------------------------------------------
 @pytest.mark.parametrize(
-    "prompt_len, max_tokens, overrides, expected",
+    "prompt_len, max_tokens, overrides, expected, param",
     [
-        (0, 4, {}, "prompt is empty"),
-        (700, 5, {}, "prompt 700 + max_tokens 5 = 705 tokens exceed max_model_len=704"),
-        (10, 0, {}, "max_tokens must be an int >= 1, got 0"),
-        (500, 100, {}, "599 cached positions need 38 compressed blocks of 16, more than the 30 usable"),
-        (600, 64, {"usable_blocks_cap": None, "max_blocks_per_seq": 41}, "need 42 compressed blocks"),
+        (0, 4, {}, "prompt is empty", "prompt"),
+        (700, 5, {}, "prompt 700 + max_tokens 5 = 705 tokens exceed max_model_len=704", "max_tokens"),
+        (10, 0, {}, "max_tokens must be an int >= 1, got 0", "max_tokens"),
+        (500, 100, {}, "599 cached positions need 38 compressed blocks of 16, more than the 30 usable", "max_tokens"),
+        (600, 64, {"usable_blocks_cap": None, "max_blocks_per_seq": 41}, "need 42 compressed blocks", "max_tokens"),
         (129, 1, {"enable_chunked_prefill": False},
-         "prompt 129 is longer than one prefill row (max_prefill_tokens=128"),
+         "prompt 129 is longer than one prefill row (max_prefill_tokens=128", "prompt"),
     ],
 )
-def test_add_refuses_a_request_that_can_never_run(prompt_len, max_tokens, overrides, expected):
+def test_add_refuses_a_request_that_can_never_run(prompt_len, max_tokens, overrides, expected, param):
+    """With the numbers, and the request field to change (the server's OpenAI error `param`)."""
     config = SchedulerConfig(**{**vars(CONFIG), "usable_blocks_cap": 30, **overrides})
     scheduler = Scheduler(config)
-    with pytest.raises(ValueError, match=re.escape(expected)):
+    with pytest.raises(RequestRejected, match=re.escape(expected)) as refused:
         scheduler.add(new_request("big", prompt_len, max_tokens))
+    assert isinstance(refused.value, ValueError) and refused.value.param == param
     assert not scheduler.has_unfinished()
 
 

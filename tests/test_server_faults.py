@@ -343,6 +343,7 @@ def test_prompts_over_max_model_len_are_400s_with_the_numbers(chat_server, load,
         for path, body, numbers in over:
             status, error = _error(http.post(path, json={"model": server["name"], **body}))
             assert status == 400 and all(n in error["message"] for n in numbers), (path, error)
+            assert error["param"] == "max_tokens", (path, error)  # the field to lower (the engine's RequestRejected)
         fits = http.post("/v1/completions", json={"model": server["name"], "prompt": ids(MAX_MODEL_LEN - 2),
                                                   "max_tokens": 2, "ignore_eos": True})
         assert fits.status_code == 200 and fits.json()["usage"]["completion_tokens"] == 2, fits.text

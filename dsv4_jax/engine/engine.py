@@ -28,7 +28,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from dsv4_jax.distributed import StepChannel
 from dsv4_jax.engine.detokenizer import IncrementalDetokenizer
 from dsv4_jax.engine.outputs import CompletionOutput, Logprob, RequestOutput
-from dsv4_jax.engine.request import PLACEHOLDER, ForcedTokens, Request, RequestStatus
+from dsv4_jax.engine.request import PLACEHOLDER, ForcedTokens, Request, RequestRejected, RequestStatus
 from dsv4_jax.engine.runner import ModelRunner, StepBuckets, StepOutput
 from dsv4_jax.engine.lockstep import Lockstep
 from dsv4_jax.engine.sampler import (
@@ -161,17 +161,17 @@ class LLMEngine:
         vocab = self.config.vocab_size
         bad = sorted({t for t in ids if not 0 <= t < vocab})
         if bad:
-            raise ValueError(f"prompt token ids must be in [0, {vocab}) (the model's vocabulary); got {bad[:8]}")
+            raise RequestRejected(f"prompt token ids must be in [0, {vocab}) (the model's vocabulary); got {bad[:8]}",
+                                  "prompt")
         params.check_token_ids(vocab)
         if forced is not None and not all(0 <= t < vocab for t in forced.token_ids):
             raise ValueError(f"forced token ids must be in [0, {vocab}) (the model's vocabulary)")
         room = self.max_model_len - len(ids)
         max_tokens = params.max_tokens if params.max_tokens is not None else room
         if room < 1 or max_tokens > room:
-            raise ValueError(
+            raise RequestRejected(
                 f"the prompt ({len(ids)} tokens) plus max_tokens ({max_tokens}) exceeds max_model_len "
-                f"({self.max_model_len})"
-            )
+                f"({self.max_model_len})", "max_tokens")
         request = Request(request_id, ids, max_tokens, sampling_params=params)
         self.scheduler.add(request)  # may refuse: blocks the pool can never give
         detokenizer = IncrementalDetokenizer(

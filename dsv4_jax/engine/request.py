@@ -9,6 +9,15 @@ import time
 from typing import Any
 
 
+class RequestRejected(ValueError):
+    """A request that can never run as asked; the message gives the numbers, `param` names the
+    request field to change (the server's OpenAI error `param`), or None."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
 # A sampled token not known on the host yet (async scheduling): the next step is scheduled while
 # the device still computes it, and the device puts the real token in its place (engine.py).
 PLACEHOLDER = -1

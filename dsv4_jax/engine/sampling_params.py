@@ -12,6 +12,8 @@ import dataclasses
 import math
 import numbers
 
+from dsv4_jax.engine.request import RequestRejected
+
 # Greedy below this temperature: dividing logits by less overflows float32 (vLLM's _SAMPLING_EPS).
 GREEDY_TEMPERATURE = 1e-5
 # Top logprobs a request may ask for, besides the sampled token's (vLLM's default --max-logprobs).
@@ -137,11 +139,10 @@ class SamplingParams:
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
     def check_token_ids(self, vocab_size: int) -> None:
-        """Raise a ValueError if `logit_bias` or `stop_token_ids` name a token outside the
-        vocabulary (the sampler would otherwise drop it silently)."""
+        """Raise a RequestRejected (a ValueError) if `logit_bias` or `stop_token_ids` name a token
+        outside the vocabulary (the sampler would otherwise drop it silently)."""
         for name, ids in (("logit_bias", list(self.logit_bias or ())), ("stop_token_ids", self.stop_token_ids)):
             outside = [t for t in ids if t >= vocab_size]
             if outside:
-                raise ValueError(
-                    f"SamplingParams.{name} has token ids {outside[:8]} outside the vocabulary [0, {vocab_size})"
-                )
+                raise RequestRejected(
+                    f"SamplingParams.{name} has token ids {outside[:8]} outside the vocabulary [0, {vocab_size})", name)

@@ -45,7 +45,7 @@ import math
 from typing import Any
 
 from dsv4_jax.engine.block_manager import BlockManager
-from dsv4_jax.engine.request import PLACEHOLDER, Request, RequestStatus
+from dsv4_jax.engine.request import PLACEHOLDER, Request, RequestRejected, RequestStatus
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,24 +206,25 @@ class Scheduler:
                              f"{request.num_computed_tokens} computed and {request.num_output_tokens} output tokens")
         prompt = len(request.prompt_token_ids)
         if prompt == 0:
-            raise ValueError(f"request {rid}: the prompt is empty (at least 1 token is needed)")
+            raise RequestRejected(f"request {rid}: the prompt is empty (at least 1 token is needed)", "prompt")
         if not isinstance(request.max_tokens, int) or request.max_tokens < 1:
-            raise ValueError(f"request {rid}: max_tokens must be an int >= 1, got {request.max_tokens!r}")
+            raise RequestRejected(f"request {rid}: max_tokens must be an int >= 1, got {request.max_tokens!r}",
+                                  "max_tokens")
         total = prompt + request.max_tokens
         if total > c.max_model_len:
-            raise ValueError(f"request {rid}: prompt {prompt} + max_tokens {request.max_tokens} = {total} tokens "
-                             f"exceed max_model_len={c.max_model_len}")
+            raise RequestRejected(f"request {rid}: prompt {prompt} + max_tokens {request.max_tokens} = {total} "
+                                  f"tokens exceed max_model_len={c.max_model_len}", "max_tokens")
         # The last sampled token is never fed back: the KV covers at most total - 1 positions.
         blocks = math.ceil((total - 1) / c.block_size)
         usable = self.block_managers[0].num_usable_blocks
         if blocks > min(usable, c.max_blocks_per_seq):
-            raise ValueError(f"request {rid}: {total - 1} cached positions need {blocks} compressed blocks of "
-                             f"{c.block_size}, more than the {usable} usable blocks of the pool or "
-                             f"max_blocks_per_seq={c.max_blocks_per_seq}")
+            raise RequestRejected(f"request {rid}: {total - 1} cached positions need {blocks} compressed blocks "
+                                  f"of {c.block_size}, more than the {usable} usable blocks of the pool or "
+                                  f"max_blocks_per_seq={c.max_blocks_per_seq}", "max_tokens")
         if not c.enable_chunked_prefill and prompt > min(c.max_prefill_tokens, c.max_num_batched_tokens):
-            raise ValueError(f"request {rid}: prompt {prompt} is longer than one prefill row "
-                             f"(max_prefill_tokens={c.max_prefill_tokens}, max_num_batched_tokens="
-                             f"{c.max_num_batched_tokens}) and enable_chunked_prefill is off")
+            raise RequestRejected(f"request {rid}: prompt {prompt} is longer than one prefill row "
+                                  f"(max_prefill_tokens={c.max_prefill_tokens}, max_num_batched_tokens="
+                                  f"{c.max_num_batched_tokens}) and enable_chunked_prefill is off", "prompt")
 
     def finish(self, request_id: str, status: RequestStatus) -> bool:
         """End a request (stop, length, abort) and free what it holds, at any moment. False when
