@@ -1,6 +1,6 @@
 """On-device sampling against numpy references of vLLM's sampling rules.
 
-Compiles: `sample` at (B=32, V=128, with penalties), (B=1, V=128, without), (B=50,000, V=64,
+Compiles: `sample` at (B=32, V=128, with penalties), (B=1, V=128, without), (B=60,000, V=64,
 without: every distribution test in one call), (B=2, V=129,280, without), and `process_logits`
 at (B=32, V=128, with penalties): five in all.
 """
@@ -116,6 +116,7 @@ DISTRIBUTIONS = {
     "top_p": SamplingParams(temperature=0.9, top_p=0.8),
     "min_p": SamplingParams(min_p=0.1),
     "min_p + top_k + top_p": SamplingParams(temperature=1.3, min_p=0.02, top_k=20, top_p=0.7),
+    "top_k = V + top_p": SamplingParams(temperature=0.9, top_k=64, top_p=0.8),  # top_k of the whole vocabulary: off
 }
 
 

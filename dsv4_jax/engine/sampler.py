@@ -310,9 +310,10 @@ def _draw_candidates(x: jax.Array, batch: SamplingBatch, keys: jax.Array, k: int
         whole = x / batch.temperature[:, None] - best
         return best[:, 0] + jnp.log(jnp.sum(jnp.where(whole >= min_p, jnp.exp(whole), 0.0), axis=-1))
 
+    has_top_k = (batch.top_k > 0) & (batch.top_k < x.shape[-1])  # top_k >= V keeps every token: off
     log_mass = jax.nn.logsumexp(survivors, axis=-1)
-    without_top_k = jnp.any((batch.top_k == 0) & (batch.top_p < 1))  # a pass over [B, V] only for them
-    log_mass = jnp.where(batch.top_k > 0, log_mass, jax.lax.cond(without_top_k, whole_mass, lambda: log_mass))
+    without_top_k = jnp.any(~has_top_k & (batch.top_p < 1))  # a pass over [B, V] only for them
+    log_mass = jnp.where(has_top_k, log_mass, jax.lax.cond(without_top_k, whole_mass, lambda: log_mass))
     probs = jnp.exp(survivors - log_mass[:, None])
     mass_before = jnp.cumsum(probs, axis=-1) - probs  # of the more likely survivors
     keep &= (mass_before < batch.top_p[:, None]) | (rank == 0)  # vLLM's top-p, the best always kept
