@@ -7,8 +7,10 @@ they are reported, never asserted."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import sys
 import tempfile
 from collections import defaultdict
 from pathlib import Path
@@ -99,10 +101,11 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
 # ---- subprocesses started early ----------------------------------------------------------------
 # A test module whose fixture waits on a long subprocess (the 8-device sharding worker: ~3 min
 # cold; servers and multi-process runs: ~1 min each) maps fixture names to factories in
-# `START_EARLY: dict[str, Callable[[], handle]]` (a handle has `kill()`). Once the selection is
-# known, each factory whose fixture a selected test uses is called, so the subprocess runs while
-# the tests before it do (this process compiles on one core most of the time); the fixture takes
-# its handle with `take_early(module name, fixture name)`, or starts its own where none was started.
+# `START_EARLY: dict[str, Callable[[], handle]]` (a handle has `kill()` and a temporary
+# `directory`). Once the selection is known, each factory whose fixture a selected test uses is
+# called, so the subprocess runs while the tests before it do (this process compiles on one core
+# most of the time); the fixture enters `started(module name, fixture name)`, which hands it that
+# handle (or starts one where none was started) and kills it and removes its directory afterwards.
 _early: dict[tuple[str, str], object] = {}
 
 
@@ -114,9 +117,16 @@ def pytest_collection_finish(session):
                 _early[module.__name__, fixture] = start()
 
 
-def take_early(module_name: str, fixture: str):
-    """The handle `START_EARLY[fixture]` returned for that module at collection, or None."""
-    return _early.pop((module_name, fixture), None)
+@contextlib.contextmanager
+def started(module_name: str, fixture: str):
+    """The handle `START_EARLY[fixture]` of that module started at collection (else started now);
+    killed, and its directory removed, on exit."""
+    handle = _early.pop((module_name, fixture), None) or sys.modules[module_name].START_EARLY[fixture]()
+    try:
+        yield handle
+    finally:
+        handle.kill()
+        handle.directory.cleanup()
 
 
 def pytest_sessionfinish(session, exitstatus):

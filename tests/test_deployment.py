@@ -16,7 +16,7 @@ import httpx
 import jax
 import pytest
 
-from conftest import REPO, child_xla_flags, free_port, take_early, wait_healthy  # tests/ is on sys.path
+from conftest import REPO, child_xla_flags, free_port, started, wait_healthy  # tests/ is on sys.path
 
 NAME = "DeepSeek-V4-Flash"
 
@@ -60,12 +60,8 @@ START_EARLY = {"deployment": DeploymentServer}
 
 @pytest.fixture(scope="module")
 def deployment():
-    server = take_early(__name__, "deployment") or DeploymentServer()
-    try:
+    with started(__name__, "deployment") as server:
         yield server
-    finally:
-        server.kill()
-        server.directory.cleanup()
 
 
 def test_the_tp2_deployment_command_serves(deployment):

@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 
 import dsv4_jax
-from conftest import REPO, child_xla_flags, free_port, take_early, wait_healthy  # tests/ is on sys.path
+from conftest import REPO, child_xla_flags, free_port, started, wait_healthy  # tests/ is on sys.path
 from sharding_worker import CONFIG
 
 WORKER = Path(__file__).with_name("multihost_worker.py")
@@ -75,10 +75,7 @@ class TwoWorkers:
 
     def results(self) -> list[dict]:
         out = Path(self.directory.name)
-        try:
-            codes = [p.wait(timeout=300) for p in self.processes]
-        finally:
-            self.kill()
+        codes = [p.wait(timeout=300) for p in self.processes]  # `started` kills them whatever happens
         logs = "\n".join((out / f"{rank}.log").read_text()[-2000:] for rank in (0, 1))
         assert codes == [0, 0], logs
         return [json.loads((out / f"{rank}.json").read_text()) for rank in (0, 1)]
@@ -115,17 +112,14 @@ START_EARLY = {"two_processes": TwoWorkers, "server_pair": ServerPair}
 
 @pytest.fixture(scope="module")
 def two_processes() -> list[dict]:
-    return (take_early(__name__, "two_processes") or TwoWorkers()).results()
+    with started(__name__, "two_processes") as run:
+        return run.results()
 
 
 @pytest.fixture
 def server_pair():
-    pair = take_early(__name__, "server_pair") or ServerPair()
-    try:
+    with started(__name__, "server_pair") as pair:
         yield pair
-    finally:
-        pair.kill()
-        pair.directory.cleanup()
 
 
 def test_two_processes_share_one_mesh_and_split_the_weights(two_processes):

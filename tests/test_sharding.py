@@ -21,7 +21,7 @@ from jax.sharding import PartitionSpec as P
 import dsv4_jax
 from dsv4_jax import sharding as sh
 from dsv4_jax.model.transformer import DeepseekV4
-from conftest import child_xla_flags, take_early  # tests/ is on sys.path
+from conftest import child_xla_flags, started  # tests/ is on sys.path
 from dsv4_jax.presets import get_config
 
 WORKER = Path(__file__).with_name("sharding_worker.py")
@@ -149,10 +149,7 @@ class WorkerRun:
                                             stdout=log, stderr=subprocess.STDOUT)
 
     def result(self, timeout_s: float = 600) -> dict:
-        try:
-            code = self.process.wait(timeout=timeout_s)
-        finally:
-            self.kill()
+        code = self.process.wait(timeout=timeout_s)  # `started` kills it whatever happens
         out = Path(self.directory.name)
         assert code == 0, (out / "log.txt").read_text()[-3000:]
         return json.loads((out / "result.json").read_text())
@@ -169,11 +166,8 @@ START_EARLY = {"worker": WorkerRun}
 
 @pytest.fixture(scope="module")
 def worker() -> dict:
-    run = take_early(__name__, "worker") or WorkerRun()
-    try:
+    with started(__name__, "worker") as run:
         return run.result()
-    finally:
-        run.directory.cleanup()
 
 
 def weight_collectives(mesh: dict, matrix_shapes: list[list[int]], kinds: tuple[str, ...]) -> list:
