@@ -292,6 +292,17 @@ def _row_key(words: jax.Array) -> jax.Array:
     return key
 
 
+def _min_p_weights(logits: jax.Array, batch: SamplingBatch, best: jax.Array) -> jax.Array:
+    """exp(logits / T - best) where min-p keeps the token (p >= min_p * p_max; min_p 0 keeps all),
+    else 0. best: [B, 1], the row's largest scaled logit. [B, n] -> [B, n], the best token's = 1"""
+    scaled = logits / batch.temperature[:, None] - best
+    return jnp.where(scaled >= jnp.log(batch.min_p)[:, None], jnp.exp(scaled), 0.0)
+
+
+def _has_top_k(batch: SamplingBatch, vocab: int) -> jax.Array:
+    return (batch.top_k > 0) & (batch.top_k < vocab)  # [B]; top_k >= V keeps every token: off
+
+
 def _draw_candidates(x: jax.Array, batch: SamplingBatch, keys: jax.Array, k: int) -> jax.Array:
     """Step 4 for rows with top-k or top-p: [B, V] -> token ids [B]."""
     values, ids = row_top_k(x, k)  # [B, K], most likely first
@@ -307,10 +318,9 @@ def _draw_candidates(x: jax.Array, batch: SamplingBatch, keys: jax.Array, k: int
     best = scaled[:, :1]  # the row's largest scaled logit
 
     def whole_mass() -> jax.Array:  # [B] log of the unnormalised mass of what min-p keeps
-        whole = x / batch.temperature[:, None] - best
-        return best[:, 0] + jnp.log(jnp.sum(jnp.where(whole >= min_p, jnp.exp(whole), 0.0), axis=-1))
+        return best[:, 0] + jnp.log(jnp.sum(_min_p_weights(x, batch, best), axis=-1))
 
-    has_top_k = (batch.top_k > 0) & (batch.top_k < x.shape[-1])  # top_k >= V keeps every token: off
+    has_top_k = _has_top_k(batch, x.shape[-1])
     log_mass = jax.nn.logsumexp(survivors, axis=-1)
     without_top_k = jnp.any(~has_top_k & (batch.top_p < 1))  # a pass over [B, V] only for them
     log_mass = jnp.where(has_top_k, log_mass, jax.lax.cond(without_top_k, whole_mass, lambda: log_mass))
@@ -349,11 +359,9 @@ def _draw_untruncated(x: jax.Array, batch: SamplingBatch, keys: jax.Array) -> ja
         x = jnp.pad(x, ((0, 0), (0, blocks * block - v)), constant_values=-jnp.inf)
     # max(x) / T is max(x / T) exactly (T > 0), without a [B, V] buffer of x / T.
     best = jnp.max(x, axis=-1, keepdims=True) / batch.temperature[:, None]
-    floor = jnp.log(batch.min_p)[:, None]  # p >= min_p * p_max; log 0 keeps all
 
-    def weigh(logits: jax.Array) -> jax.Array:  # [B, n] -> unnormalised probabilities, the best = 1
-        scaled = logits / batch.temperature[:, None]
-        return jnp.where(scaled - best >= floor, jnp.exp(scaled - best), 0.0)
+    def weigh(logits: jax.Array) -> jax.Array:
+        return _min_p_weights(logits, batch, best)
 
     uniform = jax.vmap(lambda key: jax.random.uniform(key, (2,), jnp.float32))(keys)  # [B, 2]
     chosen = _inverse_cdf(jnp.sum(weigh(x).reshape(b, blocks, block), axis=-1), uniform[:, 0])  # [B] block
@@ -374,7 +382,7 @@ def _raw_logprobs(logits: jax.Array, tokens: jax.Array) -> tuple[jax.Array, ...]
 def _sample(logits: jax.Array, batch: SamplingBatch, config: SamplerConfig = SamplerConfig()) -> SampledTokens:
     k = min(config.candidates, logits.shape[-1])
 
-    truncated = ~batch.greedy & (((batch.top_k > 0) & (batch.top_k < logits.shape[-1])) | (batch.top_p < 1))
+    truncated = ~batch.greedy & (_has_top_k(batch, logits.shape[-1]) | (batch.top_p < 1))
     untruncated = ~batch.greedy & ~truncated
 
     keys = jax.vmap(_row_key)(batch.key_words)  # [B]: once, outside the branches (one copy to compile)
