@@ -35,8 +35,9 @@ cumulative sums, where `random.categorical` would draw B x V random numbers (~20
 Measured with `benchmarks/sampler.py` at [32, 129280] on 2 AMD EPYC cores (2026-12-02, medians of
 60 interleaved calls, against the earlier sampler that drew every random row among the K):
 temperature-only rows 23-25 -> 5-9 ms, top-k rows unchanged (~25 ms), top-p-only rows 24-28 ->
-27-36 ms (the pass that makes their nucleus exact), greedy rows unchanged; one compile of
-`sample` at B = 8: 1.4 -> 1.9 s.
+27-36 ms (the pass that makes their nucleus exact), greedy rows unchanged, but greedy rows with
+logprobs ~7.5 -> ~12 ms since the keys are derived outside the branches (not traced; inside each
+branch: ~7.7 ms, but a compile 2.5 s instead of 1.9); one compile of `sample` at B = 8: 1.4 -> 1.9 s.
 
 Logprobs follow vLLM's default (`logprobs_mode="raw_logprobs"`): the log_softmax of the model's
 own logits, before bias, penalties, temperature and truncation. They are computed only when some
