@@ -131,7 +131,7 @@ def pytree_flatten_ms(runner: ModelRunner, repeats: int = 21) -> float:
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        jax.tree.flatten((runner.state, runner.cache))
+        jax.tree.flatten((runner.weights, runner.cache))
         times.append(time.perf_counter() - t0)
     return statistics.median(times) * 1e3
 
@@ -248,7 +248,7 @@ def bench_model(name: str, args: argparse.Namespace, sink: RowSink) -> dict:
     rows.append(summarise(name, "prefill", kv, (1, args.chunk), args.chunk, time_prefill(runner, args, rng)))
     sink.add(rows[-1])
     flatten_ms = pytree_flatten_ms(runner)
-    leaves = (len(jax.tree.leaves(runner.state)), len(jax.tree.leaves(runner.cache)))
+    leaves = (len(runner.weights), len(jax.tree.leaves(runner.cache)))
     print(f"# {name}: flattening the step's weights and cache pytrees ({leaves[0]} + {leaves[1]} leaves) takes "
           f"{flatten_ms:.2f} ms of each dispatch", flush=True)
     if runner.compiles.compiles:

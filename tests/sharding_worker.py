@@ -122,7 +122,7 @@ def run_engine(path: str, parallel: ParallelConfig) -> dict:
     built_while_serving = serving.built
     runner = llm.engine.runner
     padding = runner.padding_step((runner.buckets.decode[0] * runner.dp, 1))
-    step_hlo = runner._step.lower(runner.state, runner.cache, *padding).compile().as_text()
+    step_hlo = runner._step.lower(runner.weights, runner.cache, *padding).compile().as_text()
     requests = []
     for out in outs:
         completion = out.outputs[0]
@@ -142,7 +142,7 @@ def run_engine(path: str, parallel: ParallelConfig) -> dict:
         "kv_bytes": bytes_per_device(cache),
         "kv_bytes_total": sum(leaf.nbytes for leaf in cache),
         "kv_shapes": sorted({leaf.shape for leaf in cache}),
-        "expert_bytes": bytes_per_device(leaves(runner.state, EXPERT_WEIGHTS)),
+        "expert_bytes": bytes_per_device(leaves(llm.model.state, EXPERT_WEIGHTS)),
         "step_collectives": [[kind, shape] for shape, kind in COLLECTIVE.findall(step_hlo)],
         "idle_after": llm.engine.scheduler.num_running + llm.engine.scheduler.num_waiting,
         "built_while_serving": built_while_serving,

@@ -162,7 +162,7 @@ def _promised_kernels(backend: str, phase: str) -> collections.Counter:
 def test_every_step_runs_the_backends_kernels(runs, phase, tokens):
     runner = runs[0]
     _, ids, seqs = runner.build([StepRow(0, 0, list(range(tokens)), [0])])
-    jaxpr = runner._step.trace(runner.state, runner.cache, ids, seqs).jaxpr.jaxpr  # traced, not compiled
+    jaxpr = runner._step.trace(runner.weights, runner.cache, ids, seqs).jaxpr.jaxpr  # traced, not compiled
     assert collections.Counter(_pallas_call_names(jaxpr)) == _promised_kernels(runner.backend.name, phase)
 
 

@@ -360,8 +360,11 @@ class LLMEngine:
                 tracked.prompt_logprobs.append(entry)
 
     def _sample_batch(self, logits: jax.Array, batch: SamplingBatch) -> SampledTokens:
-        """The sampler on a step's logits, with the host batch put whole on every device."""
-        return self._sample(logits, jax.device_put(batch, self._batch_sharding), config=self.sampler_config)
+        """The sampler on a step's logits, with the host batch put whole on every device (without
+        a mesh the jitted sampler takes the numpy batch as it is: it moves it faster itself)."""
+        if self._batch_sharding is not None:
+            batch = jax.device_put(batch, self._batch_sharding)
+        return self._sample(logits, batch, config=self.sampler_config)
 
     def _host_logits(self, logits: jax.Array) -> np.ndarray:
         """A step's logits on the host. With several processes each holds only its devices' part:
