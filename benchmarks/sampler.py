@@ -5,7 +5,8 @@
 Each row of the table is one batch where every row has the named settings (the sampler's cost
 depends on the mix: greedy rows take an argmax, rows with top-k or top-p draw among K candidates,
 the others from the whole vocabulary). Median wall milliseconds of `repeats` calls after one
-warm-up call, random logits (normal x 4), prints a markdown table.
+warm-up call, random logits (normal x 4), prints a markdown table. On CPUs malloc is set as the
+engine's runner sets it (`dsv4_jax.engine.host_memory`) unless --glibc-defaults.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import time
 import jax
 import numpy as np
 
+from dsv4_jax.engine.host_memory import keep_freed_buffers
 from dsv4_jax.engine.sampler import SamplerConfig, SamplingRow, build_sampling_batch, sample
 from dsv4_jax.engine.sampling_params import SamplingParams
 
@@ -36,12 +38,15 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--vocab", type=int, default=129_280)
     parser.add_argument("--repeats", type=int, default=40)
+    parser.add_argument("--glibc-defaults", action="store_true",
+                        help="leave malloc as it is (the engine's runner sets glibc's thresholds on CPUs)")
     args = parser.parse_args()
+    kept = jax.default_backend() == "cpu" and not args.glibc_defaults and keep_freed_buffers()
 
     config = SamplerConfig()
     logits = jax.device_put((np.random.default_rng(0).normal(size=(args.batch, args.vocab)) * 4).astype(np.float32))
     print(f"sampler on [{args.batch}, {args.vocab}] logits, K = {config.candidates}, {jax.devices()[0].device_kind}, "
-          f"median of {args.repeats} calls\n")
+          f"median of {args.repeats} calls, malloc {'as the engine sets it' if kept else 'as it was'}\n")
     print("| rows | ms |\n|---|---|")
     for name, params in MIXES.items():
         rows = [SamplingRow(params, request_index=i) for i in range(args.batch)]

@@ -202,6 +202,11 @@ def test_poisoned_rows_matter_exactly_when_a_step_reads_them(runner):
     runner.cache = saved
 
 
+def test_a_cpu_runner_keeps_its_step_buffers_pages(runner):
+    # What that means for the process is tested in test_host_memory.py; here: the runner asks.
+    assert runner.keeps_freed_buffers
+
+
 # ---- the golden flash-like fixture ---------------------------------------------------------------
 def test_greedy_generation_follows_the_full_forward_on_hc4_flash_like(golden_dir):
     model = dsv4_jax.load_model(golden_dir / "hc4_flash_like" / "checkpoint")

@@ -42,6 +42,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dsv4_jax.engine.compiles import CompileCounter
+from dsv4_jax.engine.host_memory import keep_freed_buffers
 from dsv4_jax.kv_cache.paged import PagedCacheLayout, PagedKVCache, init_paged_cache, kv_planes, partition_specs
 from dsv4_jax.model.cache_step import CacheStep, StepSequences
 from dsv4_jax.sharding import DATA
@@ -155,7 +156,10 @@ class ModelRunner:
     ):
         self.config = model.config
         self.layout = layout
-        self.buckets = buckets.with_min_decode_rows(CPU_MIN_DECODE_ROWS) if jax.default_backend() == "cpu" else buckets
+        on_cpu = jax.default_backend() == "cpu"
+        self.buckets = buckets.with_min_decode_rows(CPU_MIN_DECODE_ROWS) if on_cpu else buckets
+        # On CPUs each step's buffers come from malloc: keep their pages between steps.
+        self.keeps_freed_buffers = on_cpu and keep_freed_buffers()
         if self.buckets != buckets:
             logger.info("decode buckets %s run as %s: on CPUs a decode step has at least %d rows",
                         buckets.decode, self.buckets.decode, CPU_MIN_DECODE_ROWS)
