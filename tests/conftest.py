@@ -241,8 +241,10 @@ def chat_server(chat_llm, chat_checkpoint, tmp_path_factory):
         time.sleep(0.2)
     log_text = log_path.read_text()
     # Nothing compiled: the chat_llm fixture put every executable in the cache. The start-up log
-    # names the KV layout, the capacity and the bind address.
+    # names the KV layout (once: the checks before the weights load resolve it quietly), the
+    # capacity and the bind address.
     assert "warm-up: 0 compiles" in log_text, log_text
+    assert log_text.count("KV cache: ") == 1, log_text
     assert "KV cache: float32 on xla" in log_text and "8 sequence slots" in log_text, log_text
     assert f"listening on http://127.0.0.1:{port}" in log_text, log_text
     yield {"base": base, "key": CHAT_SERVER_KEY, "name": CHAT_SERVER_NAME, "process": process, "log": log_path,

@@ -168,7 +168,6 @@ class LLM:
             attention_backend=self.spec.attention_backend, max_num_batched_tokens=max_num_batched_tokens,
             seed=seed, usable_blocks_cap=usable_blocks_cap, async_scheduling=async_scheduling,
         )
-        logger.info("%s", self.spec.summary())
         logger.info("KV cache per data-parallel rank (%d): %d sequence slots, %d compressed blocks of %d "
                     "positions; %.1f MiB on the mesh", data_parallel_size, self.layout.num_seq_slots,
                     self.layout.num_compressed_blocks, self.layout.block_size, self.cache_bytes / 2**20)
@@ -272,7 +271,8 @@ class LLM:
         if max_model_len > config.max_position_embeddings:
             raise ValueError(f"max_model_len ({max_model_len}) exceeds the model's max_position_embeddings "
                              f"({config.max_position_embeddings})")
-        spec = resolve_for_device(kv_cache_dtype, jax.devices()[0], attention_backend, config=config)
+        # Only checked here: load_model resolves it again and logs the start-up line once.
+        spec = resolve_for_device(kv_cache_dtype, jax.devices()[0], attention_backend, config=config, log=False)
         pool_usage(config, spec, max_model_len, block_size)  # block_size: whole blocks of every compress ratio
 
     @staticmethod

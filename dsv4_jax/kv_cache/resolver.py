@@ -450,8 +450,11 @@ def resolve_for_device(
     device: "jax.Device",
     attention_backend: str | None = None,
     config: DeepseekV4Config | str | None = None,
+    *,
+    log: bool = True,
 ) -> KVCacheSpec:
-    """`resolve_kv_cache` for a live `jax.Device` (kind and compute capability read from it)."""
+    """`resolve_kv_cache` for a live `jax.Device` (kind and compute capability read from it).
+    `log=False` for a check made ahead of the resolve that counts (it would log the same lines)."""
     kind = device.device_kind
     cc = getattr(device, "compute_capability", None)
     if device.platform == "cpu":
@@ -459,13 +462,13 @@ def resolve_for_device(
     elif device.platform == "tpu" and not kind.lower().startswith("tpu"):
         kind = f"TPU {kind}"
     return _resolve(
-        requested, kind, None if cc is None else str(cc), attention_backend, config, trust_capability=True
+        requested, kind, None if cc is None else str(cc), attention_backend, config, trust_capability=True, log=log
     )
 
 
 def _resolve(
     requested: Any, device_kind: str, compute_capability: Any, attention_backend: Any, config: Any,
-    *, trust_capability: bool,
+    *, trust_capability: bool, log: bool = True,
 ) -> KVCacheSpec:
     request = _normalise_request(requested)
     backend = _normalise_backend(attention_backend)
@@ -496,6 +499,8 @@ def _resolve(
         rope_dim=cfg.qk_rope_head_dim,
         index_head_dim=cfg.index_head_dim,
     )
+    if not log:
+        return spec
     if dtype == FP8_DS_MLA:
         logger.info(FP8_DS_MLA_LOG)
     logger.info("%s", spec.summary())  # once per resolved spec: the start-up line (ends with the reason)
