@@ -6,10 +6,9 @@ freed blocks, but never past 32 MiB), gives the top of a heap back to the system
 the trim threshold is free, and a worker thread's arena drops a whole 64 MiB heap once it is
 free by more than the top pad: each time, the pages come back zeroed on first touch. The
 sampler's temporary buffer at the real vocabulary and 32 rows is 32.2 MiB, so every call paid
-for zeroing it again: at [32, 129280] greedy with 5 logprobs took 7.5 ms instead of 3.2, rows at
-temperature 1 6.9 instead of 2.2, greedy 1.6 instead of 1.2 (`sample` alone, medians of 40;
-a dsv4-tiny `generate` of 32 x 64 tokens at temperature 1: 0.80-0.82 s instead of 0.57-0.61 with
-the first two settings; AMD EPYC, 2 CPUs, 2026-12-02).
+for zeroing it again: `benchmarks/sampler.py` at [32, 129280], with these settings / without,
+greedy + 5 logprobs 3.0-3.4 / 8.0-8.2 ms, temperature 1 2.0-2.4 / 6.1-6.5 ms, greedy 0.7-0.8 /
+0.8-0.9 ms (AMD EPYC, 2 CPUs, 2026-12-02; docs/performance.md, seventh session).
 
 Blocks up to MMAP_THRESHOLD now come from a heap, heaps keep up to TRIM_THRESHOLD free at their
 top, and worker threads' heaps stay while less than TOP_PAD of them is free, so a step reuses

@@ -10,8 +10,9 @@ chunks ride along as rows of one real token.
 
 The host builds each step's arrays in numpy and hands them to the jitted step as they are (on a
 mesh: one `device_put` onto the rows' sharding first); decode token ids may instead come
-straight from the previous step's device output. The weights go in as a flat list of arrays. The cache is donated to
-every step, so XLA updates it in place (warm-up checks that the donation took effect).
+straight from the previous step's device output. The weights go in as a flat list of arrays.
+The cache is donated to every step, so XLA updates it in place (warm-up checks that the
+donation took effect).
 
 On a mesh (the model's `options.mesh`, `dsv4_jax.sharding`) the step runs under `jax.shard_map`
 over the data axis: each data-parallel rank has its own block pools, sequence slots and rows (a
