@@ -67,9 +67,10 @@ class Sequence:
         return StepRow(self.slot, self.pos, self.ids[self.pos : self.pos + n], self.blocks)
 
 
-def run_steps(runner, sequences):
-    """Steps until every sequence is done; each step takes one row from every live sequence."""
-    while not all(s.done for s in sequences):
+def run_steps(runner, sequences, steps=None):
+    """Steps until every sequence is done (or `steps` steps); each step takes one row from every
+    live sequence. Returns each sequence's logits so far."""
+    while not all(s.done for s in sequences) and (steps is None or (steps := steps - 1) >= 0):
         live = [s for s in sequences if not s.done]
         rows = [s.next_row() for s in live]
         out = runner.step(rows)
@@ -105,24 +106,36 @@ def test_float32_chunked_prefill_and_decode_equal_the_full_forward(model, runner
     assert runner.compiles.built == 0  # nothing compiled, nothing even read from the cache
 
 
-def test_decode_completes_hca_windows_in_a_reused_slot(model, runner):
-    """Decode steps of a compressor without overlap (HCA, ratio 16) write one state row each and
-    pool the window in place, leaving the slot's other rows as they were. In slots that held
-    another sequence's rows: a sequence decoded from its first token completes windows 0 and 1
-    in decode steps, one prefilled to 21 tokens completes window 1 there; logits equal the full
-    forward's."""
+def test_decode_completes_compression_windows_in_a_reused_slot(model, runner):
+    """Decode steps write one compressor state row each and pool the window in place (HCA,
+    ratio 16; CSA, ratio 4, which also moves a completed window to the previous window's rows),
+    leaving the slot's other rows as they were. In slots that held another sequence's rows: a
+    sequence decoded from its first token completes windows in decode steps, one prefilled to 21
+    tokens completes HCA window 1 there; then, in the same slots again, two sequences start with
+    decode steps, where the slot's first CSA rows still hold the earlier sequence's last window:
+    one completes its CSA window 0 in a decode step, the other in a row of one token riding in a
+    prefill step (the chunk path). Window 0 has no previous window either way; logits equal the
+    full forward's."""
     rng = np.random.default_rng(1)
     ids = rng.integers(0, CONFIG.vocab_size, size=(3, 300)).astype(np.int32)  # the forward's shape above
-    full = np.asarray(model(ids))[:2, :40]  # causal: the first 40 positions are those of 40 tokens
+    full = np.asarray(model(ids))[:, :40]  # causal: the first 40 positions are those of 40 tokens
     fillers = [Sequence(rng.integers(0, CONFIG.vocab_size, 30), slot=s, blocks=[b], plan=[30])
                for s, b in ((1, 6), (2, 7))]
-    run_steps(runner, fillers)  # rows 0-13 of both slots' HCA state now hold the fillers' tokens
+    run_steps(runner, fillers)  # both slots' compressor states now hold the fillers' rows
     runner.compiles.reset()
     from_start = Sequence(ids[0, :40], slot=1, blocks=[0], plan=[1])  # every step one token
     prefilled = Sequence(ids[1, :40], slot=2, blocks=[1], plan=[16, 5])
     got = run_steps(runner, [from_start, prefilled])
-    for g, want in zip(got, full, strict=True):
+    in_decode = Sequence(ids[2, :40], slot=1, blocks=[2], plan=[1])
+    in_chunk = Sequence(ids[1, :40], slot=2, blocks=[3], plan=[1])
+    rider = Sequence(ids[0, :16], slot=3, blocks=[4], plan=[16])
+    run_steps(runner, [in_decode, in_chunk], steps=3)  # positions 0-2: decode steps
+    run_steps(runner, [in_decode], steps=1)  # position 3 completes CSA window 0 in a decode step
+    run_steps(runner, [in_chunk, rider], steps=1)  # ... and here in a prefill step
+    got += run_steps(runner, [in_decode, in_chunk])
+    for g, want in zip(got, [*full[:2], full[2], full[1]], strict=True):
         assert relative_error(g, want) <= EXACT
+    assert relative_error(rider.logits[0], full[0, :16]) <= EXACT
     assert runner.compiles.built == 0
 
 

@@ -22,6 +22,7 @@ from dsv4_jax.model.cache_step import (
     StepSequences,
     entry_slots,
     kept_rows,
+    shift_completed_window,
     slot_rows,
     store_rows,
     store_token_row,
@@ -170,25 +171,33 @@ class Attention(nnx.Module):
     def _compress(self, compressor, state_name, x, inv_freq, cache, seqs, place):
         """Advance `compressor` over the chunk from the rows it kept; store the rows to keep."""
         state = getattr(cache, state_name)
-        if x.shape[1] == 1 and not compressor.overlap:
-            # Decode without overlap (HCA): write the token's row and pool the window in place
-            # rather than rebuild and store every kept row (ratio rows a sequence, 128 in Flash).
+        if x.shape[1] == 1:
+            # Decode: write the token's row and pool its window in place rather than rebuild and
+            # store every kept row (c x ratio rows a sequence: 128 for HCA in Flash, 8 for CSA).
+            r = compressor.ratio
             kv, score = compressor.project(x, seqs.positions)
-            row = seqs.start % compressor.ratio
+            row = (r if compressor.overlap else 0) + seqs.start % r
             state = store_token_row(state, place.compressed, seqs.slots, row, kv[:, 0], score[:, 0])
+            completes = ((seqs.start + 1) % r == 0) & (seqs.lens > 0)
+            # CSA reads its rows every step (the completed window moves to the previous one's
+            # rows); HCA's 128 rows are read only when some row pools.
+            rows = slot_rows(state, place.compressed, seqs.slots) if compressor.overlap else None
 
             def pool():
-                rows = slot_rows(state, place.compressed, seqs.slots)
-                windows = pool_current_window(rows.kv, rows.score, seqs.start, seqs.lens > 0, ratio=compressor.ratio)
+                held = rows if rows is not None else slot_rows(state, place.compressed, seqs.slots)
+                windows = pool_current_window(held.kv, held.score, seqs.start, seqs.lens > 0, ratio=r,
+                                              overlap=compressor.overlap)
                 return windows, compressor.entries(windows, inv_freq, x.dtype)
 
             # Only a step where some row completes its window pools (one in `ratio` steps of a
             # row): the other branch's windows are all invalid, so nothing is written.
-            completes = jnp.any(((seqs.start + 1) % compressor.ratio == 0) & (seqs.lens > 0))
             windows, entries = jax.lax.cond(
-                completes, pool, lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), jax.eval_shape(pool)))
+                jnp.any(completes), pool,
+                lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), jax.eval_shape(pool)))
+            if compressor.overlap:
+                state = shift_completed_window(state, place.compressed, seqs.slots, rows, completes, r)
         else:
-            kept = kept_rows(state, place.compressed, seqs)
+            kept = kept_rows(state, place.compressed, seqs, compressor.ratio, compressor.overlap)
             entries, windows, kept = compressor.step(x, seqs.positions, seqs.lens, inv_freq, kept)
             state = store_rows(state, place.compressed, seqs.slots, kept)
         return entries, windows, dataclasses.replace(cache, **{state_name: state})

@@ -69,12 +69,17 @@ class CacheStep:
 
 
 # ---- compressor state slots ----------------------------------------------------------------------
-def kept_rows(state: CompressorState, layer: jax.Array, seqs: StepSequences) -> CompressorRows:
+def kept_rows(state: CompressorState, layer: jax.Array, seqs: StepSequences, ratio: int, overlap: bool
+              ) -> CompressorRows:
     """The rows each sequence's compressor kept ([batch, c*r, c*d]). A row at position 0 starts
     a sequence: it gets empty rows whatever the slot held before (a slot is reused without being
-    cleared), and so do padding rows."""
+    cleared), and so do padding rows. With overlap a sequence still in its window 0 has no
+    previous window: those rows are empty too, whatever the slot holds (a decode step at
+    position 0 writes its own row only)."""
     rows = slot_rows(state, layer, seqs.slots)
     pad = ((seqs.slots < 0) | (seqs.start == 0))[:, None, None]
+    if overlap:
+        pad = pad | ((seqs.start < ratio)[:, None, None] & (jnp.arange(rows.kv.shape[1]) < ratio)[None, :, None])
     return CompressorRows(jnp.where(pad, 0.0, rows.kv), jnp.where(pad, -jnp.inf, rows.score))
 
 
@@ -99,6 +104,24 @@ def store_token_row(
     return CompressorState(
         kv=state.kv.at[layer, target, row].set(kv, mode="drop"),
         score=state.score.at[layer, target, row].set(score, mode="drop"),
+    )
+
+
+def shift_completed_window(
+    state: CompressorState,
+    layer: jax.Array,
+    slots: jax.Array,  # [batch] int32, -1 for padding rows (dropped)
+    rows: CompressorRows,  # [batch, 2 * ratio, 2 * d]: each sequence's rows, its token's included
+    completes: jax.Array,  # [batch] bool: the token completed the current window
+    ratio: int,
+) -> CompressorState:
+    """Overlapping compressors (CSA) after a decode step: where the token completed its window,
+    that window's rows become the previous window's (rows [0, ratio)), as a chunk keeps them. The
+    next window's rows are not cleared: each is written before anything pools it."""
+    target = jnp.where(completes & (slots >= 0), slots, state.kv.shape[1])
+    return CompressorState(
+        kv=state.kv.at[layer, target, :ratio].set(rows.kv[:, ratio:], mode="drop"),
+        score=state.score.at[layer, target, :ratio].set(rows.score[:, ratio:], mode="drop"),
     )
 
 

@@ -27,8 +27,11 @@ class CompressorRows:
     """What a compressor keeps between chunks, per sequence: the token rows of its last c
     windows, `[batch, c * ratio, c * head_dim]` fp32, where c = 2 with overlap (the previous
     complete window, then the current partial one) and 1 without. Row (c - 1) * r + t % r holds
-    token t of the current window (as the official kv_state). Rows not filled hold kv 0 and
-    score -inf, so the softmax gives them no weight."""
+    token t of the current window (as the official kv_state). Rows the current window has not
+    filled yet hold kv 0 and score -inf after a chunk, or an earlier window's rows after a decode
+    step (`pool_current_window`): either way nothing pools them before the window's own token
+    overwrites them. A sequence's window 0 has no previous window: its rows count as empty
+    whatever they hold (`kept_rows`, `pool_current_window`)."""
 
     kv: jax.Array
     score: jax.Array
@@ -116,19 +119,30 @@ def pool_windows(
 
 
 def pool_current_window(
-    kv_rows: jax.Array,  # [batch, ratio, head_dim] fp32: each sequence's current window rows
-    score_rows: jax.Array,  # [batch, ratio, head_dim] fp32 gate logits (ape added)
+    kv_rows: jax.Array,  # [batch, c * ratio, c * head_dim] fp32: each sequence's rows as stored
+    score_rows: jax.Array,  # [batch, c * ratio, c * head_dim] fp32 gate logits (ape added)
     position: jax.Array,  # [batch] int32: the decode token just written into its row
     real: jax.Array,  # [batch] bool: a real row (not padding)
     *,
     ratio: int,
+    overlap: bool = False,
 ) -> PooledWindows:  # E = 1
-    """A decode step of a compressor without overlap: the window its token completes, if any.
+    """A decode step of a compressor: the window its token completes, if any.
 
-    The state keeps token t of the current window in row t % ratio and a decode step writes only
-    its own row, so rows the window has not reached yet hold an earlier window's tokens (or the
-    empty rows of a fresh slot); the window is pooled only once all its rows are its own, when
-    position % ratio == ratio - 1, which `pool_windows` would compute from the same rows."""
+    The state keeps token t of the current window in row (c - 1) * ratio + t % ratio and a decode
+    step writes only its own row, so rows the window has not reached yet hold an earlier window's
+    tokens (or whatever a fresh slot held); the window is pooled only once all its rows are its
+    own, when position % ratio == ratio - 1, which `pool_windows` would compute from the same
+    rows. With overlap the previous window's rows come first (`shift_completed_window` keeps them
+    there); window 0 has none, whatever its slot's first rows hold (as in `kept_rows`)."""
+    if overlap:
+        batch, _, width = kv_rows.shape
+        first = (position < ratio)[:, None, None]
+        previous_kv = jnp.where(first, 0.0, kv_rows[:, :ratio])
+        previous_score = jnp.where(first, -jnp.inf, score_rows[:, :ratio])
+        kv = jnp.stack([previous_kv, kv_rows[:, ratio:]], axis=1)  # [batch, 2 windows, ratio, width]
+        score = jnp.stack([previous_score, score_rows[:, ratio:]], axis=1)
+        kv_rows, score_rows = (w[:, 0] for w in overlapping_windows(kv, score, width // 2))
     pooled = gated_pool(kv_rows, score_rows, axis=1)[:, None]
     valid = (((position + 1) % ratio == 0) & real)[:, None]
     entry_ids = (position // ratio)[:, None].astype(jnp.int32)
