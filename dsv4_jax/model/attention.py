@@ -179,23 +179,29 @@ class Attention(nnx.Module):
             row = (r if compressor.overlap else 0) + seqs.start % r
             state = store_token_row(state, place.compressed, seqs.slots, row, kv[:, 0], score[:, 0])
             completes = ((seqs.start + 1) % r == 0) & (seqs.lens > 0)
-            # CSA reads its rows every step (the completed window moves to the previous one's
-            # rows); HCA's 128 rows are read only when some row pools.
-            rows = slot_rows(state, place.compressed, seqs.slots) if compressor.overlap else None
 
-            def pool():
-                held = rows if rows is not None else slot_rows(state, place.compressed, seqs.slots)
-                windows = pool_current_window(held.kv, held.score, seqs.start, seqs.lens > 0, ratio=r,
+            def pool(rows):
+                windows = pool_current_window(rows.kv, rows.score, seqs.start, seqs.lens > 0, ratio=r,
                                               overlap=compressor.overlap)
                 return windows, compressor.entries(windows, inv_freq, x.dtype)
 
-            # Only a step where some row completes its window pools (one in `ratio` steps of a
-            # row): the other branch's windows are all invalid, so nothing is written.
-            windows, entries = jax.lax.cond(
-                jnp.any(completes), pool,
-                lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), jax.eval_shape(pool)))
             if compressor.overlap:
+                # CSA (ratio 4): some row of a batch completes its window in most steps, and the
+                # completed window moves to the previous window's rows, so the rows are read and
+                # pooled every step (a cond would cost XLA:GPU a host read of its predicate).
+                rows = slot_rows(state, place.compressed, seqs.slots)
+                windows, entries = pool(rows)
                 state = shift_completed_window(state, place.compressed, seqs.slots, rows, completes, r)
+            else:
+                # HCA: only a step where some row completes its window reads the 128 rows and
+                # pools (one in `ratio` steps of a row); the other branch's windows are all
+                # invalid, so nothing is written.
+                def read_and_pool():
+                    return pool(slot_rows(state, place.compressed, seqs.slots))
+
+                windows, entries = jax.lax.cond(
+                    jnp.any(completes), read_and_pool,
+                    lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), jax.eval_shape(read_and_pool)))
         else:
             kept = kept_rows(state, place.compressed, seqs, compressor.ratio, compressor.overlap)
             entries, windows, kept = compressor.step(x, seqs.positions, seqs.lens, inv_freq, kept)
