@@ -1,9 +1,10 @@
 """glibc's malloc settings for CPU steps (`dsv4_jax.engine.host_memory`), checked by what the
 kernel reports: the memory a process still holds after 48 + 24 MiB were allocated, written and
 freed (the 48 above glibc's 32 MiB ceiling for its adaptive mmap threshold, as a sampler's
-temporaries at the real vocabulary), again and again, on the main thread and on a worker thread, which has its
-own arena as XLA:CPU's threads do. Pages handed back come back zeroed, at a cost, on the next
-touch; pages kept are reused. Each run is a fresh process: the settings are process-wide."""
+temporaries at the real vocabulary), again and again, on the main thread and on a worker
+thread, which has its own arena as XLA:CPU's threads do. Pages handed back come back zeroed, at
+a cost, on the next touch; pages kept are reused. Each run is a fresh process: the settings are
+process-wide."""
 
 from __future__ import annotations
 

@@ -73,14 +73,11 @@ def kept_rows(state: CompressorState, layer: jax.Array, seqs: StepSequences, rat
               ) -> CompressorRows:
     """The rows each sequence's compressor kept ([batch, c*r, c*d]). A row at position 0 starts
     a sequence: it gets empty rows whatever the slot held before (a slot is reused without being
-    cleared), and so do padding rows. With overlap a sequence still in its window 0 has no
-    previous window: those rows are empty too, whatever the slot holds (a decode step at
-    position 0 writes its own row only)."""
+    cleared), and so do padding rows; with overlap, so do window 0's previous-window rows."""
     rows = slot_rows(state, layer, seqs.slots)
     pad = ((seqs.slots < 0) | (seqs.start == 0))[:, None, None]
-    if overlap:
-        pad = pad | ((seqs.start < ratio)[:, None, None] & (jnp.arange(rows.kv.shape[1]) < ratio)[None, :, None])
-    return CompressorRows(jnp.where(pad, 0.0, rows.kv), jnp.where(pad, -jnp.inf, rows.score))
+    rows = CompressorRows(jnp.where(pad, 0.0, rows.kv), jnp.where(pad, -jnp.inf, rows.score))
+    return rows.without_window_0_predecessor(seqs.start, ratio) if overlap else rows
 
 
 def store_rows(state: CompressorState, layer: jax.Array, slots: jax.Array, rows: CompressorRows) -> CompressorState:

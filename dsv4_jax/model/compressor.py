@@ -31,7 +31,7 @@ class CompressorRows:
     filled yet hold kv 0 and score -inf after a chunk, or an earlier window's rows after a decode
     step (`pool_current_window`): either way nothing pools them before the window's own token
     overwrites them. A sequence's window 0 has no previous window: its rows count as empty
-    whatever they hold (`kept_rows`, `pool_current_window`)."""
+    whatever they hold (`without_window_0_predecessor`, in both paths)."""
 
     kv: jax.Array
     score: jax.Array
@@ -41,6 +41,13 @@ class CompressorRows:
         c = 2 if overlap else 1
         shape = (batch, c * ratio, c * head_dim)
         return cls(jnp.zeros(shape, jnp.float32), jnp.full(shape, -jnp.inf, jnp.float32))
+
+    def without_window_0_predecessor(self, start: jax.Array, ratio: int) -> "CompressorRows":
+        """With overlap: the previous window's rows ([0, ratio)) empty where the sequence is still
+        in its window 0 (start [batch] < ratio), which has no previous window, whatever its slot
+        held before (a decode step writes its own row only)."""
+        empty = (start < ratio)[:, None, None] & (jnp.arange(self.kv.shape[1]) < ratio)[None, :, None]
+        return CompressorRows(jnp.where(empty, 0.0, self.kv), jnp.where(empty, -jnp.inf, self.score))
 
 
 @pytree_dataclass
@@ -134,14 +141,11 @@ def pool_current_window(
     tokens (or whatever a fresh slot held); the window is pooled only once all its rows are its
     own, when position % ratio == ratio - 1, which `pool_windows` would compute from the same
     rows. With overlap the previous window's rows come first (`shift_completed_window` keeps them
-    there); window 0 has none, whatever its slot's first rows hold (as in `kept_rows`)."""
+    there); window 0 has none, whatever its slot's first rows hold."""
     if overlap:
+        rows = CompressorRows(kv_rows, score_rows).without_window_0_predecessor(position, ratio)
         batch, _, width = kv_rows.shape
-        first = (position < ratio)[:, None, None]
-        previous_kv = jnp.where(first, 0.0, kv_rows[:, :ratio])
-        previous_score = jnp.where(first, -jnp.inf, score_rows[:, :ratio])
-        kv = jnp.stack([previous_kv, kv_rows[:, ratio:]], axis=1)  # [batch, 2 windows, ratio, width]
-        score = jnp.stack([previous_score, score_rows[:, ratio:]], axis=1)
+        kv, score = (a.reshape(batch, 2, ratio, width) for a in (rows.kv, rows.score))  # previous, current
         kv_rows, score_rows = (w[:, 0] for w in overlapping_windows(kv, score, width // 2))
     pooled = gated_pool(kv_rows, score_rows, axis=1)[:, None]
     valid = (((position + 1) % ratio == 0) & real)[:, None]
