@@ -35,10 +35,12 @@ KINDS = {  # name -> SamplingParams keyword arguments (besides max_tokens and ig
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--prompt-len", type=int, default=32)
-    parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=8)
+    from benchmarks.runner import positive
+
+    parser.add_argument("--batch", type=positive, default=32)
+    parser.add_argument("--prompt-len", type=positive, default=32)
+    parser.add_argument("--new-tokens", type=positive, default=64)
+    parser.add_argument("--repeats", type=positive, default=8)
     args = parser.parse_args(argv)
 
     import jax

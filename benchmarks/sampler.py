@@ -12,15 +12,20 @@ engine's runner sets it (`dsv4_jax.engine.host_memory`) unless --glibc-defaults.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import sys
 import time
 
 import jax
 import numpy as np
 
-from dsv4_jax.engine.host_memory import keep_freed_buffers
-from dsv4_jax.engine.sampler import SamplerConfig, SamplingRow, build_sampling_batch, sample
-from dsv4_jax.engine.sampling_params import SamplingParams
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.runner import positive  # noqa: E402
+from dsv4_jax.engine.host_memory import keep_freed_buffers  # noqa: E402
+from dsv4_jax.engine.sampler import SamplerConfig, SamplingRow, build_sampling_batch, sample  # noqa: E402
+from dsv4_jax.engine.sampling_params import SamplingParams  # noqa: E402
 
 MIXES = {
     "greedy": SamplingParams(temperature=0.0),
@@ -35,9 +40,9 @@ MIXES = {
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--vocab", type=int, default=129_280)
-    parser.add_argument("--repeats", type=int, default=40)
+    parser.add_argument("--batch", type=positive, default=32)
+    parser.add_argument("--vocab", type=positive, default=129_280)
+    parser.add_argument("--repeats", type=positive, default=40)
     parser.add_argument("--glibc-defaults", action="store_true",
                         help="leave malloc as it is (the engine's runner sets glibc's thresholds on CPUs)")
     args = parser.parse_args()
