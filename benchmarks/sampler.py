@@ -3,8 +3,9 @@
     python3 benchmarks/sampler.py [--batch 32] [--vocab 129280] [--repeats 40]
 
 Each row of the table is one batch where every row has the named settings (the sampler's cost
-depends on the mix: greedy rows take an argmax, rows with top-k or top-p draw among K candidates,
-the others from the whole vocabulary). Median wall milliseconds of `repeats` calls after one
+depends on the mix: greedy rows take an argmax, rows with top-k or top-p draw among the first
+candidates or, when the tokens they keep reach past those, among K, the others from the whole
+vocabulary). Median wall milliseconds of `repeats` calls after one
 warm-up call, random logits (normal x 4), prints a markdown table. On CPUs malloc is set as the
 engine's runner sets it (`dsv4_jax.engine.host_memory`) unless --glibc-defaults.
 """
@@ -32,7 +33,8 @@ MIXES = {
     "greedy + 5 logprobs": SamplingParams(temperature=0.0, logprobs=5),
     "temperature 1 (OpenAI default)": SamplingParams(temperature=1.0),
     "temperature 0.7, min_p 0.05": SamplingParams(temperature=0.7, min_p=0.05),
-    "top_p 0.95": SamplingParams(temperature=1.0, top_p=0.95),
+    "top_p 0.95 (a nucleus past the K)": SamplingParams(temperature=1.0, top_p=0.95),
+    "top_p 0.9, temperature 0.3 (a narrow nucleus)": SamplingParams(temperature=0.3, top_p=0.9),
     "top_k 50": SamplingParams(temperature=1.0, top_k=50),
     "top_k 50, top_p 0.9, seeded": SamplingParams(temperature=0.8, top_k=50, top_p=0.9, seed=3),
 }
@@ -50,7 +52,8 @@ def main() -> None:
 
     config = SamplerConfig()
     logits = jax.device_put((np.random.default_rng(0).normal(size=(args.batch, args.vocab)) * 4).astype(np.float32))
-    print(f"sampler on [{args.batch}, {args.vocab}] logits, K = {config.candidates}, {jax.devices()[0].device_kind}, "
+    print(f"sampler on [{args.batch}, {args.vocab}] logits, first candidates {config.first_candidates}, K = {config.candidates}, "
+          f"{jax.devices()[0].device_kind}, "
           f"median of {args.repeats} calls, malloc {'as the engine sets it' if kept else 'as it was'}\n")
     print("| rows | ms |\n|---|---|")
     for name, params in MIXES.items():

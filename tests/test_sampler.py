@@ -1,8 +1,9 @@
 """On-device sampling against numpy references of vLLM's sampling rules.
 
 Compiles: `sample` at (B=32, V=128, with penalties), (B=1, V=128, without), (B=60,000, V=64,
-without: every distribution test in one call), (B=2, V=129,280, without), and `process_logits`
-at (B=32, V=128, with penalties): five in all.
+without: every distribution test in one call), (B=2, V=129,280, without), (B=512, V=64, without)
+twice (the first candidates against all K), and `process_logits` at (B=32, V=128, with
+penalties): seven in all.
 """
 
 from __future__ import annotations
@@ -121,8 +122,10 @@ DISTRIBUTIONS = {
 
 
 # Rows with top-k or top-p draw among K candidates: K = 32 of the 64 tokens holds every top-k and
-# top-p nucleus below (14 and 17 tokens), while rows without either must reach past the K.
-DRAW_CONFIG = SamplerConfig(candidates=32)
+# top-p nucleus below (at most 14 tokens), while rows without either must reach past the K. The
+# first 12 candidates hold some of them (top_k = 10, min_p) but not the 14-token nuclei, so both
+# draws are checked.
+DRAW_CONFIG = SamplerConfig(candidates=32, first_candidates=12)
 
 
 @pytest.fixture(scope="module")
@@ -155,6 +158,26 @@ def test_rows_without_top_k_or_top_p_are_not_cut_at_the_candidates(draws):
     drawn = np.isin(tokens["temperature"], beyond).sum()
     expected = DRAWS * probs[beyond].sum()  # ~178 of 10,000 (1.8% of the mass)
     assert abs(drawn - expected) < 5 * np.sqrt(expected), (drawn, expected)
+
+
+def test_rows_draw_the_same_token_among_the_first_candidates_as_among_all_k():
+    """A row whose kept tokens all lie among the first candidates draws there; one whose kept
+    tokens reach past them draws among all K. Either way the token is the one the K alone give."""
+    vocab, count = 64, 512
+    rng = np.random.default_rng(21)
+    logits = (rng.normal(size=(count, vocab)) * rng.uniform(0.2, 3.0, size=(count, 1))).astype(np.float32)
+    rows = [SamplingRow(SamplingParams(
+        temperature=float(rng.choice([0.5, 1.0, 1.5])), top_k=int(rng.choice([0, 3, 8, 9, 20, 64])),
+        top_p=float(rng.choice([0.5, 0.9, 0.99])), min_p=float(rng.choice([0.0, 0.05])),
+        seed=int(rng.integers(0, 2**40))), i) for i in range(count)]
+    first, all_k = SamplerConfig(candidates=32, first_candidates=8), SamplerConfig(candidates=32, first_candidates=32)
+    batch = build_sampling_batch(rows, count, vocab_size=vocab, config=first)
+    tokens = [np.asarray(sample(*jax.device_put((logits, batch)), config=c).token_ids) for c in (first, all_k)]
+    np.testing.assert_array_equal(tokens[0], tokens[1])
+    kept = np.array([(_distribution_reference(x, r.params) > 0).sum() for x, r in zip(logits, rows)])
+    rank = np.array([(x > x[t]).sum() for x, t in zip(logits, tokens[1])])
+    assert (kept <= 8).sum() > 100 and (kept > 8).sum() > 100, np.bincount(kept)
+    assert (rank >= 8).sum() > 40, "too few draws past the first candidates to check the switch"
 
 
 # ---- one step of 32 mixed requests ------------------------------------------------------------

@@ -18,26 +18,31 @@ The pipeline follows vLLM's v1 sampler, in its order:
      - rows with neither top-k nor top-p draw from the whole vocabulary by inverse CDF in two
        levels (a block of 256 tokens by the blocks' masses, then a token inside it, each with one
        uniform number): exact, and no sort;
-     - rows with top-k or top-p work on the K best candidates of the logits (`row_top_k`): top-k,
+     - rows with top-k or top-p work on the best candidates of the logits (`row_top_k`): top-k,
        then top-p (over the renormalised survivors) mask them, and a Gumbel-max draw picks one of
-       the survivors.
+       the survivors (each candidate's noise keyed by its token id, not its rank).
 
-Why K candidates for top-k / top-p: both need the tokens in order of probability, and at the real
+Why candidates for top-k / top-p: both need the tokens in order of probability, and at the real
 vocabulary (129,280) on 2 CPU cores at B = 32 a full sort costs ~790 ms, while `lax.top_k(1024)`
-costs ~40 ms (`row_top_k`'s two short passes pay off for argmax and the 20 top logprobs, not for
-K = 1024). So those rows use `SamplerConfig.candidates` (K, default 1024) candidates, as the
-top-k-first samplers of sglang and vLLM do. Top-p reads each candidate's probability over the
-whole vocabulary (one more pass over [B, V], only when some row has top-p without top-k), so a
-nucleus within the K is exact; a wider one is cut at K, and rows with `top_k` above K act as
-`top_k = K`. Rows without either (OpenAI's default request, temperature 1 and top_p 1) are never
-truncated: the inverse-CDF draw needs one pass of `exp` and block sums over [B, V] and two short
-cumulative sums, where `random.categorical` would draw B x V random numbers (~200 ms).
-Measured with `benchmarks/sampler.py` at [32, 129280] on 2 AMD EPYC cores (2026-12-02, medians of
-60 interleaved calls, against the earlier sampler that drew every random row among the K):
-temperature-only rows 23-25 -> 5-9 ms, top-k rows unchanged (~25 ms), top-p-only rows 24-28 ->
-27-36 ms (the pass that makes their nucleus exact), greedy rows unchanged, but greedy rows with
-logprobs ~7.5 -> ~12 ms since the keys are derived outside the branches (not traced; inside each
-branch: ~7.7 ms, but a compile 2.5 s instead of 1.9); one compile of `sample` at B = 8: 1.4 -> 1.9 s.
+costs ~40 ms. So those rows use at most `SamplerConfig.candidates` (K, default 1024) candidates,
+as the top-k-first samplers of sglang and vLLM do, and first only
+`SamplerConfig.first_candidates` (default 64: `row_top_k` at k = 64 takes ~5 ms there, 2026-12-02).
+Every rule keeps a prefix of the ranks, so a row whose kept tokens end inside the first
+candidates (top-k <= 64, min-p dropping the last of them, or a nucleus they hold) has its draw;
+only in a batch where some row's kept tokens reach past them are all K taken, for those rows only,
+and the id-keyed noise makes that draw the one the first candidates would give when the kept
+tokens are the same (so a row's token never depends on the rest of the batch). Top-p reads each
+candidate's probability over the whole vocabulary (one more pass over [B, V], only when some row
+has top-p without top-k), so a nucleus within the K is exact; a wider one is cut at K, and rows
+with `top_k` above K act as `top_k = K`. Rows without either (OpenAI's default request,
+temperature 1 and top_p 1) are never truncated: the inverse-CDF draw needs one pass of `exp` and
+block sums over [B, V] and two short cumulative sums, where `random.categorical` would draw B x V
+random numbers (~200 ms). Measured with `benchmarks/sampler.py` at [32, 129280] on 2 cores
+(2026-12-02, Intel Xeon, medians of 40 calls, before -> after the first candidates): top_k 50
+49.7 -> 6.0 ms, top_k 50 with top_p 0.9 49.0 -> 6.9 ms, a top_p 0.95 nucleus past the K (random
+normal x 4 logits, temperature 1) 46.7 -> 44-53 ms (both lists), greedy and temperature-only rows
+unchanged (1.3-1.6, 5.1-5.6 ms). On 2 AMD EPYC cores the earlier inverse-CDF change took
+temperature-only rows from 23-25 to 5-9 ms.
 
 Logprobs follow vLLM's default (`logprobs_mode="raw_logprobs"`): the log_softmax of the model's
 own logits, before bias, penalties, temperature and truncation. They are computed only when some
@@ -73,6 +78,8 @@ class SamplerConfig:
     """Static shape choices of the sampler (part of the jit cache key)."""
 
     candidates: int = 1024  # K: rows with top-k or top-p draw among the K most likely tokens
+    # ... among the first this many, unless the tokens some row keeps reach past them (see above)
+    first_candidates: int = 64
     max_banned_ids: int = 64  # EOS + stop token ids masked per row while below min_tokens
     penalty_history: int = 8192  # distinct prompt + output tokens of a row with penalties
     # token_ids padded to at least this many rows, so the next step (of any bucket) can read them
@@ -80,7 +87,7 @@ class SamplerConfig:
     pad_rows: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("candidates", "max_banned_ids", "penalty_history", "pad_rows"):
+        for name in ("candidates", "first_candidates", "max_banned_ids", "penalty_history", "pad_rows"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < (0 if name == "pad_rows" else 1):
                 raise ValueError(f"SamplerConfig.{name} must be an int >= {0 if name == 'pad_rows' else 1}, "
@@ -304,35 +311,72 @@ def _has_top_k(batch: SamplingBatch, vocab: int) -> jax.Array:
     return (batch.top_k > 0) & (batch.top_k < vocab)  # [B]; top_k >= V keeps every token: off
 
 
-def _draw_candidates(x: jax.Array, batch: SamplingBatch, keys: jax.Array, k: int) -> jax.Array:
-    """Step 4 for rows with top-k or top-p: [B, V] -> token ids [B]."""
-    values, ids = row_top_k(x, k)  # [B, K], most likely first
+def _candidate_noise(keys: jax.Array, ids: jax.Array) -> jax.Array:
+    """Gumbel noise of each candidate, keyed by the row's key and the candidate's token id (not its
+    rank): a row draws the same token among the first candidates as among all K whenever the
+    tokens it keeps are the same. [B] keys, [B, n] ids -> [B, n] float32"""
+    def row(key: jax.Array, row_ids: jax.Array) -> jax.Array:
+        return jax.vmap(lambda token: jax.random.gumbel(jax.random.fold_in(key, token), (), jnp.float32))(row_ids)
+
+    return jax.vmap(row)(keys, ids)
+
+
+def _draw_among(values: jax.Array, ids: jax.Array, batch: SamplingBatch, keys: jax.Array, has_top_k: jax.Array,
+                whole_log_mass: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Step 4 for rows with top-k or top-p, among a row's n best candidates (`row_top_k`: values
+    and ids [B, n], most likely first). `has_top_k` [B]: rows whose top-k cuts the vocabulary.
+    `whole_log_mass` [B]: log of the unnormalised mass of every token min-p keeps (read by rows
+    with top-p and no top-k). Returns the drawn token ids
+    [B] and whether each row's kept tokens all lie among the n [B] (then a longer candidate list
+    draws the same token)."""
+    n = values.shape[-1]
     scaled = values / batch.temperature[:, None]
-    rank = jnp.arange(k)[None, :]
+    rank = jnp.arange(n)[None, :]
     min_p = jnp.log(batch.min_p)[:, None]  # p >= min_p * p_max; log 0 keeps all
     keep = scaled - scaled[:, :1] >= min_p
-    keep &= rank < jnp.where(batch.top_k > 0, batch.top_k, k)[:, None]
-    # Top-p reads the survivors' probabilities: renormalised over the top-k survivors (all among
-    # the K), or, without top-k, over every token min-p keeps (the K's own sum would make them
-    # larger than they are, and the nucleus narrower).
+    keep &= rank < jnp.where(batch.top_k > 0, batch.top_k, n)[:, None]
+    # Top-p reads the survivors' probabilities: renormalised over the top-k survivors, or, without
+    # top-k, over every token min-p keeps (the candidates' own sum would make them larger than
+    # they are, and the nucleus narrower).
     survivors = jnp.where(keep, scaled, -jnp.inf)
-    best = scaled[:, :1]  # the row's largest scaled logit
+    log_mass = jnp.where(has_top_k, jax.nn.logsumexp(survivors, axis=-1), whole_log_mass)
+    probs = jnp.exp(survivors - log_mass[:, None])
+    mass = jnp.cumsum(probs, axis=-1)
+    # Every rule cuts a prefix of the ranks, so the kept tokens stop inside the n when min-p or
+    # top-k already drops the last candidate, when top-k keeps at most n, or (without top-k, whose
+    # survivors outside the n would change the normaliser) when the n hold the nucleus: the next
+    # candidate would start at mass >= top_p.
+    fits = ~keep[:, -1] | (has_top_k & (batch.top_k <= n)) | (~has_top_k & (mass[:, -1] >= batch.top_p))
+    keep &= (mass - probs < batch.top_p[:, None]) | (rank == 0)  # vLLM's top-p, the best always kept
+    choice = jnp.argmax(jnp.where(keep, scaled + _candidate_noise(keys, ids), -jnp.inf), axis=-1)
+    # One gather of the chosen candidate: slicing `ids[:, 0]` instead makes XLA:CPU lower top_k
+    # as a full sort (30x slower at the real vocabulary).
+    return jnp.take_along_axis(ids, choice[:, None], axis=1)[:, 0], fits
+
+
+def _draw_candidates(x: jax.Array, batch: SamplingBatch, keys: jax.Array, truncated: jax.Array,
+                     config: SamplerConfig) -> jax.Array:
+    """Step 4 for rows with top-k or top-p (`truncated` [B]): among the first candidates, and among
+    all K only in a batch where some row's kept tokens reach past the first ones (those rows take
+    that draw). [B, V] -> token ids [B]"""
+    k = min(config.candidates, x.shape[-1])
+    first = min(config.first_candidates, k)
+    has_top_k = _has_top_k(batch, x.shape[-1])
+    values, ids = row_top_k(x, first)
+    best = values[:, :1] / batch.temperature[:, None]  # the row's largest scaled logit
 
     def whole_mass() -> jax.Array:  # [B] log of the unnormalised mass of what min-p keeps
         return best[:, 0] + jnp.log(jnp.sum(_min_p_weights(x, batch, best), axis=-1))
 
-    has_top_k = _has_top_k(batch, x.shape[-1])
-    log_mass = jax.nn.logsumexp(survivors, axis=-1)
-    without_top_k = jnp.any(~has_top_k & (batch.top_p < 1))  # a pass over [B, V] only for them
-    log_mass = jnp.where(has_top_k, log_mass, jax.lax.cond(without_top_k, whole_mass, lambda: log_mass))
-    probs = jnp.exp(survivors - log_mass[:, None])
-    mass_before = jnp.cumsum(probs, axis=-1) - probs  # of the more likely survivors
-    keep &= (mass_before < batch.top_p[:, None]) | (rank == 0)  # vLLM's top-p, the best always kept
-    gumbel = jax.vmap(lambda key: jax.random.gumbel(key, (k,), jnp.float32))(keys)
-    choice = jnp.argmax(jnp.where(keep, scaled + gumbel, -jnp.inf), axis=-1)
-    # One gather of the chosen candidate: slicing `ids[:, 0]` instead makes XLA:CPU lower top_k
-    # as a full sort (30x slower at the real vocabulary).
-    return jnp.take_along_axis(ids, choice[:, None], axis=1)[:, 0]
+    # A pass over [B, V] only in a batch with top-p rows without top-k.
+    needs_mass = jnp.any(truncated & ~has_top_k & (batch.top_p < 1))
+    whole_log_mass = jax.lax.cond(needs_mass, whole_mass, lambda: jnp.zeros(x.shape[0], jnp.float32))
+    tokens, fits = _draw_among(values, ids, batch, keys, has_top_k, whole_log_mass)
+    if first == k:
+        return tokens
+    wide = truncated & ~fits
+    return jnp.where(wide, jax.lax.cond(
+        jnp.any(wide), lambda: _draw_among(*row_top_k(x, k), batch, keys, has_top_k, whole_log_mass)[0], lambda: tokens), tokens)
 
 
 # Tokens per block of the untruncated draw: short cumulative sums at both levels (505 blocks at
@@ -381,8 +425,6 @@ def _raw_logprobs(logits: jax.Array, tokens: jax.Array) -> tuple[jax.Array, ...]
 
 
 def _sample(logits: jax.Array, batch: SamplingBatch, config: SamplerConfig = SamplerConfig()) -> SampledTokens:
-    k = min(config.candidates, logits.shape[-1])
-
     truncated = ~batch.greedy & (_has_top_k(batch, logits.shape[-1]) | (batch.top_p < 1))
     untruncated = ~batch.greedy & ~truncated
 
@@ -392,7 +434,7 @@ def _sample(logits: jax.Array, batch: SamplingBatch, config: SamplerConfig = Sam
         # Each draw runs only in a batch that has its kind of rows (greedy rows: the argmax).
         tokens = row_argmax(x)
         tokens = jnp.where(truncated, jax.lax.cond(
-            jnp.any(truncated), lambda: _draw_candidates(x, batch, keys, k), lambda: tokens), tokens)
+            jnp.any(truncated), lambda: _draw_candidates(x, batch, keys, truncated, config), lambda: tokens), tokens)
         return jnp.where(untruncated, jax.lax.cond(
             jnp.any(untruncated), lambda: _draw_untruncated(x, batch, keys), lambda: tokens), tokens)
 
