@@ -2,7 +2,7 @@
 transformers 5.23 `DeepseekV4ForCausalLM.generate` on the same checkpoint, on CPU, back to back.
 
     python benchmarks/vs_transformers.py [--models tiny,mid] [--batch-sizes 1,8,32] [--prompt-len 32]
-        [--max-tokens 64] [--ref-max-tokens N] [--ref-python /tmp/refvenv/bin/python] [--threads N]
+        [--max-tokens 64] [--ref-max-tokens N] [--repeats 3] [--ref-python /tmp/refvenv/bin/python] [--threads N]
         [--dtype bfloat16] [--compilation-cache DIR] [--json OUT] [--markdown FILE]
 
 Plain script (no pytest). The transformers side is `tools/transformers_generate.py`, run with the
@@ -19,16 +19,20 @@ Models (random weights, one checkpoint read by both sides):
 
 Per model, three fresh processes in a row:
 1. ours: `LLM(...)` (warm-up compiles every bucket: prefill (B, prompt_len) and decode B for each
-   batch size B, so B=1 is not padded to 32 rows), one untimed 2-token generate, then for each
-   token count and batch size one timed `llm.generate` of B random prompts (the same prompts as
-   transformers gets), greedy with ignore_eos. Time to first token: from the `generate` call
+   batch size B, so B=1 is not padded to 32 rows), one untimed 2-token generate per batch size
+   (the first calls of its executables), then for each token count and batch size --repeats
+   timed `llm.generate` calls of B random prompts (the same prompts as transformers gets), greedy
+   with ignore_eos, async scheduling on and off in turn; the run with the median tokens/s is
+   reported, the range of all of them beside it. Time to first token: from the `generate` call
    until the engine step that returned the request's first token (the engine's `step` is wrapped
    for the call to stamp its outputs).
 2. restart: `LLM(...)` again in a fresh process with the persistent compilation cache that 1 just
    filled (JAX_COMPILATION_CACHE_DIR, every entry cached: min compile time and size 0): its
    construction time and XLA compiles (`CompileCounter`; a cache hit is no compile).
 3. transformers: `tools/transformers_generate.py` (same prompts, same dtype, torch threads =
-   the CPUs this process may use, which is what XLA uses).
+   the CPUs this process may use, which is what XLA uses; the same untimed call per batch size
+   and the same --repeats, median kept). One timed run per point moved the tiny 32-row ratio from
+   1.41 to ~2.8 between runs on a shared 2-CPU machine (2026-12-02): hence the repeats.
 --ref-max-tokens N gives transformers fewer tokens than ours when 64 would not fit the time
 available (its decode step on the mid model takes seconds); ours then also runs N tokens, so the
 tokens/s ratio compares equal work, and the decode ratio compares steady-state steps.
@@ -196,20 +200,32 @@ def run_ours(args: argparse.Namespace) -> dict:
         prompts = json.loads(Path(args.prompts).read_text())
         from dsv4_jax.engine.compiles import CompileCounter
 
-        timed_generate(llm, prompts[:1], 2)  # untimed: first calls of the steps' executables
+        for b in args.batch_sizes:
+            timed_generate(llm, prompts[:b], 2)  # untimed: first calls of this batch size's executables
         counter = CompileCounter()
-        report["results"] = []
+        report["results"], report["results_sync"], report["repeats"] = [], [], args.repeats
         for n in args.token_counts:
             for b in args.batch_sizes:
-                for overlap in (True, False):  # async scheduling on (the default), then off
-                    r = timed_generate(llm, prompts[:b], n, async_scheduling=overlap)
-                    (report["results"] if overlap else report.setdefault("results_sync", [])).append(r)
-                    print(f"# ours B={b} N={n} async={overlap}: {r['tokens_per_s']:.1f} tok/s, TTFT "
-                          f"{r['ttft_s']:.2f} s, host {r['host_s']:.2f} s, device wait {r['device_wait_s']:.2f} s",
-                          flush=True)
+                runs: dict[bool, list[dict]] = {True: [], False: []}
+                for _ in range(args.repeats):
+                    for overlap in (True, False):  # async scheduling on (the default), then off
+                        r = timed_generate(llm, prompts[:b], n, async_scheduling=overlap)
+                        runs[overlap].append(r)
+                        print(f"# ours B={b} N={n} async={overlap}: {r['tokens_per_s']:.1f} tok/s, TTFT "
+                              f"{r['ttft_s']:.2f} s, host {r['host_s']:.2f} s, device wait {r['device_wait_s']:.2f} s",
+                              flush=True)
+                report["results"].append(median_run(runs[True]))
+                report["results_sync"].append(median_run(runs[False]))
         report["compiles_during_runs"] = counter.compiles
     Path(args.out).write_text(json.dumps(report) + "\n")
     return 0
+
+
+def median_run(runs: list[dict]) -> dict:
+    """The run with the median tokens/s (the lower middle one of an even count), with every
+    run's tokens/s beside it (as tools/transformers_generate.py reports its side)."""
+    chosen = sorted(runs, key=lambda r: r["tokens_per_s"])[(len(runs) - 1) // 2]
+    return {**chosen, "tokens_per_s_runs": [r["tokens_per_s"] for r in runs]}
 
 
 # ---- the comparison (parent process) -----------------------------------------------------------------
@@ -259,7 +275,8 @@ def compare_model(name: str, args: argparse.Namespace, work: Path) -> dict:
     ref_tokens = args.ref_max_tokens or args.max_tokens
     common = ["--model-dir", str(path), "--dtype", args.dtype, "--kv-cache-dtype", args.kv_cache_dtype,
               "--batch-sizes", ",".join(map(str, args.batch_sizes)), "--prompt-len", str(args.prompt_len),
-              "--token-counts", ",".join(map(str, sorted({args.max_tokens, ref_tokens}, reverse=True)))]
+              "--token-counts", ",".join(map(str, sorted({args.max_tokens, ref_tokens}, reverse=True))),
+              "--repeats", str(args.repeats)]
     env = {**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu"),
            "JAX_COMPILATION_CACHE_DIR": str(args.compilation_cache),
            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
@@ -279,6 +296,7 @@ def compare_model(name: str, args: argparse.Namespace, work: Path) -> dict:
         report["transformers"] = child(
             [args.ref_python, str(REF_SCRIPT), "--model", str(path), "--prompts", str(prompts_file),
              "--batch-sizes", ",".join(map(str, args.batch_sizes)), "--max-new-tokens", str(ref_tokens),
+             "--repeats", str(args.repeats),
              "--threads", str(args.threads), "--dtype", args.dtype, "--out", str(out)],
             {**os.environ, "PYTHONPATH": ""}, out, args.timeout_s)
     report["load_average_after"] = load_average()
@@ -288,6 +306,13 @@ def compare_model(name: str, args: argparse.Namespace, work: Path) -> dict:
 # ---- report ---------------------------------------------------------------------------------------
 def _f(x: float | None, digits: int = 2) -> str:
     return "-" if x is None else f"{x:.{digits}f}"
+
+
+def _rate(r: dict) -> str:
+    """A point's median output tokens/s, with the range of its runs when there were several."""
+    runs = r.get("tokens_per_s_runs", [])
+    spread = f" ({min(runs):.1f}-{max(runs):.1f})" if len(runs) > 1 else ""
+    return f"{_f(r['tokens_per_s'], 1)}{spread}"
 
 
 def incremental_summary(lengths: list[int]) -> str:
@@ -300,7 +325,8 @@ def incremental_summary(lengths: list[int]) -> str:
 def markdown(reports: list[dict], header: dict) -> str:
     lines = [(f"Run {header['started']} on {header['machine']}; load average (1/5/15 min) {header['load_before']} "
               f"before, {header['load_after']} after."), "",
-             "| model | B | side | new tokens | output tok/s | wall s | TTFT s | decode step ms | decode tok/s |",
+             ("| model | B | side | new tokens | output tok/s (median; range of the runs) | wall s | TTFT s | "
+              "decode step ms | decode tok/s |"),
              "|---|---|---|---|---|---|---|---|---|"]
     ratios = [("| model | B | new tokens | ours / transformers tok/s | ours / transformers decode tok/s | "
                "first token agrees | mean common prefix |"), "|---|---|---|---|---|---|---|"]
@@ -309,12 +335,12 @@ def markdown(reports: list[dict], header: dict) -> str:
         ours = {(r["batch"], r["new_tokens"]): r for r in rep["ours"].get("results", [])}
         theirs = {r["batch"]: r for r in rep["transformers"].get("results", [])}
         for (b, n), r in sorted(ours.items()):
-            lines.append(f"| {rep['model']} | {b} | ours | {n} | {_f(r['tokens_per_s'], 1)} | {_f(r['wall_s'])} | "
+            lines.append(f"| {rep['model']} | {b} | ours | {n} | {_rate(r)} | {_f(r['wall_s'])} | "
                          f"{_f(r['ttft_s'])} | {_f(r['decode_step_median_s'] * 1e3, 1)} | "
                          f"{_f(r['decode_tokens_per_s'], 1)} |")
             t = theirs.get(b)
             if t is not None and t["new_tokens"] == n:
-                lines.append(f"| {rep['model']} | {b} | transformers | {n} | {_f(t['tokens_per_s'], 1)} | "
+                lines.append(f"| {rep['model']} | {b} | transformers | {n} | {_rate(t)} | "
                              f"{_f(t['wall_s'])} | {_f(t['ttft_s'])} | {_f(t['decode_step_median_s'] * 1e3, 1)} | "
                              f"{_f(t['decode_tokens_per_s'], 1)} |")
                 first, prefix = agreement(r["token_ids"], t["token_ids"])
@@ -342,7 +368,7 @@ def markdown(reports: list[dict], header: dict) -> str:
         runs = [*rep["ours"].get("results", []), *rep["ours"].get("results_sync", [])]
         for r in sorted(runs, key=lambda r: (r["batch"], not r.get("async_scheduling", True))):
             overlap.append(f"| {rep['model']} | {r['batch']} | {'on' if r.get('async_scheduling', True) else 'off'} | "
-                           f"{_f(r['tokens_per_s'], 1)} | {_f(r.get('host_s'))} | {_f(r.get('device_wait_s'))} |")
+                           f"{_rate(r)} | {_f(r.get('host_s'))} | {_f(r.get('device_wait_s'))} |")
     lines += ["", *ratios, "", *verdicts, "", *overlap, "", *evidence, "",
               ("| model | start | XLA compiles (CompileCounter) | persistent cache hits / misses | construction s | "
                "process s (import + load + warm-up) |"), "|---|---|---|---|---|---|"]
@@ -377,6 +403,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=positive, default=64, help="output tokens per sequence (ours)")
     parser.add_argument("--ref-max-tokens", type=positive, default=None,
                         help="output tokens per sequence for transformers (default: --max-tokens)")
+    parser.add_argument("--repeats", type=positive, default=3,
+                        help="timed runs per point, both sides; the median is reported")
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="compute dtype, both sides")
     parser.add_argument("--kv-cache-dtype", default="auto", help="ours (auto: bfloat16 on CPU)")
     parser.add_argument("--ref-python", default="/tmp/refvenv/bin/python", help="the reference venv's python")
