@@ -243,6 +243,26 @@ def test_logprobs_are_the_raw_model_distribution(mixed):
     np.testing.assert_array_equal(out.ranks, 1 + (reference > chosen[:, None]).sum(-1))  # vLLM's rank
 
 
+def test_ranks_and_logprobs_from_the_top_list_equal_the_whole_vocabulary_count():
+    """A batch whose tokens all rank within the top logprobs list takes ranks and the logsumexp
+    shift from that list; with ties, -inf and a token outside the list (the whole count) too."""
+    rng = np.random.default_rng(8)
+    row = np.round(rng.normal(size=V) * 2) / 2  # many ties
+    row[rng.choice(V, 10, replace=False)] = -np.inf
+    logits = row[None].astype(np.float32)
+    reference = _log_softmax(logits)[0]
+    seen = set()
+    for seed in range(16):  # the (B=1, V=128) compile of the seed tests
+        top_k = 6 if seed < 12 else 0  # within the list, then (mostly) the whole vocabulary
+        out = _run(logits, [SamplingRow(SamplingParams(temperature=1.5, top_k=top_k, logprobs=3, seed=seed), 0)])
+        token = int(out.token_ids[0])
+        seen.add((top_k, int((row > row[token]).sum()) < MAX_LOGPROBS))
+        assert out.ranks[0] == 1 + (row > row[token]).sum(), (seed, token)
+        np.testing.assert_allclose(out.logprobs[0], reference[token], atol=1e-5)
+        np.testing.assert_allclose(out.top_logprobs[0], np.sort(reference)[::-1][:MAX_LOGPROBS], atol=1e-5)
+    assert {(6, True), (0, False)} <= seen, seen  # both ways of counting ran
+
+
 def test_min_tokens_bans_eos_and_stop_ids_until_reached():
     logits = np.zeros((1, V), np.float32)
     logits[0, EOS], logits[0, 20], logits[0, 30] = 9.0, 8.0, 7.0  # EOS best, then stop id 20

@@ -417,10 +417,21 @@ def _draw_untruncated(x: jax.Array, batch: SamplingBatch, keys: jax.Array) -> ja
 
 
 def _raw_logprobs(logits: jax.Array, tokens: jax.Array) -> tuple[jax.Array, ...]:
-    lse = jax.nn.logsumexp(logits, axis=-1)
+    """Logprob, top logprobs and rank of each row's token. Each pass over [B, V] costs ~3 ms at
+    [32, 129280] on 2 CPU cores, so the top list also gives the log-sum-exp its shift (the row's
+    maximum, as `jax.nn.logsumexp` takes it) and the ranks: every token more likely than one at
+    or above the list's last value is in the list, so only a batch with a token below it counts
+    over the whole vocabulary (greedy rows never are: 8.6 -> 5.1 ms a greedy batch with
+    logprobs, the same outputs, 2026-12-02)."""
     top_values, top_ids = row_top_k(logits, min(MAX_LOGPROBS, logits.shape[-1]))
+    best = top_values[:, :1]
+    shift = jnp.where(jnp.isfinite(best), best, 0.0)
+    lse = jnp.log(jnp.sum(jnp.exp(logits - shift), axis=-1)) + shift[:, 0]
     picked = jnp.take_along_axis(logits, tokens[:, None], axis=1)[:, 0]
-    ranks = 1 + jnp.sum(logits > picked[:, None], axis=-1, dtype=jnp.int32)
+    listed = 1 + jnp.sum(top_values > picked[:, None], axis=-1, dtype=jnp.int32)
+    ranks = jax.lax.cond(
+        jnp.all(picked >= top_values[:, -1]), lambda: listed,
+        lambda: 1 + jnp.sum(logits > picked[:, None], axis=-1, dtype=jnp.int32))
     return picked - lse, top_ids, top_values - lse[:, None], ranks
 
 
