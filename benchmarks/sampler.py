@@ -52,8 +52,8 @@ def main() -> None:
 
     config = SamplerConfig()
     logits = jax.device_put((np.random.default_rng(0).normal(size=(args.batch, args.vocab)) * 4).astype(np.float32))
-    print(f"sampler on [{args.batch}, {args.vocab}] logits, first candidates {config.first_candidates}, K = {config.candidates}, "
-          f"{jax.devices()[0].device_kind}, "
+    print(f"sampler on [{args.batch}, {args.vocab}] logits, first candidates {config.first_candidates}, "
+          f"K = {config.candidates}, {jax.devices()[0].device_kind}, "
           f"median of {args.repeats} calls, malloc {'as the engine sets it' if kept else 'as it was'}\n")
     print("| rows | ms |\n|---|---|")
     for name, params in MIXES.items():

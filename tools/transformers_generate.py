@@ -160,7 +160,8 @@ def main(argv: list[str] | None = None) -> int:
         results = []
         for b in args.batch_sizes:
             run_batch(model, prompts[:b], 2)  # untimed: first-call costs of this shape
-            results.append(median_run([run_batch(model, prompts[:b], args.max_new_tokens) for _ in range(args.repeats)]))
+            runs = [run_batch(model, prompts[:b], args.max_new_tokens) for _ in range(args.repeats)]
+            results.append(median_run(runs))
             r = results[-1]
             print(f"# transformers B={b}: {r['tokens_per_s']:.2f} tok/s, TTFT {r['ttft_s']:.2f} s, "
                   f"decode step {r['decode_step_median_s'] * 1e3:.0f} ms", flush=True)

@@ -78,7 +78,7 @@ class SamplerConfig:
     """Static shape choices of the sampler (part of the jit cache key)."""
 
     candidates: int = 1024  # K: rows with top-k or top-p draw among the K most likely tokens
-    # ... among the first this many, unless the tokens some row keeps reach past them (see above)
+    # ... among the first this many, unless the tokens a row keeps reach past them (module docstring)
     first_candidates: int = 64
     max_banned_ids: int = 64  # EOS + stop token ids masked per row while below min_tokens
     penalty_history: int = 8192  # distinct prompt + output tokens of a row with penalties
@@ -326,9 +326,8 @@ def _draw_among(values: jax.Array, ids: jax.Array, batch: SamplingBatch, keys: j
     """Step 4 for rows with top-k or top-p, among a row's n best candidates (`row_top_k`: values
     and ids [B, n], most likely first). `has_top_k` [B]: rows whose top-k cuts the vocabulary.
     `whole_log_mass` [B]: log of the unnormalised mass of every token min-p keeps (read by rows
-    with top-p and no top-k). Returns the drawn token ids
-    [B] and whether each row's kept tokens all lie among the n [B] (then a longer candidate list
-    draws the same token)."""
+    with top-p and no top-k). Returns the drawn token ids [B] and whether each row's kept tokens
+    all lie among the n [B] (then a longer candidate list draws the same token)."""
     n = values.shape[-1]
     scaled = values / batch.temperature[:, None]
     rank = jnp.arange(n)[None, :]
@@ -375,8 +374,11 @@ def _draw_candidates(x: jax.Array, batch: SamplingBatch, keys: jax.Array, trunca
     if first == k:
         return tokens
     wide = truncated & ~fits
-    return jnp.where(wide, jax.lax.cond(
-        jnp.any(wide), lambda: _draw_among(*row_top_k(x, k), batch, keys, has_top_k, whole_log_mass)[0], lambda: tokens), tokens)
+
+    def among_all() -> jax.Array:
+        return _draw_among(*row_top_k(x, k), batch, keys, has_top_k, whole_log_mass)[0]
+
+    return jnp.where(wide, jax.lax.cond(jnp.any(wide), among_all, lambda: tokens), tokens)
 
 
 # Tokens per block of the untruncated draw: short cumulative sums at both levels (505 blocks at
