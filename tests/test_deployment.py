@@ -16,7 +16,7 @@ import httpx
 import jax
 import pytest
 
-from conftest import REPO, child_xla_flags, free_port, started, wait_healthy  # tests/ is on sys.path
+from conftest import REPO, child_xla_flags, free_port, in_background, started, wait_healthy  # tests/ is on sys.path
 
 NAME = "DeepSeek-V4-Flash"
 
@@ -45,7 +45,7 @@ class DeploymentServer:
                "JAX_COMPILATION_CACHE_DIR": jax.config.jax_compilation_cache_dir}
         self.log_path = Path(self.directory.name) / "server.log"
         with open(self.log_path, "w") as log:
-            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+            self.process = subprocess.Popen(in_background(command), stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
 
     def kill(self) -> None:
         if self.process.poll() is None:

@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 
 import dsv4_jax
-from conftest import REPO, child_xla_flags, free_port, started, wait_healthy  # tests/ is on sys.path
+from conftest import REPO, child_xla_flags, free_port, in_background, started, wait_healthy  # tests/ is on sys.path
 from sharding_worker import CONFIG
 
 WORKER = Path(__file__).with_name("multihost_worker.py")
@@ -53,8 +53,8 @@ def checkpoint() -> Path:
 
 def _start(command: list[str], log: Path) -> subprocess.Popen:
     with open(log, "w") as out:
-        return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=ENV, cwd=REPO,
-                                start_new_session=True)
+        return subprocess.Popen(in_background(command), stdout=out, stderr=subprocess.STDOUT, env=ENV, cwd=REPO,
+                                process_group=0)
 
 
 def _kill(processes: list[subprocess.Popen]) -> None:

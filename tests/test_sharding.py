@@ -21,7 +21,7 @@ from jax.sharding import PartitionSpec as P
 import dsv4_jax
 from dsv4_jax import sharding as sh
 from dsv4_jax.model.transformer import DeepseekV4
-from conftest import child_xla_flags, started  # tests/ is on sys.path
+from conftest import child_xla_flags, in_background, started  # tests/ is on sys.path
 from dsv4_jax.presets import get_config
 
 WORKER = Path(__file__).with_name("sharding_worker.py")
@@ -145,8 +145,8 @@ class WorkerRun:
         out = Path(self.directory.name)
         env = dict(os.environ, XLA_FLAGS=child_xla_flags(8), JAX_PLATFORMS="cpu")
         with open(out / "log.txt", "w") as log:
-            self.process = subprocess.Popen([sys.executable, str(WORKER), str(out / "result.json")], env=env,
-                                            stdout=log, stderr=subprocess.STDOUT)
+            command = [sys.executable, str(WORKER), str(out / "result.json")]
+            self.process = subprocess.Popen(in_background(command), env=env, stdout=log, stderr=subprocess.STDOUT)
 
     def result(self, timeout_s: float = 600) -> dict:
         code = self.process.wait(timeout=timeout_s)  # `started` kills it whatever happens
