@@ -27,7 +27,37 @@ FIXTURES = REPO / "tests" / "fixtures"
 # writes every test's count, to diff two cold runs when the cap has to move.
 COMPILE_COUNT_CAP = int(os.environ.get("DSV4_COMPILE_COUNT_CAP", "1624"))
 
+# ---- two lanes ---------------------------------------------------------------------------------
+# pyproject's addopts run the suite as two pytest-xdist workers (`-n 2 --dist loadscope`): CI has
+# two cores, and a single pytest process was the run's critical path (its CPU seconds equalled the
+# wall clock's, 1452 s of 1435 s at 24 min, 2026-12-03). Each test file belongs to one lane, and
+# lane i runs whole on worker gw{i} (`LaneScheduling`, which makes each lane one loadscope scope)
+# in collection order, so every session- and module-scoped fixture is still built once. Files
+# sharing a session fixture share a lane: the chat engine and its server (`chat_llm`,
+# `chat_server`) live in the engine lane. Lanes are balanced by measured wall seconds per file
+# (the summary prints them); a new file joins the model lane unless named here. Each worker keeps its own persistent compilation cache (a
+# subdirectory named after it), so what a lane compiles from a cold cache does not depend on how
+# far the other lane got and the compile count stays exact. `-n 0` runs one process, as before.
+LANES = ("engine", "model")
+ENGINE_LANE = frozenset({
+    "test_async_engine.py", "test_benchmarks_runner.py", "test_chat_encoder.py", "test_chat_layout.py",
+    "test_chat_page.py", "test_chat_parser.py", "test_chat_request.py", "test_deployment.py",
+    "test_detokenizer.py", "test_engine.py", "test_grafana_dashboard.py", "test_host_memory.py",
+    "test_imports.py", "test_kv_paged.py", "test_multihost.py", "test_notebook.py", "test_runner.py",
+    "test_runner_backends.py", "test_sampler.py", "test_scheduler.py", "test_serve_args.py",
+    "test_serve_bench.py", "test_serve_choices.py", "test_serve_metrics.py", "test_serve_protocol.py",
+    "test_server.py", "test_server_faults.py", "test_server_load.py", "test_user_errors.py",
+    "test_weight_cache.py"})
+XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER")  # "gw0", "gw1" inside a pytest-xdist worker
+
+
+def lane_of(path: str | Path) -> str:
+    return LANES[0] if Path(path).name in ENGINE_LANE else LANES[1]
+
+
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(REPO / ".jax_cache"))
+if XDIST_WORKER:  # children (servers, workers) inherit it, and read what this worker compiled
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = os.path.join(os.environ["JAX_COMPILATION_CACHE_DIR"], XDIST_WORKER)
 # LLM and the server write converted-weights cache entries (`--load-format auto`) keyed by each
 # checkpoint's path: the tests' temporary checkpoints get one throw-away directory per session, as
 # do the server processes they start (they inherit the environment), never ~/.cache.
@@ -85,6 +115,45 @@ def pytest_runtest_logreport(report):
     _file_seconds[report.nodeid.split("::")[0]] += report.duration
 
 
+_workers: list[str] = []  # one summary line per pytest-xdist worker
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    """In the controller: each worker's compiles and CPU seconds join this process's account."""
+    output = getattr(node, "workeroutput", {})
+    for test, seconds in output.get("dsv4_compiles", {}).items():
+        _compiles[test].extend(seconds)
+    if "dsv4_cpu_line" in output:
+        _workers.append(f"{node.gateway.id}: {output['dsv4_cpu_line']}")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """pytest-xdist's loadscope scheduling with the lanes as its scopes, lane i on worker gw{i}."""
+    if config.getoption("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class LaneScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return lane_of(nodeid.split("::")[0])
+
+        def _assign_work_unit(self, node):
+            lane = LANES[int(node.gateway.id.removeprefix("gw")) % len(LANES)]
+            if lane in self.workqueue:
+                self.workqueue.move_to_end(lane, last=False)  # the unit the base class takes next
+            super()._assign_work_unit(node)
+
+    return LaneScheduling(config, log)
+
+
+def _cpu_line() -> str:
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return (f"{own.ru_utime + own.ru_stime:.0f} CPU s over {time.monotonic() - _SESSION_START:.0f} wall s; "
+            f"reaped subprocesses: {children.ru_utime + children.ru_stime:.0f} CPU s")
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     terminalreporter.section("wall seconds per test file")
     for path, seconds in sorted(_file_seconds.items(), key=lambda kv: -kv[1]):
@@ -96,13 +165,10 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     for test, secs in rows:
         terminalreporter.write_line(f"{sum(secs):7.1f}s {len(secs):4d} compiles  {test}")
     terminalreporter.write_line(f"total: {count} compiles (cap {COMPILE_COUNT_CAP}), {total:.1f}s")
-    # The run's critical path is this process: its own CPU seconds against the wall clock show how
-    # much of the run it kept busy, and what subprocesses it waited on added (children's seconds
-    # count once they are reaped).
-    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    terminalreporter.write_line(
-        f"this process: {own.ru_utime + own.ru_stime:.0f} CPU s over {time.monotonic() - _SESSION_START:.0f} wall s; "
-        f"reaped subprocesses: {children.ru_utime + children.ru_stime:.0f} CPU s")
+    # Each pytest process's CPU seconds against the wall clock show how busy it kept its core (a
+    # lane near 1.0 is the run's critical path); subprocesses count once they are reaped.
+    for line in _workers or [f"this process: {_cpu_line()}"]:
+        terminalreporter.write_line(line)
     if os.environ.get("DSV4_COMPILE_REPORT"):  # every test's count, to compare two runs when the cap moves
         Path(os.environ["DSV4_COMPILE_REPORT"]).write_text(
             json.dumps({test: len(secs) for test, secs in sorted(_compiles.items())}, indent=1))
@@ -112,24 +178,25 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
 # A test module whose fixture waits on a long subprocess (the 8-device sharding worker: ~3 min
 # cold; servers and multi-process runs: ~1 min each) maps fixture names to factories in
 # `START_EARLY: dict[str, Callable[[], handle]]` (a handle has `kill()` and a temporary
-# `directory`). Once the selection is known, each factory whose fixture a selected test uses is
-# called, so the subprocess runs while the tests before it do (this process compiles on one core
-# most of the time); the fixture enters `started(module name, fixture name)`, which hands it that
-# handle (or starts one where none was started) and kills it and removes its directory afterwards.
+# `directory`). At the process's first test, each factory whose fixture a selected test of its
+# lane uses is called, so the subprocess runs while the tests before it do; the fixture enters
+# `started(module name, fixture name)`, which hands it that handle (or starts one where none was
+# started) and kills it and removes its directory afterwards.
 # Those modules run last, so their subprocesses have the whole run to finish in.
 #
-# The early subprocesses only fill the cores this process leaves idle: they start through
-# `in_background` (lowest CPU priority) and stay in this session. A process in a session of its
+# The early subprocesses mostly fill the cores the tests leave idle: they start through
+# `in_background` (niceness 10) and stay in this session. A process in a session of its
 # own (`start_new_session=True`) gets a scheduler group of its own under Linux's autogroups, and
 # each group an equal share of the CPU whatever its niceness: with four such processes on two
 # cores, this process (on the critical path) got a tenth of a core and CI ran 23:43 (2026-12-03).
 # A process group of its own (`process_group=0`) is enough to kill a process and its children.
 _early: dict[tuple[str, str], object] = {}
+_early_started: list[str] = []  # the lane of this process's first test, once it has started them
 
 
 def in_background(command: list[str]) -> list[str]:
-    """`command` at the lowest CPU priority (its threads and children inherit it)."""
-    return ["nice", "-n", "19", *command]
+    """`command` at a low CPU priority (its threads and children inherit it)."""
+    return ["nice", "-n", "10", *command]
 
 
 def pytest_collection_modifyitems(session, config, items):
@@ -137,17 +204,25 @@ def pytest_collection_modifyitems(session, config, items):
     items.sort(key=lambda item: bool(getattr(getattr(item, "module", None), "START_EARLY", None)))
 
 
-def pytest_collection_finish(session):
-    for item in session.items:
-        module = getattr(item, "module", None)
+@pytest.hookimpl(tryfirst=True)  # before the first test's fixtures
+def pytest_runtest_setup(item):
+    """At this process's first test: start the early subprocesses of its lane's selected tests
+    (a pytest-xdist worker runs the first test's lane; one process runs all)."""
+    if _early_started:
+        return
+    _early_started.append(lane_of(item.path))
+    for other in item.session.items:
+        module = getattr(other, "module", None)
+        if XDIST_WORKER and lane_of(other.path) != lane_of(item.path):
+            continue
         for fixture, start in getattr(module, "START_EARLY", {}).items():
-            if (module.__name__, fixture) not in _early and fixture in item.fixturenames:
+            if (module.__name__, fixture) not in _early and fixture in other.fixturenames:
                 _early[module.__name__, fixture] = start()
 
 
 @contextlib.contextmanager
 def started(module_name: str, fixture: str):
-    """The handle `START_EARLY[fixture]` of that module started at collection (else started now);
+    """The handle `START_EARLY[fixture]` of that module started at the first test (else started now);
     killed, and its directory removed, on exit."""
     handle = _early.pop((module_name, fixture), None) or sys.modules[module_name].START_EARLY[fixture]()
     try:
@@ -160,6 +235,10 @@ def started(module_name: str, fixture: str):
 def pytest_sessionfinish(session, exitstatus):
     for handle in _early.values():  # started, never taken (its tests failed first or were skipped)
         handle.kill()
+    if hasattr(session.config, "workeroutput"):  # a pytest-xdist worker: the controller adds up
+        session.config.workeroutput["dsv4_compiles"] = dict(_compiles)
+        session.config.workeroutput["dsv4_cpu_line"] = f"{'/'.join(_early_started)} lane, {_cpu_line()}"
+        return
     count = sum(len(v) for v in _compiles.values())
     if count > COMPILE_COUNT_CAP and exitstatus == 0:
         session.exitstatus = 1
@@ -280,3 +359,4 @@ def chat_server(chat_llm, chat_checkpoint, tmp_path_factory):
     if process.poll() is None:
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=60) == 0, log_path.read_text()[-3000:]
+
