@@ -45,7 +45,8 @@ class DeploymentServer:
                "JAX_COMPILATION_CACHE_DIR": jax.config.jax_compilation_cache_dir}
         self.log_path = Path(self.directory.name) / "server.log"
         with open(self.log_path, "w") as log:
-            self.process = subprocess.Popen(in_background(command), stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+            self.process = subprocess.Popen(in_background(command), stdout=log, stderr=subprocess.STDOUT, env=env,
+                                            cwd=REPO)
 
     def kill(self) -> None:
         if self.process.poll() is None:
