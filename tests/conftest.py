@@ -214,10 +214,11 @@ def pytest_runtest_setup(item):
     (a pytest-xdist worker runs the first test's lane; one process runs all)."""
     if _early_started:
         return
-    _early_started.append(lane_of(item.path))
+    lane = lane_of(item.path)
+    _early_started.append(lane)
     for other in item.session.items:
         module = getattr(other, "module", None)
-        if XDIST_WORKER and lane_of(other.path) != lane_of(item.path):
+        if XDIST_WORKER and lane_of(other.path) != lane:
             continue
         for fixture, start in getattr(module, "START_EARLY", {}).items():
             if (module.__name__, fixture) not in _early and fixture in other.fixturenames:
@@ -363,4 +364,3 @@ def chat_server(chat_llm, chat_checkpoint, tmp_path_factory):
     if process.poll() is None:
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=60) == 0, log_path.read_text()[-3000:]
-
