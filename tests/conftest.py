@@ -96,6 +96,9 @@ jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 _compiles: dict[str, list[float]] = defaultdict(list)
 _file_seconds: dict[str, float] = defaultdict(float)  # wall seconds per test file (setup + call + teardown)
+# CPU seconds per test file: this process's, and its subprocesses' once reaped (an early subprocess
+# is reaped by its own module's fixture, so its CPU counts there, whenever it ran).
+_file_cpu: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
 _current = {"test": "<collection>"}
 _SESSION_START = time.monotonic()
 
@@ -119,6 +122,20 @@ def pytest_runtest_logreport(report):
     _file_seconds[report.nodeid.split("::")[0]] += report.duration
 
 
+def _cpu_seconds() -> tuple[float, float]:
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime, children.ru_utime + children.ru_stime
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    before = _cpu_seconds()
+    yield
+    account = _file_cpu[item.nodeid.split("::")[0]]
+    for i, (start, end) in enumerate(zip(before, _cpu_seconds())):
+        account[i] += end - start
+
+
 _workers: list[str] = []  # one summary line per pytest-xdist worker
 
 
@@ -128,6 +145,9 @@ def pytest_testnodedown(node, error):
     output = getattr(node, "workeroutput", {})
     for test, seconds in output.get("dsv4_compiles", {}).items():
         _compiles[test].extend(seconds)
+    for path, (own, children) in output.get("dsv4_file_cpu", {}).items():  # (wall: forwarded reports)
+        _file_cpu[path][0] += own
+        _file_cpu[path][1] += children
     if "dsv4_cpu_line" in output:
         _workers.append(f"{node.gateway.id}: {output['dsv4_cpu_line']}")
 
@@ -153,15 +173,16 @@ def pytest_xdist_make_scheduler(config, log):
 
 
 def _cpu_line() -> str:
-    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return (f"{own.ru_utime + own.ru_stime:.0f} CPU s over {time.monotonic() - _SESSION_START:.0f} wall s; "
-            f"reaped subprocesses: {children.ru_utime + children.ru_stime:.0f} CPU s")
+    own, children = _cpu_seconds()
+    return (f"{own:.0f} CPU s over {time.monotonic() - _SESSION_START:.0f} wall s; "
+            f"reaped subprocesses: {children:.0f} CPU s")
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
-    terminalreporter.section("wall seconds per test file")
-    for path, seconds in sorted(_file_seconds.items(), key=lambda kv: -kv[1]):
-        terminalreporter.write_line(f"{seconds:7.1f}s  {path}")
+    terminalreporter.section("seconds per test file: wall, CPU of pytest, CPU of its reaped subprocesses")
+    for path, seconds in sorted(_file_seconds.items(), key=lambda kv: -sum(_file_cpu[kv[0]])):
+        own, children = _file_cpu[path]
+        terminalreporter.write_line(f"{seconds:7.1f}s {own:7.1f}s {children:7.1f}s  {path}")
     total = sum(sum(v) for v in _compiles.values())
     count = sum(len(v) for v in _compiles.values())
     terminalreporter.section("XLA compiles")
@@ -242,6 +263,7 @@ def pytest_sessionfinish(session, exitstatus):
         handle.kill()
     if hasattr(session.config, "workeroutput"):  # a pytest-xdist worker: the controller adds up
         session.config.workeroutput["dsv4_compiles"] = dict(_compiles)
+        session.config.workeroutput["dsv4_file_cpu"] = {path: tuple(cpu) for path, cpu in _file_cpu.items()}
         session.config.workeroutput["dsv4_cpu_line"] = f"{'/'.join(_early_started)} lane, {_cpu_line()}"
         return
     count = sum(len(v) for v in _compiles.values())
