@@ -9,18 +9,18 @@ import pytest
 
 from dsv4_jax import LLM, SamplingParams
 from dsv4_jax.engine.async_engine import AsyncLLMEngine, EngineDeadError
-from dsv4_jax.engine.runner import StepBuckets
 from dsv4_jax.presets import get_config
 from dsv4_jax.testing import write_random_checkpoint
 
-CONFIG = get_config("dsv4-tiny-test").replace(sliding_window=4, compress_ratios=(0, 4, 16, 4, 0), index_topk=2)
+from conftest import TINY_ENGINE_LAYERS, tiny_engine_args  # tests/ is on sys.path
+
+CONFIG = get_config("dsv4-tiny-test").replace(**TINY_ENGINE_LAYERS)
 
 
 @pytest.fixture(scope="module")
 def llm(tmp_path_factory):
     path = write_random_checkpoint(tmp_path_factory.mktemp("async") / "ckpt", CONFIG, seed=11)
-    return LLM(str(path), dtype="float32", kv_cache_dtype="float32", max_model_len=128, max_num_seqs=4,
-               block_size=128, buckets=StepBuckets(prefill=((4, 16),), decode=(4,)))
+    return LLM(str(path), **tiny_engine_args())  # tests/test_engine.py's engine: its executables are shared
 
 
 PROMPTS = [[0, 11 + i, 23, 37 + 3 * i, 41, 53 + i] for i in range(6)]

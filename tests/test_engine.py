@@ -38,17 +38,17 @@ from dsv4_jax.chat import (
 from dsv4_jax.engine.compiles import CompileCounter
 from dsv4_jax.engine.llm import default_buckets
 from dsv4_jax.engine.request import ForcedTokens
-from dsv4_jax.engine.runner import StepBuckets
 from dsv4_jax.presets import get_config
 from dsv4_jax.testing import write_random_checkpoint
 
-CONFIG = get_config("dsv4-tiny-test").replace(sliding_window=4, compress_ratios=(0, 4, 16, 4, 0), index_topk=2)
+from conftest import TINY_ENGINE_LAYERS, tiny_engine_args  # tests/ is on sys.path
+
+CONFIG = get_config("dsv4-tiny-test").replace(**TINY_ENGINE_LAYERS)
 VOCAB = CONFIG.vocab_size
 EOS = CONFIG.eos_token_id
-MAX_MODEL_LEN = 256
-SEQS = 4
-BLOCK = 128
-BLOCKS_OVERRIDE = 10
+ENGINE_ARGS = tiny_engine_args()  # shared with tests/test_async_engine.py (conftest)
+MAX_MODEL_LEN, SEQS, BLOCK = ENGINE_ARGS["max_model_len"], ENGINE_ARGS["max_num_seqs"], ENGINE_ARGS["block_size"]
+BLOCKS_OVERRIDE = ENGINE_ARGS["num_gpu_blocks_override"]
 USABLE_BLOCKS = 4
 GAP = 1e-3  # top-1/top-2 logprob gap below which two runs may pick different tokens
 LOGPROB_TOL = 1e-4
@@ -62,9 +62,7 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def llm(checkpoint):
-    return LLM(str(checkpoint), dtype="float32", kv_cache_dtype="float32", max_model_len=MAX_MODEL_LEN,
-               max_num_seqs=SEQS, block_size=BLOCK, buckets=StepBuckets(prefill=((1, 16), (4, 32)), decode=(4,)),
-               num_gpu_blocks_override=BLOCKS_OVERRIDE, usable_blocks_cap=USABLE_BLOCKS, seed=0)
+    return LLM(str(checkpoint), **ENGINE_ARGS, usable_blocks_cap=USABLE_BLOCKS)
 
 
 def _prompt(seed: int, length: int) -> list[int]:
