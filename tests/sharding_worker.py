@@ -7,10 +7,10 @@ experts), runs the full forward on one device and on each mesh, and writes JSON:
 devices used, the relative difference to the single-device logits, the bytes each device holds
 of the routed experts and of the query projection, and every collective of the compiled
 forward's HLO (kind, result shape). Then it generates greedily through `LLM` (prefill + decode
-on the paged cache, one prefill and one decode bucket) on one device and on each of
-ENGINE_MESHES, and writes per mesh each request's tokens with their logprobs and the reference's
-top-1/top-2 gaps, the bytes each device holds of the KV cache, the cache's shapes, and the
-collectives of the compiled decode step.
+on the paged cache, one prefill and one decode bucket) on each of ENGINE_MESHES, and writes per
+mesh each request's tokens with their logprobs and what the single-device full forward fed the
+same tokens gives at each of them (`add_dense_reference`), the bytes each device holds of the KV
+cache, the cache's shapes, and the collectives of the compiled decode step.
 """
 
 from __future__ import annotations
@@ -44,7 +44,6 @@ MESHES = {
     "dp8_ep": ParallelConfig(data_parallel_size=8, enable_expert_parallel=True),
 }
 ENGINE_MESHES = {
-    "one": ParallelConfig(),
     "tp2": MESHES["tp2"],
     "dp2_tp2_ep": MESHES["dp2_tp2_ep"],
 }
@@ -103,10 +102,35 @@ def main(out_path: str) -> None:
             "collectives": [[kind, shape] for shape, kind in COLLECTIVE.findall(compiled.as_text())],
         }
     with tempfile.TemporaryDirectory() as tmp:
-        dsv4_jax.testing.write_random_checkpoint(tmp, CONFIG, seed=0, tokenizer=True)
+        dsv4_jax.testing.write_random_checkpoint(tmp, CONFIG, seed=0, tokenizer=True)  # the same weights
         result["engine"] = {label: run_engine(tmp, parallel) for label, parallel in ENGINE_MESHES.items()}
+    model.state = single_state
+    for engine in result["engine"].values():
+        add_dense_reference(model, engine["requests"])
     with open(out_path, "w") as f:
         json.dump(result, f)
+
+
+def add_dense_reference(model, requests: list[dict]) -> None:
+    """Each request's positions as the single-device full forward sees them, fed the request's own
+    tokens (one call, right padding: causal, so it changes nothing before it): per generated
+    token the forward's top-1 token, its top-1/top-2 logprob gap, and its logprob of the token."""
+    length = max(len(p) for p in PROMPTS) + max(len(r["tokens"]) for r in requests) - 1
+    ids = np.zeros((len(PROMPTS), length), np.int32)
+    for row, (prompt, request) in enumerate(zip(PROMPTS, requests, strict=True)):
+        fed = prompt + request["tokens"][:-1]
+        ids[row, : len(fed)] = fed
+    logits = np.asarray(model(ids), np.float64)
+    for row, (prompt, request) in enumerate(zip(PROMPTS, requests)):
+        at = logits[row, len(prompt) - 1 : len(prompt) - 1 + len(request["tokens"])]  # [tokens, vocab]
+        logp = at - at.max(-1, keepdims=True)
+        logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+        top2 = np.sort(logp, axis=-1)[:, -2:]
+        request["dense"] = {
+            "top1": [int(t) for t in np.argmax(logp, axis=-1)],
+            "gaps": [float(g) for g in top2[:, 1] - top2[:, 0]],
+            "logprobs": [float(logp[i, t]) for i, t in enumerate(request["tokens"])],
+        }
 
 
 def run_engine(path: str, parallel: ParallelConfig) -> dict:
@@ -126,14 +150,9 @@ def run_engine(path: str, parallel: ParallelConfig) -> dict:
     requests = []
     for out in outs:
         completion = out.outputs[0]
-        gaps = []
-        for entry in completion.logprobs:
-            ranked = sorted((lp.logprob for lp in entry.values()), reverse=True)
-            gaps.append(ranked[0] - ranked[1])
         requests.append({
             "tokens": completion.token_ids,
             "logprobs": [entry[t].logprob for t, entry in zip(completion.token_ids, completion.logprobs)],
-            "gaps": gaps,
         })
     cache = jax.tree.leaves(runner.cache)
     return {
