@@ -37,7 +37,10 @@ MIXES = {
     "top_p 0.9, temperature 0.3 (a narrow nucleus)": SamplingParams(temperature=0.3, top_p=0.9),
     "top_k 50": SamplingParams(temperature=1.0, top_k=50),
     "top_k 50, top_p 0.9, seeded": SamplingParams(temperature=0.8, top_k=50, top_p=0.9, seed=3),
+    "greedy, repetition 1.1 and frequency 0.5 (penalties)": SamplingParams(temperature=0.0, repetition_penalty=1.1,
+                                                                           frequency_penalty=0.5),
 }
+HISTORY = list(range(0, 2000, 7))  # each row's prompt: what the penalties read
 
 
 def main() -> None:
@@ -57,7 +60,7 @@ def main() -> None:
           f"median of {args.repeats} calls, malloc {'as the engine sets it' if kept else 'as it was'}\n")
     print("| rows | ms |\n|---|---|")
     for name, params in MIXES.items():
-        rows = [SamplingRow(params, request_index=i) for i in range(args.batch)]
+        rows = [SamplingRow(params, request_index=i, prompt_token_ids=HISTORY) for i in range(args.batch)]
         batch = jax.device_put(build_sampling_batch(rows, args.batch, vocab_size=args.vocab, config=config))
         jax.block_until_ready(sample(logits, batch, config=config))
         times = []

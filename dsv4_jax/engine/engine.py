@@ -23,7 +23,6 @@ from typing import Any, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
 
 from dsv4_jax.distributed import StepChannel
 from dsv4_jax.engine.detokenizer import IncrementalDetokenizer
@@ -33,12 +32,10 @@ from dsv4_jax.engine.runner import ModelRunner, StepBuckets, StepOutput
 from dsv4_jax.engine.lockstep import Lockstep
 from dsv4_jax.engine.sampler import (
     SampledTokens,
+    Sampler,
     SamplerConfig,
-    SamplingBatch,
     SamplingRow,
     build_sampling_batch,
-    replicated_sampler,
-    sample,
 )
 from dsv4_jax.engine.sampling_params import SamplingParams
 from dsv4_jax.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -132,14 +129,13 @@ class LLMEngine:
             max_num_batched_tokens=max_num_batched_tokens, usable_blocks_cap=usable_blocks_cap, dp_size=dp,
         ))
         mesh = self.runner.mesh
-        self._sample = sample if mesh is None else replicated_sampler(mesh)
-        self._batch_sharding = None if mesh is None else NamedSharding(mesh, PartitionSpec())
+        self.sampler = Sampler(self.sampler_config, mesh)
         # Every device call of a step, by name: made in lockstep by the followers of a multi-host
         # run (engine/lockstep.py), a plain call otherwise.
         self.device = Lockstep({
             "fill": _fill_placeholders,
             "run": self.runner.run,
-            "sample": self._sample_batch,
+            "sample": self.sampler,
             "head": self.runner.head,
             "gather": self.runner.gather,
         }, passed_on=frozenset({"fill", "run", "sample"}))
@@ -359,13 +355,6 @@ class LLMEngine:
                     entry.setdefault(int(t), Logprob(float(logp[s, t]), rank))
                 tracked.prompt_logprobs.append(entry)
 
-    def _sample_batch(self, logits: jax.Array, batch: SamplingBatch) -> SampledTokens:
-        """The sampler on a step's logits, with the host batch put whole on every device (without
-        a mesh the jitted sampler takes the numpy batch as it is: it moves it faster itself)."""
-        if self._batch_sharding is not None:
-            batch = jax.device_put(batch, self._batch_sharding)
-        return self._sample(logits, batch, config=self.sampler_config)
-
     def _host_logits(self, logits: jax.Array) -> np.ndarray:
         """A step's logits on the host. With several processes each holds only its devices' part:
         they are gathered first (in lockstep)."""
@@ -387,9 +376,9 @@ class LLMEngine:
 
     # ---- warm-up ----------------------------------------------------------------------------------
     def warmup(self) -> int:
-        """Compile every runner bucket, the sampler for each bucket's row count (with and without
-        penalties) and the placeholder filling of async scheduling. Returns the compiles it took;
-        after it, serving compiles nothing."""
+        """Compile every runner bucket, the sampler for each bucket's row count (its draw, and the
+        two small programs of batches with penalties) and the placeholder filling of async
+        scheduling. Returns the compiles it took; after it, serving compiles nothing."""
         compiled = self.runner.warmup()
         self.runner.compiles.reset()
         vocab = self.config.vocab_size
@@ -397,10 +386,10 @@ class LLMEngine:
         # an executable is compiled for, so anything else would compile again while serving.
         previous = None
         for b, logits in sorted(self.runner.warmup_logits.items()):
-            for params in (SamplingParams(temperature=1.0, logprobs=1), SamplingParams(repetition_penalty=1.1)):
+            for params in (SamplingParams(temperature=1.0, logprobs=1), SamplingParams(repetition_penalty=1.1, logprobs=1)):
                 batch = build_sampling_batch([SamplingRow(params, 0, [0], [])], b, vocab_size=vocab,
                                              config=self.sampler_config)
-                previous = self._sample_batch(logits, batch).token_ids
+                previous = self.sampler(logits, batch).token_ids
                 jax.block_until_ready(previous)
             if jax.process_count() > 1:  # host reads of logits gather them first (_host_logits)
                 jax.block_until_ready(self.runner.gather(logits))

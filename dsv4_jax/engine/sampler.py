@@ -2,11 +2,13 @@
 sampled token ids and their logprobs, for any mix of requests.
 
 Every per-request setting is a row of a device array (`SamplingBatch`, built on the host in numpy
-and sent with one `device_put`), so `sample` compiles once per row bucket B and serves every mix
+and sent with one `device_put`), so the draw compiles once per row bucket B and serves every mix
 of greedy and random rows, temperatures, top-k/top-p/min-p, seeds, biases and logprob requests.
-Penalties are the one exception: they need each row's token history, so a batch where some row
-has penalties carries a `PenaltyBatch` (a second compiled variant); batches without one never pay
-for it. At most two compiles per B.
+Penalties need each row's token history, so a batch where some row has penalties carries a
+`PenaltyBatch`, and two small programs run around the same draw: `process_logits` (bias, bans and
+penalties) edits the logits before it, and the logprobs of the unedited logits are taken after it.
+Batches without penalties never pay for them, and the draw (the sampler's costly compile: ~3 s
+at B = 4 on 2 CPU cores) is built once per B, not once per B and variant (`Sampler`).
 
 The pipeline follows vLLM's v1 sampler, in its order:
   1. `logit_bias` is added; banned ids (EOS and stop ids of a row that has not reached
@@ -438,6 +440,7 @@ def _raw_logprobs(logits: jax.Array, tokens: jax.Array) -> tuple[jax.Array, ...]
 
 
 def _sample(logits: jax.Array, batch: SamplingBatch, config: SamplerConfig = SamplerConfig()) -> SampledTokens:
+    """The draw, on logits without penalties (`Sampler` applies those first)."""
     truncated = ~batch.greedy & (_has_top_k(batch, logits.shape[-1]) | (batch.top_p < 1))
     untruncated = ~batch.greedy & ~truncated
 
@@ -456,26 +459,76 @@ def _sample(logits: jax.Array, batch: SamplingBatch, config: SamplerConfig = Sam
     # ids samples the step's logits as they are. That branch returns token ids only, so the
     # logits are never copied: writing bias and bans into them copies all [B, V] first (1.5 ms
     # of a ~13 ms dsv4-tiny decode step at B = 32, 2026-12-01).
-    if batch.penalties is None:
-        edited = jnp.any(batch.bias_ids != PAD_ID) | jnp.any(batch.banned_ids != PAD_ID)
-        tokens = jax.lax.cond(edited, lambda: pick(process_logits(logits, batch)), lambda: pick(logits))
-    else:
-        tokens = pick(process_logits(logits, batch))
-    b, top = logits.shape[0], min(MAX_LOGPROBS, logits.shape[-1])
-    none = (jnp.zeros(b, jnp.float32), jnp.zeros((b, top), jnp.int32), jnp.zeros((b, top), jnp.float32),
-            jnp.zeros(b, jnp.int32))
-    logprobs = jax.lax.cond(jnp.any(batch.num_logprobs >= 0), lambda: _raw_logprobs(logits, tokens), lambda: none)
-    if config.pad_rows > b:
-        tokens = jnp.zeros(config.pad_rows, jnp.int32).at[:b].set(tokens)
+    assert batch.penalties is None, "penalties are applied before the draw (Sampler)"
+    edited = jnp.any(batch.bias_ids != PAD_ID) | jnp.any(batch.banned_ids != PAD_ID)
+    tokens = jax.lax.cond(edited, lambda: pick(process_logits(logits, batch)), lambda: pick(logits))
+    logprobs = jax.lax.cond(jnp.any(batch.num_logprobs >= 0), lambda: _raw_logprobs(logits, tokens),
+                            lambda: _no_logprobs(logits))
+    if config.pad_rows > logits.shape[0]:
+        tokens = jnp.zeros(config.pad_rows, jnp.int32).at[: logits.shape[0]].set(tokens)
     return SampledTokens(tokens, *logprobs)
 
 
-# One compile per (B, V, variant, config); `config` is static.
-sample = jax.jit(_sample, static_argnames="config")
+def _no_logprobs(logits: jax.Array) -> tuple[jax.Array, ...]:
+    b, top = logits.shape[0], min(MAX_LOGPROBS, logits.shape[-1])
+    return (jnp.zeros(b, jnp.float32), jnp.zeros((b, top), jnp.int32), jnp.zeros((b, top), jnp.float32),
+            jnp.zeros(b, jnp.int32))
 
 
-def replicated_sampler(mesh: jax.sharding.Mesh):
-    """`sample` for logits sharded over `mesh`: every output whole on every device, so whichever
-    process reads the tokens has them (one small gather of [B]-sized arrays)."""
-    return jax.jit(_sample, static_argnames="config",
-                   out_shardings=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+def _with_raw_logprobs(logits: jax.Array, sampled: SampledTokens) -> SampledTokens:
+    """`sampled` (drawn from edited logits) with the logprobs of the step's own `logits`."""
+    return SampledTokens(sampled.token_ids, *_raw_logprobs(logits, sampled.token_ids[: logits.shape[0]]))
+
+
+class Sampler:
+    """A step's logits [B, V] and its `SamplingBatch` -> `SampledTokens`.
+
+    The draw (`_sample`, the costly compile: ~3 s at B = 4 on 2 CPU cores) is built once per (B,
+    V). A batch where some row has penalties runs two small programs around it: `process_logits`
+    (bias, bans and penalties, in vLLM's order) before, and the raw logprobs of the step's own
+    logits after, when some row asked for them (the draw reads the edited logits only: handing
+    it both arrays, the same one in the common case, cost a [B, V] copy, +2 ms a greedy 32-row
+    step at the real vocabulary, 2026-12-03).
+
+    With a `mesh`, the batch is put whole on every device and every output comes back whole on
+    every device, so whichever process reads the tokens has them (one small gather of [B]-sized
+    arrays)."""
+
+    def __init__(self, config: SamplerConfig = SamplerConfig(), mesh: jax.sharding.Mesh | None = None):
+        self.config = config
+        self._whole = None if mesh is None else jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+        self._draw = jax.jit(_sample, static_argnames="config", out_shardings=self._whole)
+        self._logprobs = jax.jit(_with_raw_logprobs, out_shardings=self._whole)
+        self._edit = {None: jax.jit(process_logits)}  # and, on a mesh, one per logits sharding
+
+    def __call__(self, logits: jax.Array, batch: SamplingBatch) -> SampledTokens:
+        if batch.penalties is None:
+            return self._draw(logits, self._put(batch), config=self.config)
+        # The edited logits are placed as the step's logits are (a jit output without
+        # out_shardings is committed exactly when its inputs are), so the draw reads them with the
+        # executable it already has.
+        sharding = None if self._whole is None else logits.sharding
+        if sharding not in self._edit:
+            self._edit[sharding] = jax.jit(process_logits, out_shardings=sharding)
+        edited = self._edit[sharding](logits, self._put(batch))
+        wants_logprobs = bool(np.any(np.asarray(batch.num_logprobs) >= 0))
+        draw_batch = dataclasses.replace(  # what process_logits applied, and logprobs read below
+            batch, penalties=None, bias_ids=np.full(np.shape(batch.bias_ids), PAD_ID, np.int32),
+            banned_ids=np.full(np.shape(batch.banned_ids), PAD_ID, np.int32),
+            num_logprobs=np.full(np.shape(batch.num_logprobs), -1, np.int32))
+        sampled = self._draw(edited, self._put(draw_batch), config=self.config)
+        return self._logprobs(logits, sampled) if wants_logprobs else sampled
+
+    def _put(self, batch: SamplingBatch) -> SamplingBatch:
+        """Without a mesh the jit moves numpy arrays faster itself."""
+        return batch if self._whole is None else jax.device_put(batch, self._whole)
+
+
+_samplers: dict[SamplerConfig, Sampler] = {}
+
+
+def sample(logits: jax.Array, batch: SamplingBatch, config: SamplerConfig = SamplerConfig()) -> SampledTokens:
+    """`Sampler(config)(logits, batch)`, one `Sampler` per config (its compiled programs are kept)."""
+    if config not in _samplers:
+        _samplers[config] = Sampler(config)
+    return _samplers[config](logits, batch)
