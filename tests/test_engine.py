@@ -499,6 +499,8 @@ def test_default_buckets_prefill_short_prompts_together_in_short_rows():
     budgeted = default_buckets(max_num_seqs=8, max_model_len=512, max_num_batched_tokens=512)
     assert set(budgeted.prefill) == {(1, 256), (2, 256), (2, 32)}
     assert default_buckets(max_num_seqs=4, max_model_len=16, max_num_batched_tokens=None).prefill == ((1, 16), (4, 16))
+    # a budget below the chunk length shortens the chunk (a longer bucket could never be filled)
+    assert default_buckets(max_num_seqs=2, max_model_len=128, max_num_batched_tokens=16).prefill == ((1, 16),)
 
 
 # ---- 4. pool sizes ---------------------------------------------------------------------------------

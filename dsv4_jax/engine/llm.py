@@ -46,8 +46,9 @@ def default_buckets(max_num_seqs: int, max_model_len: int, max_num_batched_token
     """Prefill buckets of one chunk length: one row (a long prompt alone) and as many rows as fit
     the token budget; the same rows of an eighth of a chunk (short prompts together: eight
     20-token prompts would be 92% padding in eight 256-token rows); two decode buckets (a quarter
-    of max_num_seqs, and max_num_seqs). A step runs in the smallest bucket that holds it."""
-    chunk = min(256, 1 << max(1, (max_model_len - 1).bit_length()))
+    of max_num_seqs, and max_num_seqs). A step runs in the smallest bucket that holds it, and never
+    holds more than max_num_batched_tokens tokens, so no chunk is longer."""
+    chunk = min(256, 1 << max(1, (max_model_len - 1).bit_length()), max_num_batched_tokens or 256)
     budget = max_num_batched_tokens or min(max_num_seqs, 8) * chunk
     rows = max(1, min(max_num_seqs, budget // chunk))
     short = max(SHORT_PREFILL_MIN, chunk // 8)
