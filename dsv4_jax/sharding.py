@@ -216,3 +216,26 @@ def shard_model(model: CausalLM, mesh: Mesh, parallel: ParallelConfig) -> Causal
     model.state = jax.device_put(model.state, shardings)
     model.options = mesh_options(model.options, mesh, parallel)
     return model
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeWeightBytes:
+    """Bytes of a model's weights: on this process's devices (every local copy counted) and in the
+    model (each weight once), for all weights and for the routed experts alone."""
+
+    local: int
+    total: int
+    local_experts: int
+    total_experts: int
+
+
+def node_weight_bytes(model_state: nnx.State) -> NodeWeightBytes:
+    """What this process's devices hold of `model_state`: with expert parallelism over several
+    processes each holds its share of the routed experts, the rest is copied where replicated."""
+    counts = np.zeros(4, np.int64)
+    for _, variable in nnx.to_flat_state(model_state):
+        array = variable.get_value()
+        local = sum(shard.data.nbytes for shard in array.addressable_shards)
+        experts = EXPERTS in (variable.get_metadata().get("axes") or ())
+        counts += (local, array.nbytes, local * experts, array.nbytes * experts)
+    return NodeWeightBytes(*map(int, counts))

@@ -1,12 +1,17 @@
-"""Across hosts (issue 12, section 3), as two local processes with two CPU devices each.
+"""Across hosts (issue 12, section 3), as two local processes with two CPU devices each:
+`python -m serve` as node 0 and a `--headless` node 1 on one dp=2 x tp=2 mesh with expert
+parallelism over the four devices (node 1 runs `LLM.follow()`, as any follower does).
 
-* Two `LLM` processes (tests/multihost_worker.py) on one dp=2 x tp=2 mesh with expert parallelism
-  over the four devices: node 0's greedy tokens follow the single-device dense forward fed the
-  same tokens (the engine's comparison rule), the weights are split across the processes, an
-  abort on node 0 is honoured (the follower runs only what node 0 schedules), and both exit 0.
-* `python -m serve` as node 0 and `--headless` node 1: it answers, and when the follower dies the
-  server exits within 30 s saying which node is gone, instead of hanging in a collective.
+* Both nodes see the four devices, two each, and each holds half of the routed experts.
+* Node 0 answers, and its greedy tokens, logprobs and prompt logprobs follow the single-device
+  dense forward fed the same tokens (the engine's comparison rule), while a stream the client
+  drops is aborted mid-batch: the follower runs only what node 0 schedules, so it keeps step.
+* When the follower dies, the server exits within 30 s saying which node is gone, instead of
+  hanging in a collective.
+* Nodes started with different flags stop at the handshake, before loading, each naming the flag.
 
+One two-process run serves the first three (each process compiles every step and sampler program:
+a follower's compiles are never persistent-cache hits, since only process 0 writes the cache).
 Every process gets a hard timeout and its whole process group is killed at the end.
 """
 
@@ -14,11 +19,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -30,10 +37,14 @@ import dsv4_jax
 from conftest import REPO, child_xla_flags, free_port, in_background, started, wait_healthy  # tests/ is on sys.path
 from sharding_worker import CONFIG
 
-WORKER = Path(__file__).with_name("multihost_worker.py")
 ENV = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": child_xla_flags(2),
        "JAX_COMPILATION_CACHE_DIR": jax.config.jax_compilation_cache_dir}
-
+SERVER_FLAGS = ["--dtype", "float32", "--kv-cache-dtype", "float32", "--max-model-len", "128",
+                "--block-size", "128", "--max-num-batched-tokens", "16", "-tp", "2", "-dp", "2",
+                "--enable-expert-parallel", "--nnodes", "2", "--master-addr", "127.0.0.1"]
+PROMPTS = [[5, 17, 42], [99, 3, 211, 7, 8, 256], [1, 2, 3, 4, 5, 6, 7, 8], [300, 301]]
+GENERATED = 6  # greedy tokens per prompt
+ABORTED_MAX_TOKENS = 40
 
 _checkpoint_dir: list[tempfile.TemporaryDirectory] = []
 
@@ -64,29 +75,10 @@ def _kill(processes: list[subprocess.Popen]) -> None:
             process.wait(timeout=30)
 
 
-class TwoWorkers:
-    """Both ranks of tests/multihost_worker.py (outputs and logs in a temporary directory)."""
-
-    def __init__(self):
-        self.directory = tempfile.TemporaryDirectory(prefix="multihost-out-")
-        out, port, checkpoint = Path(self.directory.name), free_port(), shared_checkpoint()
-        self.processes = [_start([sys.executable, str(WORKER), str(rank), str(port), str(checkpoint),
-                                  str(out / f"{rank}.json")], out / f"{rank}.log") for rank in (0, 1)]
-
-    def results(self) -> list[dict]:
-        out = Path(self.directory.name)
-        codes = [p.wait(timeout=300) for p in self.processes]  # `started` kills them whatever happens
-        logs = "\n".join((out / f"{rank}.log").read_text()[-2000:] for rank in (0, 1))
-        assert codes == [0, 0], logs
-        return [json.loads((out / f"{rank}.json").read_text()) for rank in (0, 1)]
-
-    def kill(self) -> None:
-        _kill(self.processes)
-
-
-SERVER_FLAGS = ["--dtype", "float32", "--kv-cache-dtype", "float32", "--max-model-len", "128", "--max-num-seqs", "2",
-                "--block-size", "128", "--max-num-batched-tokens", "16", "-tp", "2", "-dp", "2",
-                "--enable-expert-parallel", "--nnodes", "2", "--master-addr", "127.0.0.1"]
+def _serve(node_rank: int, master_port: int, log: Path, *flags: str) -> subprocess.Popen:
+    role = ["--headless"] if node_rank else []
+    return _start([sys.executable, "-m", "serve", str(shared_checkpoint()), *SERVER_FLAGS, "--master-port",
+                   str(master_port), "--node-rank", str(node_rank), *role, *flags], log)
 
 
 class ServerPair:
@@ -96,110 +88,149 @@ class ServerPair:
         self.directory = tempfile.TemporaryDirectory(prefix="multihost-serve-")
         self.logs = Path(self.directory.name)
         master, http_port = free_port(), free_port()
-        common = [sys.executable, "-m", "serve", str(shared_checkpoint()), *SERVER_FLAGS, "--master-port", str(master)]
-        self.follower = _start([*common, "--node-rank", "1", "--headless"], self.logs / "follower.log")
-        self.leader = _start([*common, "--node-rank", "0", "--port", str(http_port)], self.logs / "leader.log")
+        self.follower = _serve(1, master, self.logs / "follower.log", "--max-num-seqs", "2")
+        self.leader = _serve(0, master, self.logs / "leader.log", "--max-num-seqs", "2", "--port", str(http_port))
         self.base = f"http://127.0.0.1:{http_port}"
 
     def kill(self) -> None:
         _kill([self.leader, self.follower])
 
 
-# Started by conftest once the selection is known: each run (~35 and ~45 s cold, two processes)
-# overlaps the tests before it.
-START_EARLY = {"two_processes": TwoWorkers, "server_pair": ServerPair}
+# Started by conftest once the selection is known: the run (~1 min cold, two processes) overlaps
+# the tests before it.
+START_EARLY = {"server_pair": ServerPair}
 
 
 @pytest.fixture(scope="module")
-def two_processes() -> list[dict]:
-    with started(__name__, "two_processes") as run:
-        return run.results()
-
-
-@pytest.fixture
 def server_pair():
+    """The pair, answering; the last test of the module kills the follower."""
     with started(__name__, "server_pair") as pair:
+        wait_healthy(pair.base, [pair.leader, pair.follower], pair.logs / "leader.log")
         yield pair
 
 
-def test_two_processes_share_one_mesh_and_split_the_weights(two_processes):
-    for node in two_processes:
-        assert (node["device_count"], node["local_device_count"], node["process_count"]) == (4, 2, 2)
+def test_two_nodes_share_one_mesh_and_split_the_experts(server_pair):
+    for rank, name in enumerate(("leader", "follower")):
+        log = (server_pair.logs / f"{name}.log").read_text()
+        assert f"jax.distributed: node {rank} of 2, 4 devices in all (2 here)" in log, log[-3000:]
+        assert re.search(r"mesh: data 2 x tensor 2 over devices \[[0-9, ]+\], routed experts whole on each device "
+                         r"\(expert parallel\)", log), log[-3000:]
         # Experts over data x tensor = all four devices: each process holds its two devices' half.
-        assert node["local_expert_bytes"] == node["expert_bytes_total"] // 2
-    assert two_processes[1]["calls"] > 0
+        held = re.search(r"routed experts: ([0-9.]+) of ([0-9.]+) MiB", log)
+        assert held, log[-3000:]
+        assert float(held[1]) == pytest.approx(float(held[2]) / 2, rel=0.02), held[0]
+    assert "follower node 1: running node 0's steps" in (server_pair.logs / "follower.log").read_text()
 
 
-def test_two_processes_generate_as_one_dense_forward(two_processes, checkpoint):
+def _dense_log_softmax(checkpoint: Path, rows: list[list[int]]) -> np.ndarray:
+    """log_softmax of the single-device full forward over `rows` (right padding: causal, so it
+    changes nothing before it), float64. [rows, max length, vocab]"""
+    model = dsv4_jax.load_model(checkpoint, dtype="float32")
+    ids = np.zeros((len(rows), max(map(len, rows))), np.int32)
+    for row, tokens in enumerate(rows):
+        ids[row, : len(tokens)] = tokens
+    logits = np.asarray(model(ids), np.float64)
+    shifted = logits - logits.max(-1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+
+
+def _aborted_stream(base: str) -> int:
+    """A greedy stream of up to ABORTED_MAX_TOKENS the client drops after its second token.
+    Returns the tokens it saw."""
+    seen = 0
+    with httpx.stream("POST", f"{base}/v1/completions", timeout=120, json={
+            "prompt": [7, 7, 7], "max_tokens": ABORTED_MAX_TOKENS, "temperature": 0, "stream": True}) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["text"]:
+                seen += 1
+                if seen == 2:
+                    break  # closing the connection aborts the request on node 0 and so on node 1
+    return seen
+
+
+def test_node_0_answers_as_one_dense_forward_while_a_dropped_stream_is_aborted(server_pair, checkpoint):
     """Feed node 0's tokens to the single-device dense forward: each greedy token is its argmax
     wherever the top-1/top-2 gap exceeds 1e-3 (a smaller gap ends the request's comparison), and
-    each logprob is within 1e-4."""
-    import multihost_worker as worker
+    each logprob is within 1e-4; so is each prompt logprob."""
+    base = server_pair.base
 
-    requests = two_processes[0]["requests"]
-    prompts = {str(i): p for i, p in enumerate(worker.PROMPTS)}
-    assert set(requests) == {*prompts, worker.ABORTED, worker.PROMPT_LOGPROBS}
-    model = dsv4_jax.load_model(checkpoint, dtype="float32")
-    length = max(len(p) + 6 for p in prompts.values())
-    ids = np.zeros((len(prompts), length), np.int32)  # right padding: causal, so it changes nothing before it
-    for row, (rid, prompt) in enumerate(prompts.items()):
-        assert requests[rid]["finish_reason"] == "length" and len(requests[rid]["tokens"]) == 6
-        ids[row, : len(prompt) + 5] = prompt + requests[rid]["tokens"][:5]
-    logits = np.asarray(model(ids), np.float64)
+    def complete(body: dict) -> dict:
+        response = httpx.post(f"{base}/v1/completions", timeout=120, json={"temperature": 0, **body})
+        assert response.status_code == 200, response.text
+        return response.json()
+
+    with ThreadPoolExecutor(6) as pool:  # two sequences per data-parallel rank: some requests wait
+        aborted = pool.submit(_aborted_stream, base)
+        time.sleep(0.5)  # the stream runs first, so the others join a batch it is in
+        greedy = [pool.submit(complete, {"prompt": p, "max_tokens": GENERATED, "logprobs": 2,
+                                         "return_tokens_as_token_ids": True}) for p in PROMPTS]
+        prompt_only = pool.submit(complete, {"prompt": PROMPTS[2], "max_tokens": 1, "prompt_logprobs": 0})
+        answers, prompt_answer = [f.result() for f in greedy], prompt_only.result()
+        assert aborted.result() == 2
+    generated = []
+    for prompt, answer in zip(PROMPTS, answers):
+        choice = answer["choices"][0]
+        assert choice["finish_reason"] == "length"
+        assert answer["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": GENERATED,
+                                   "total_tokens": len(prompt) + GENERATED}
+        tokens = [int(t.removeprefix("token_id:")) for t in choice["logprobs"]["tokens"]]
+        generated.append((tokens, choice["logprobs"]["token_logprobs"]))
+    logp = _dense_log_softmax(checkpoint, [p + t[:-1] for p, (t, _) in zip(PROMPTS, generated)])
     compared = 0
-    for row, (rid, prompt) in enumerate(prompts.items()):
-        for i, token in enumerate(requests[rid]["tokens"]):
-            at = logits[row, len(prompt) - 1 + i]
-            logp = at - at.max() - np.log(np.exp(at - at.max()).sum())
-            top2 = np.sort(logp)[-2:]
-            if token != int(np.argmax(logp)):
-                assert top2[1] - top2[0] <= 1e-3, (rid, i)
+    for row, (prompt, (tokens, logprobs)) in enumerate(zip(PROMPTS, generated)):
+        for i, token in enumerate(tokens):
+            at = logp[row, len(prompt) - 1 + i]
+            if token != int(np.argmax(at)):
+                top2 = np.sort(at)[-2:]
+                assert top2[1] - top2[0] <= 1e-3, (row, i)
                 break
-            assert abs(requests[rid]["logprobs"][i] - logp[token]) <= 1e-4, (rid, i)
+            assert abs(logprobs[i] - at[token]) <= 1e-4, (row, i)
             compared += 1
     assert compared >= 20
     # Prompt logprobs (the head over every prefill position, gathered to node 0 in lockstep): each
     # prompt token's logprob given the tokens before it, as the dense forward gives it.
-    row, prompt = 2, worker.PROMPTS[2]
-    at = logits[row, : len(prompt) - 1]
-    logp = at - at.max(-1, keepdims=True) - np.log(np.exp(at - at.max(-1, keepdims=True)).sum(-1, keepdims=True))
-    want = [logp[i, prompt[i + 1]] for i in range(len(prompt) - 1)]
-    assert np.allclose(two_processes[0]["prompt_logprobs"], want, atol=1e-4)
-    aborted = requests[worker.ABORTED]
-    assert aborted["finish_reason"] == "abort" and 0 < len(aborted["tokens"]) < 40
-
-
-def test_nodes_started_with_different_flags_stop_before_loading_naming_the_flag(checkpoint, tmp_path):
-    """A follower with another --max-num-seqs would size other pools and compute wrong tokens in
-    silence: both nodes stop at the handshake, before any collective, each naming the flag."""
-    port = free_port()
-    processes = [_start([sys.executable, str(WORKER), str(rank), str(port), str(checkpoint), str(tmp_path / f"{rank}.json"),
-                         str(seqs)], tmp_path / f"{rank}.log") for rank, seqs in ((0, 2), (1, 1))]
-    try:
-        codes = [p.wait(timeout=120) for p in processes]
-    finally:
-        _kill(processes)
-    for rank in (0, 1):
-        log = (tmp_path / f"{rank}.log").read_text()
-        assert codes[rank] != 0 and "--max-num-seqs: node 0 has 2, node 1 has 1" in log, log[-2000:]
-        assert not (tmp_path / f"{rank}.json").exists()
+    prompt = PROMPTS[2]
+    entries = prompt_answer["choices"][0]["prompt_logprobs"]
+    assert entries[0] is None and len(entries) == len(prompt)
+    got = [entries[i + 1][str(prompt[i + 1])]["logprob"] for i in range(len(prompt) - 1)]
+    want = [logp[2, i, prompt[i + 1]] for i in range(len(prompt) - 1)]
+    assert np.allclose(got, want, atol=1e-4)
+    # The dropped stream left the engine early: node 0 ran nothing more of it (the generation-token
+    # histogram counts it with the others), and nothing is left running.
+    metrics = httpx.get(f"{base}/metrics", timeout=30).text
+    generated_sum = float(re.search(r"^vllm:request_generation_tokens_sum\{[^}]*\} (\S+)$", metrics, re.M)[1])
+    aborted_tokens = generated_sum - len(PROMPTS) * GENERATED - 1
+    assert 2 <= aborted_tokens < ABORTED_MAX_TOKENS, metrics
+    assert re.search(r"^vllm:num_requests_running\{[^}]*\} 0(\.0)?$", metrics, re.M), metrics
 
 
 def test_a_dead_follower_stops_the_server_within_30_s(server_pair):
     leader, follower, base = server_pair.leader, server_pair.follower, server_pair.base
-    try:
-        wait_healthy(base, [leader, follower], server_pair.logs / "leader.log")
-        assert httpx.get(f"{base}/v1/models", timeout=30).status_code == 200
-        done = httpx.post(f"{base}/v1/completions", timeout=120,
-                          json={"prompt": [5, 17, 42], "max_tokens": 4, "temperature": 0})
-        assert done.status_code == 200, done.text
-        assert done.json()["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
-        os.killpg(follower.pid, signal.SIGKILL)
-        killed = time.monotonic()
-        code = leader.wait(timeout=30)
-        waited = time.monotonic() - killed
-    finally:
-        server_pair.kill()
+    done = httpx.post(f"{base}/v1/completions", timeout=120,
+                      json={"prompt": [5, 17, 42], "max_tokens": 4, "temperature": 0})
+    assert done.status_code == 200, done.text
+    assert done.json()["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
+    os.killpg(follower.pid, signal.SIGKILL)
+    killed = time.monotonic()
+    code = leader.wait(timeout=30)
+    waited = time.monotonic() - killed
     log = (server_pair.logs / "leader.log").read_text()
     assert code != 0 and waited < 30, log[-3000:]
     assert "follower node 1 is gone" in log, log[-3000:]
+
+
+def test_nodes_started_with_different_flags_stop_before_loading_naming_the_flag(checkpoint, tmp_path):
+    """A follower with another --max-num-seqs would size other pools and compute wrong tokens in
+    silence: both nodes stop at the handshake, before any weight is read, each naming the flag."""
+    master = free_port()
+    processes = [_serve(rank, master, tmp_path / f"{rank}.log", "--max-num-seqs", str(seqs), "--port", str(free_port()))
+                 for rank, seqs in ((1, 1), (0, 2))]
+    try:
+        codes = [p.wait(timeout=120) for p in processes]
+    finally:
+        _kill(processes)
+    for rank, code in zip((1, 0), codes):
+        log = (tmp_path / f"{rank}.log").read_text()
+        assert code != 0 and "--max-num-seqs: node 0 has 2, node 1 has 1" in log, log[-2000:]
+        assert "weights: read" not in log, log[-2000:]

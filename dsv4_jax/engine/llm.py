@@ -111,8 +111,10 @@ class LLM:
             logger.info("--load-format auto with --nnodes %d: reading the safetensors (the converted-weights "
                         "cache is one host's)", nnodes)
             load_format = "safetensors"
+        import jax
+
         from dsv4_jax.engine.engine import LLMEngine
-        from dsv4_jax.sharding import ParallelConfig, make_mesh
+        from dsv4_jax.sharding import ParallelConfig, make_mesh, node_weight_bytes
         from dsv4_jax.tokenizer import load_tokenizer
 
         path = self.check_arguments(model, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
@@ -153,6 +155,10 @@ class LLM:
                         tensor_parallel_size, [d.id for d in mesh.devices.flat],
                         "whole on each device (expert parallel)" if enable_expert_parallel
                         else "split along their intermediate dimension")
+            held = node_weight_bytes(self.model.state)
+            logger.info("weights on this node's %d devices: %.2f MiB of the model's %.2f MiB (routed experts: "
+                        "%.2f of %.2f MiB)", jax.local_device_count(), held.local / 2**20, held.total / 2**20,
+                        held.local_experts / 2**20, held.total_experts / 2**20)
         self.config = self.model.config
         self.spec = self.model.kv_cache_spec
         self.tokenizer = load_tokenizer(tokenizer or path)
