@@ -41,18 +41,19 @@ COMPILE_COUNT_CAP = int(os.environ.get("DSV4_COMPILE_COUNT_CAP", "1675"))
 # the engine lane. Files compiling the same programs should too, or both lanes compile them
 # (test_runner.py's golden-checkpoint generation shares 26 compiles with the model tests, so it is
 # in the model lane; moving the fuzz, load-rule and KV-format files to the engine lane cost 38 more
-# and did not shorten the run). Lanes are balanced by measured wall seconds per file (the summary
-# prints them); a new file joins the model lane unless named here. Each worker keeps its own
-# persistent compilation cache (a subdirectory named after it), so what a lane compiles from a cold
-# cache does not depend on how far the other lane got and the compile count stays exact. `-n 0` runs
-# one process, as before.
+# and did not shorten the run; the kernel-lowering file compiles nothing for XLA, so it moved to
+# the engine lane when that lane finished ~3 min first, 2026-12-03). Lanes are balanced by
+# measured wall seconds per file (the summary prints them); a new file joins the model lane unless
+# named here. Each worker keeps its own persistent compilation cache (a subdirectory named after
+# it), so what a lane compiles from a cold cache does not depend on how far the other lane got and
+# the compile count stays exact. `-n 0` runs one process, as before.
 LANES = ("engine", "model")
 ENGINE_LANE = frozenset({
     "test_async_engine.py", "test_benchmarks_runner.py", "test_chat_encoder.py", "test_chat_layout.py",
     "test_chat_page.py", "test_chat_parser.py", "test_chat_request.py", "test_deployment.py",
     "test_detokenizer.py", "test_engine.py", "test_grafana_dashboard.py", "test_host_memory.py",
-    "test_imports.py", "test_kv_paged.py", "test_multihost.py", "test_notebook.py", "test_runner_backends.py",
-    "test_sampler.py", "test_scheduler.py", "test_serve_args.py", "test_serve_bench.py",
+    "test_imports.py", "test_kernels_lowering.py", "test_kv_paged.py", "test_multihost.py", "test_notebook.py",
+    "test_runner_backends.py", "test_sampler.py", "test_scheduler.py", "test_serve_args.py", "test_serve_bench.py",
     "test_serve_choices.py", "test_serve_metrics.py", "test_serve_protocol.py", "test_server.py",
     "test_server_faults.py", "test_server_load.py", "test_user_errors.py", "test_weight_cache.py"})
 XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER")  # "gw0", "gw1" inside a pytest-xdist worker
