@@ -309,7 +309,9 @@ def test_min_tokens_bans_stop_tokens_until_reached(llm, greedy_run):
     prompt, greedy = greedy_run
     stop = greedy.token_ids[1]
     params = SamplingParams(temperature=0.0, max_tokens=12, min_tokens=4, stop_token_ids=[stop])
+    counter = CompileCounter()
     (out,) = _generate(llm, [prompt], params)
+    assert counter.built == 0  # a batch with bans and no penalties was warmed up too
     c = out.outputs[0]
     assert len(c.token_ids) >= 4 and stop not in c.token_ids[:4]
     # Position 1 sees the same prefix as the greedy run, with its best token banned: the second best.

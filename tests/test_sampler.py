@@ -1,9 +1,9 @@
 """On-device sampling against numpy references of vLLM's sampling rules.
 
-Compiles: the draw at (B=32, V=128), (B=1, V=128), (B=60,000, V=64: every distribution test in
-one call), (B=2, V=129,280) and (B=512, V=64) twice (the first candidates against all K), and
-the two programs of a batch with penalties (`process_logits`, then the raw logprobs) at (B=32,
-V=128): eight in all.
+Compiles (cold cache): the draw at six shapes, among them (B=60,000, V=64: every distribution
+test in one call), (B=2, V=129,280) and (B=512, V=64) twice (the first candidates against all K);
+`process_logits` for the batches with bias, bans or penalties at two; the raw logprobs after it at
+one: nine in all.
 """
 
 from __future__ import annotations

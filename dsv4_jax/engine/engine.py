@@ -377,7 +377,7 @@ class LLMEngine:
     # ---- warm-up ----------------------------------------------------------------------------------
     def warmup(self) -> int:
         """Compile every runner bucket, the sampler for each bucket's row count (its draw, and the
-        two small programs of batches with penalties) and the placeholder filling of async
+        small programs of batches with bans or penalties) and the placeholder filling of async
         scheduling. Returns the compiles it took; after it, serving compiles nothing."""
         compiled = self.runner.warmup()
         self.runner.compiles.reset()
@@ -386,9 +386,11 @@ class LLMEngine:
         # an executable is compiled for, so anything else would compile again while serving.
         previous = None
         for b, logits in sorted(self.runner.warmup_logits.items()):
-            for params in (SamplingParams(temperature=1.0, logprobs=1), SamplingParams(repetition_penalty=1.1, logprobs=1)):
+            # The three kinds of batch: nothing to edit; bans (or a bias) only; penalties (Sampler).
+            for params in (SamplingParams(temperature=1.0, logprobs=1), SamplingParams(min_tokens=1, logprobs=1),
+                           SamplingParams(repetition_penalty=1.1, logprobs=1)):
                 batch = build_sampling_batch([SamplingRow(params, 0, [0], [])], b, vocab_size=vocab,
-                                             config=self.sampler_config)
+                                             eos_token_ids=self.eos_token_ids, config=self.sampler_config)
                 previous = self.sampler(logits, batch).token_ids
                 jax.block_until_ready(previous)
             if jax.process_count() > 1:  # host reads of logits gather them first (_host_logits)

@@ -5,10 +5,10 @@ Every per-request setting is a row of a device array (`SamplingBatch`, built on 
 and sent with one `device_put`), so the draw compiles once per row bucket B and serves every mix
 of greedy and random rows, temperatures, top-k/top-p/min-p, seeds, biases and logprob requests.
 Penalties need each row's token history, so a batch where some row has penalties carries a
-`PenaltyBatch`, and two small programs run around the same draw: `process_logits` (bias, bans and
-penalties) edits the logits before it, and the logprobs of the unedited logits are taken after it.
-Batches without penalties never pay for them, and the draw (the sampler's costly compile: ~3 s
-at B = 4 on 2 CPU cores) is built once per B, not once per B and variant (`Sampler`).
+`PenaltyBatch`. A batch where some row has a bias, banned ids or penalties runs two small programs
+around the same draw: `process_logits` edits the logits before it, and the logprobs of the
+unedited logits are taken after it. Other batches never pay for them, and the draw (the
+sampler's costly compile) is built once per B, with one copy of each draw (`Sampler`).
 
 The pipeline follows vLLM's v1 sampler, in its order:
   1. `logit_bias` is added; banned ids (EOS and stop ids of a row that has not reached
@@ -440,7 +440,8 @@ def _raw_logprobs(logits: jax.Array, tokens: jax.Array) -> tuple[jax.Array, ...]
 
 
 def _sample(logits: jax.Array, batch: SamplingBatch, config: SamplerConfig = SamplerConfig()) -> SampledTokens:
-    """The draw, on logits without penalties (`Sampler` applies those first)."""
+    """The draw, on logits whose bias, bans and penalties are applied (`Sampler` does that first:
+    the draw reads none of them)."""
     truncated = ~batch.greedy & (_has_top_k(batch, logits.shape[-1]) | (batch.top_p < 1))
     untruncated = ~batch.greedy & ~truncated
 
@@ -454,19 +455,21 @@ def _sample(logits: jax.Array, batch: SamplingBatch, config: SamplerConfig = Sam
         return jnp.where(untruncated, jax.lax.cond(
             jnp.any(untruncated), lambda: _draw_untruncated(x, batch, keys), lambda: tokens), tokens)
 
-    # Runtime branches, not compile variants: a greedy-only batch skips both draws, a
-    # batch without logprob requests skips the log_softmax, and a batch without biases or banned
-    # ids samples the step's logits as they are. That branch returns token ids only, so the
-    # logits are never copied: writing bias and bans into them copies all [B, V] first (1.5 ms
-    # of a ~13 ms dsv4-tiny decode step at B = 32, 2026-12-01).
-    assert batch.penalties is None, "penalties are applied before the draw (Sampler)"
-    edited = jnp.any(batch.bias_ids != PAD_ID) | jnp.any(batch.banned_ids != PAD_ID)
-    tokens = jax.lax.cond(edited, lambda: pick(process_logits(logits, batch)), lambda: pick(logits))
+    # Runtime branches, not compile variants: a greedy-only batch skips both draws and a batch
+    # without logprob requests skips the log_softmax. Bias, bans and penalties were applied before
+    # (`Sampler`): the draw reads the logits as they are, so one copy of `pick` is compiled.
+    tokens = pick(logits)
     logprobs = jax.lax.cond(jnp.any(batch.num_logprobs >= 0), lambda: _raw_logprobs(logits, tokens),
                             lambda: _no_logprobs(logits))
     if config.pad_rows > logits.shape[0]:
         tokens = jnp.zeros(config.pad_rows, jnp.int32).at[: logits.shape[0]].set(tokens)
     return SampledTokens(tokens, *logprobs)
+
+
+def edits_logits(batch: SamplingBatch) -> bool:
+    """Whether some row has a logit bias, banned ids or penalties (host arrays, or fetched)."""
+    return (batch.penalties is not None or bool(np.any(np.asarray(batch.bias_ids) != PAD_ID))
+            or bool(np.any(np.asarray(batch.banned_ids) != PAD_ID)))
 
 
 def _no_logprobs(logits: jax.Array) -> tuple[jax.Array, ...]:
@@ -483,12 +486,16 @@ def _with_raw_logprobs(logits: jax.Array, sampled: SampledTokens) -> SampledToke
 class Sampler:
     """A step's logits [B, V] and its `SamplingBatch` -> `SampledTokens`.
 
-    The draw (`_sample`, the costly compile: ~3 s at B = 4 on 2 CPU cores) is built once per (B,
-    V). A batch where some row has penalties runs two small programs around it: `process_logits`
-    (bias, bans and penalties, in vLLM's order) before, and the raw logprobs of the step's own
-    logits after, when some row asked for them (the draw reads the edited logits only: handing
-    it both arrays, the same one in the common case, cost a [B, V] copy, +2 ms a greedy 32-row
-    step at the real vocabulary, 2026-12-03).
+    The draw (`_sample`, the costly compile) is built once per (B, V) and reads the logits as they
+    are. A batch where some row has a logit bias, banned ids (EOS below `min_tokens`) or penalties
+    runs two small programs around it: `process_logits` (in vLLM's order) before, and the raw
+    logprobs of the step's own logits after, when some row asked for them. Measured on 2 Xeon
+    cores (2026-12-03), compiling both kinds of batch (the engine's warm-up for one row count):
+    5.9-6.4 s -> 2.8-3.3 s at [4, 512], 7.6 -> 3.6 s at [8, 129280], where the draw used to be
+    compiled twice (with and without penalties), each with two copies of its draws (edited logits
+    or not, behind a cond). The common batch never copies [B, V] (handing the draw both arrays, or
+    editing inside it before one copy of the draws, copied them: +2 ms a greedy 32-row step at the
+    real vocabulary), and an edited batch costs one [B, V] write, as before.
 
     With a `mesh`, the batch is put whole on every device and every output comes back whole on
     every device, so whichever process reads the tokens has them (one small gather of [B]-sized
@@ -502,7 +509,7 @@ class Sampler:
         self._edit = {None: jax.jit(process_logits)}  # and, on a mesh, one per logits sharding
 
     def __call__(self, logits: jax.Array, batch: SamplingBatch) -> SampledTokens:
-        if batch.penalties is None:
+        if not edits_logits(batch):
             return self._draw(logits, self._put(batch), config=self.config)
         # The edited logits are placed as the step's logits are (a jit output without
         # out_shardings is committed exactly when its inputs are), so the draw reads them with the
