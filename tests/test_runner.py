@@ -8,6 +8,7 @@ logits at every position up to float32 reordering (1e-5 x max |logits|).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import jax
@@ -143,6 +144,27 @@ def test_a_step_donates_the_cache(runner):
     before = jax.tree.leaves(runner.cache)
     runner.step([StepRow(0, 0, [1, 2, 3], [6])])
     assert all(leaf.is_deleted() for leaf in before)
+
+
+def test_build_lays_out_ragged_rows_as_the_step_reads_them(runner):
+    # A 3-token chunk of slot 1 at position 5 holding blocks 0 and 2, and slot 3's first token.
+    (b, s), tokens, seqs = runner.build([StepRow(1, 5, [7, 8, 9], [0, 2]), StepRow(3, 0, [4], [])])
+    assert (b, s) == (2, 16)
+    want_tokens = np.zeros((2, 16), np.int32)
+    want_tokens[0, :3], want_tokens[1, 0] = [7, 8, 9], 4
+    np.testing.assert_array_equal(tokens, want_tokens)
+    np.testing.assert_array_equal(seqs.positions, [list(range(5, 21)), list(range(16))])
+    np.testing.assert_array_equal(seqs.lens, [3, 1])
+    np.testing.assert_array_equal(seqs.slots, [1, 3])
+    np.testing.assert_array_equal(seqs.sliding_table, [[2, 3], [6, 7]])  # slot x RING + ring index
+    np.testing.assert_array_equal(seqs.compressed_table, [[0, 2, -1, -1], [-1, -1, -1, -1]])
+    # With data-parallel ranks each rank's rows fill its own block of the step's rows, in order.
+    two_ranks = copy.copy(runner)
+    two_ranks.dp = 2
+    rows = [StepRow(0, 0, [1], [], dp_rank=r) for r in (1, 0, 1)]
+    assert two_ranks.row_positions(rows, 4) == [2, 0, 3]
+    with pytest.raises(ValueError, match="row 1: data-parallel rank 2 is outside"):
+        two_ranks.row_positions([rows[0], StepRow(0, 0, [1], [], dp_rank=2)], 4)
 
 
 def test_rows_that_fit_no_bucket_or_slot_are_refused(runner):
