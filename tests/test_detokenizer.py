@@ -27,11 +27,10 @@ def feed(detok, ids):
 
 @pytest.mark.parametrize("text", TEXTS)
 def test_pieces_are_whole_characters_and_add_up_to_the_full_decode(tokenizer, text):
-    prompt = tokenizer.encode("User: say something.", add_special_tokens=False).ids
     ids = tokenizer.encode(text, add_special_tokens=False).ids
     if "🚀" in text:  # this text does put one character's bytes in several tokens
         assert any(REPLACEMENT in tokenizer.decode([i]) for i in ids)
-    pieces, tail = feed(IncrementalDetokenizer(tokenizer, prompt), ids)
+    pieces, tail = feed(IncrementalDetokenizer(tokenizer), ids)
     assert all(REPLACEMENT not in p for p in pieces)
     assert "".join(pieces) + tail == tokenizer.decode(ids)
 
@@ -39,7 +38,7 @@ def test_pieces_are_whole_characters_and_add_up_to_the_full_decode(tokenizer, te
 def test_a_stop_string_ends_the_text_and_never_leaks_even_in_part(tokenizer):
     text = "The answer is 42. STOP HERE and nothing after."
     ids = tokenizer.encode(text, add_special_tokens=False).ids
-    detok = IncrementalDetokenizer(tokenizer, [], stop=["STOP HERE", "never"])
+    detok = IncrementalDetokenizer(tokenizer, stop=["STOP HERE", "never"])
     shown = ""
     for i in ids:
         shown += detok.add(i)
@@ -53,7 +52,7 @@ def test_a_stop_string_ends_the_text_and_never_leaks_even_in_part(tokenizer):
 
 def test_include_stop_str_in_output_and_the_earliest_stop_wins(tokenizer):
     ids = tokenizer.encode("abc END xyz STOP", add_special_tokens=False).ids
-    detok = IncrementalDetokenizer(tokenizer, [], stop=["STOP", "END"], include_stop_str_in_output=True)
+    detok = IncrementalDetokenizer(tokenizer, stop=["STOP", "END"], include_stop_str_in_output=True)
     pieces, tail = feed(detok, ids)
     assert "".join(pieces) + tail == "abc END" and detok.stopped_by == "END"
     assert detok.add(ids[0]) == ""  # nothing after the stop
@@ -62,15 +61,31 @@ def test_include_stop_str_in_output_and_the_earliest_stop_wins(tokenizer):
 def test_special_tokens_are_skipped_or_kept(tokenizer):
     eos = tokenizer.token_to_id("<｜end▁of▁sentence｜>")
     ids = [*tokenizer.encode("Done.", add_special_tokens=False).ids, eos]
-    skipped, tail = feed(IncrementalDetokenizer(tokenizer, []), ids)
+    skipped, tail = feed(IncrementalDetokenizer(tokenizer), ids)
     assert "".join(skipped) + tail == "Done."
-    kept, tail = feed(IncrementalDetokenizer(tokenizer, [], skip_special_tokens=False), ids)
+    kept, tail = feed(IncrementalDetokenizer(tokenizer, skip_special_tokens=False), ids)
     assert "".join(kept) + tail == "Done.<｜end▁of▁sentence｜>"
 
 
 def test_stop_strings_count_only_after_min_tokens(tokenizer):
     ids = tokenizer.encode("END one two END three", add_special_tokens=False).ids
     first_end = len(tokenizer.encode("END", add_special_tokens=False).ids)
-    detok = IncrementalDetokenizer(tokenizer, [], stop=["END"], stop_after_tokens=first_end)
+    detok = IncrementalDetokenizer(tokenizer, stop=["END"], stop_after_tokens=first_end)
     pieces, tail = feed(detok, ids)
     assert "".join(pieces) + tail == "END one two " and detok.stopped_by == "END"
+
+
+def test_a_decoder_whose_text_is_not_prefix_stable_never_fails_the_request():
+    """`DecodeStream` raises when a token changes text it already returned; the request keeps going
+    with a fresh window at that token (here: each token's own text)."""
+    from tokenizers import Tokenizer, decoders, models
+
+    class Reversed:  # joins tokens last first, so every new token rewrites the start of the text
+        def decode_chain(self, tokens):
+            return ["".join(reversed(tokens))]
+
+    tokenizer = Tokenizer(models.WordLevel({"a": 0, "b": 1, "c": 2, "[UNK]": 3}, unk_token="[UNK]"))
+    tokenizer.decoder = decoders.Decoder.custom(Reversed())
+    assert tokenizer.decode([0, 1, 2]) == "cba"
+    pieces, tail = feed(IncrementalDetokenizer(tokenizer), [0, 1, 2])
+    assert pieces == [tokenizer.decode([i]) for i in (0, 1, 2)] == ["a", "b", "c"] and tail == ""

@@ -420,6 +420,27 @@ def test_forced_tokens_replace_samples_from_the_token_after_the_arming_one(llm, 
         llm.engine.add_request("bad", prompt, params, forced=ForcedTokens((VOCAB,)))
 
 
+def test_each_streamed_output_keeps_the_tokens_it_had(llm, greedy_run):
+    """Outputs before the last share the request's growing list as O(1) snapshots: each must still
+    show exactly the tokens it was made with once later ones are appended; the last is a list."""
+    prompt, free = greedy_run
+    llm.engine.add_request("stream", prompt, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+    seen = []
+    while llm.engine.has_unfinished():
+        seen += [o for o in llm.engine.step() if o.request_id == "stream"]
+    final = seen[-1].outputs[0].token_ids
+    assert type(final) is list and final == free.token_ids[:6]
+    assert [len(o.outputs[0].token_ids) for o in seen] == [1, 2, 3, 4, 5, 6]
+    for o in seen:
+        ids, n = o.outputs[0].token_ids, len(o.outputs[0].token_ids)
+        assert ids == final[:n] and list(ids) == final[:n] and ids[-1] == final[n - 1]
+        assert ids[1:] == final[1:n] and list(reversed(ids)) == final[:n][::-1]
+        with pytest.raises(IndexError):
+            ids[n]
+    assert all(o.prompt_token_ids is seen[0].prompt_token_ids == prompt for o in seen)  # one copy
+    _assert_idle(llm)
+
+
 def test_requests_that_can_never_run_are_refused_with_the_numbers(llm):
     with pytest.raises(ValueError, match=r"prompt \(250 tokens\) plus max_tokens \(10\) exceeds max_model_len \(256\)"):
         _generate(llm, [[3] * 250], SamplingParams(max_tokens=10))

@@ -26,7 +26,7 @@ import numpy as np
 
 from dsv4_jax.distributed import StepChannel
 from dsv4_jax.engine.detokenizer import IncrementalDetokenizer
-from dsv4_jax.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from dsv4_jax.engine.outputs import CompletionOutput, Logprob, RequestOutput, TokenIdsSoFar
 from dsv4_jax.engine.request import PLACEHOLDER, ForcedTokens, Request, RequestRejected, RequestStatus
 from dsv4_jax.engine.runner import ModelRunner, StepBuckets, StepOutput
 from dsv4_jax.engine.lockstep import Lockstep
@@ -78,6 +78,8 @@ class _Tracked:
     stop_reason: int | str | None = None
     forced: collections.deque[int] | None = None  # forced tokens not emitted yet
     forced_after: int | None = None  # the model's token that arms them; None once armed
+    # The prompt's ids for its outputs: one copy, shared by all of them (not one per step).
+    prompt_token_ids: list[int] = dataclasses.field(default_factory=list)
 
     def next_forced(self) -> int | None:
         """The token to emit in place of this step's sample, if one is forced now."""
@@ -85,13 +87,15 @@ class _Tracked:
 
     def output(self) -> RequestOutput:
         r, status = self.request, self.request.status
+        ids = r.output_token_ids
         completion = CompletionOutput(
-            index=0, text=self.detokenizer.text, token_ids=list(r.output_token_ids),
+            index=0, text=self.detokenizer.text,
+            token_ids=list(ids) if status.finished else TokenIdsSoFar(ids, len(ids)),
             cumulative_logprob=self.cumulative_logprob if self.logprobs is not None else None,
             logprobs=self.logprobs, finish_reason=status.finish_reason,
             stop_reason=self.stop_reason if status is RequestStatus.FINISHED_STOPPED else None,
         )
-        return RequestOutput(r.request_id, self.prompt, list(r.prompt_token_ids), self.prompt_logprobs,
+        return RequestOutput(r.request_id, self.prompt, self.prompt_token_ids, self.prompt_logprobs,
                              [completion], status.finished)
 
 
@@ -171,7 +175,7 @@ class LLMEngine:
         request = Request(request_id, ids, max_tokens, sampling_params=params)
         self.scheduler.add(request)  # may refuse: blocks the pool can never give
         detokenizer = IncrementalDetokenizer(
-            self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens, stop=params.stop or (),
+            self.tokenizer, skip_special_tokens=params.skip_special_tokens, stop=params.stop or (),
             include_stop_str_in_output=params.include_stop_str_in_output, stop_after_tokens=params.min_tokens,
         )
         self._tracked[request_id] = _Tracked(
@@ -179,7 +183,7 @@ class LLMEngine:
             logprobs=[] if params.logprobs is not None else None,
             prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
             forced=collections.deque(forced.token_ids) if forced is not None else None,
-            forced_after=forced.after_token if forced is not None else None,
+            forced_after=forced.after_token if forced is not None else None, prompt_token_ids=list(ids),
         )
 
     def abort(self, request_id: str) -> RequestOutput | None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 
@@ -13,11 +14,44 @@ class Logprob:
     decoded_token: str | None = None
 
 
+class TokenIdsSoFar(Sequence):
+    """The first `n` ids of a request's output list, read-only: what a streamed output had when it
+    was made. The list only grows past them, so this snapshot costs O(1); copying the list for
+    every request at every step made a step's host work grow with the tokens generated so far.
+    Slices are lists; it equals a list or tuple with the same ids."""
+
+    __slots__ = ("_ids", "_n")
+
+    def __init__(self, ids: list[int], n: int):
+        self._ids, self._n = ids, n
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return self._ids[slice(*i.indices(self._n))]
+        if not -self._n <= i < self._n:
+            raise IndexError("token index out of range")
+        return self._ids[i % self._n]
+
+    def __iter__(self):
+        return iter(self._ids[: self._n])
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, (TokenIdsSoFar, list, tuple)):
+            return len(other) == self._n and list(self) == list(other)
+        return NotImplemented
+
+    def __repr__(self) -> str:
+        return repr(self._ids[: self._n])
+
+
 @dataclasses.dataclass
 class CompletionOutput:
     index: int
     text: str
-    token_ids: list[int]
+    token_ids: list[int] | TokenIdsSoFar  # a list once finished; before, a snapshot of the ids so far
     cumulative_logprob: float | None
     logprobs: list[dict[int, Logprob]] | None  # one dict per generated token, when asked for
     finish_reason: str | None = None  # "stop" | "length" | "abort"
@@ -34,7 +68,7 @@ class CompletionOutput:
 class RequestOutput:
     request_id: str
     prompt: str | None
-    prompt_token_ids: list[int]
+    prompt_token_ids: list[int]  # one list per request, shared by its outputs: do not modify it
     prompt_logprobs: list[dict[int, Logprob] | None] | None
     outputs: list[CompletionOutput]
     finished: bool
