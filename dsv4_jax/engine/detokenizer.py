@@ -12,9 +12,8 @@ sequences of ids, special and byte tokens included (the V4 tokenizer, 2026-12-03
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Sequence
-
-from tokenizers.decoders import DecodeStream
 
 REPLACEMENT = "\ufffd"
 
@@ -31,9 +30,11 @@ class IncrementalDetokenizer:
     ):
         """`stop_after_tokens` (a request's `min_tokens`): stop strings count only in the text of
         the tokens after that many, as in vLLM."""
+        from tokenizers.decoders import DecodeStream  # imported where used (tests/test_imports.py)
+
         self.tokenizer = tokenizer
-        self._skip_special_tokens = skip_special_tokens
-        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        self._new_stream = functools.partial(DecodeStream, skip_special_tokens=skip_special_tokens)
+        self._stream = self._new_stream()
         self.stop = tuple(s for s in stop if s)
         self.include_stop = include_stop_str_in_output
         self._hold = max((len(s) for s in self.stop), default=1) - 1
@@ -55,7 +56,7 @@ class IncrementalDetokenizer:
             piece = self._stream.step(self.tokenizer, int(token_id))
         except Exception:  # noqa: BLE001 - a decoder whose text is not prefix-stable ("invalid prefix")
             # Never fail a request over its text: start a fresh window at this token.
-            self._stream = DecodeStream(skip_special_tokens=self._skip_special_tokens)
+            self._stream = self._new_stream()
             piece = self._stream.step(self.tokenizer, int(token_id))
         if piece is None:  # an incomplete character (the text so far ends in U+FFFD): wait for more bytes
             return self._flush(final=False)
