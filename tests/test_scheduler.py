@@ -220,6 +220,16 @@ def test_add_refuses_a_request_that_can_never_run(prompt_len, max_tokens, overri
     assert not scheduler.has_unfinished()
 
 
+@given(st.integers(0, 6), st.integers(0, 6), st.data())
+def test_a_chunk_of_token_ids_is_the_slice_of_prompt_then_outputs(prompt_len, output_len, data):
+    request = Request("r", list(range(100, 100 + prompt_len)), max_tokens=8)
+    request.output_token_ids = list(range(200, 200 + output_len))
+    whole = [*range(100, 100 + prompt_len), *range(200, 200 + output_len)]
+    start = data.draw(st.integers(0, len(whole)))
+    stop = data.draw(st.integers(start, len(whole)))
+    assert request.token_ids(start, stop) == whole[start:stop]
+
+
 def test_config_and_block_manager_name_bad_values():
     with pytest.raises(ValueError, match=r"SchedulerConfig.max_num_seqs must be an int >= 1, got 0"):
         SchedulerConfig(**{**vars(CONFIG), "max_num_seqs": 0})

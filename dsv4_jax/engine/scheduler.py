@@ -141,7 +141,7 @@ class _StepPlan:
         rows = []
         for request, n in self.chunks.values():
             start = request.num_computed_tokens
-            tokens = tuple(request.all_token_ids[start : start + n])
+            tokens = tuple(request.token_ids(start, start + n))
             rows.append(ScheduledRow(request, request.slot, start, tokens, tuple(request.compressed_blocks),
                                      start + n == request.num_tokens))
         return rows
