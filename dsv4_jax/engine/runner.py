@@ -231,7 +231,8 @@ class ModelRunner:
         bad = ((lens == 0) | (slots < 0) | (slots >= lay.num_seq_slots) | (starts < 0)
                | (starts + lens > per_seq * lay.block_size) | (nblocks > per_seq))
         if bad.any():
-            self._refuse(int(np.argmax(bad)), rows[int(np.argmax(bad))])
+            first = int(np.argmax(bad))
+            self._refuse(first, rows[first])
         at = self._positions(ranks, b)
         tokens = np.zeros((b, s), np.int32)
         if s == 1:
