@@ -95,3 +95,45 @@ def test_a_bad_request_fails_alone_and_shutdown_aborts_what_is_left(llm):
     first, rest = asyncio.run(main())
     assert not first.finished and rest[-1].finished and rest[-1].outputs[0].finish_reason == "abort"
     assert _free_state(llm) == (0, 0, 0.0)
+
+
+def test_requests_come_and_go_while_a_step_waits_for_the_device(llm):
+    """The step thread waits for the device without the engine's lock: adding and aborting a
+    request meanwhile return at once (they used to wait for the whole step, freezing the event
+    loop and every stream), an aborted request's last output holds only the tokens known (not
+    the one the device still computes), and the step then applies its tokens to the others."""
+    import threading
+    import time
+
+    (expected,) = llm.generate([{"prompt_token_ids": PROMPTS[1]}], GREEDY, use_tqdm=False)
+    parked, release = threading.Event(), threading.Event()
+
+    async def main():
+        engine = AsyncLLMEngine(llm.engine)
+        real_wait = engine._wait
+
+        def held(launched):  # the device "computes" until the test says so
+            parked.set()
+            assert release.wait(10), "the event loop was blocked while the step thread waited"
+            real_wait(launched)
+
+        engine._wait = held
+        await engine.start()
+        first = engine.add_request("first", PROMPTS[0], GREEDY)
+        assert await asyncio.to_thread(parked.wait, 30)  # its prefill is on the device
+        t0 = time.monotonic()
+        second = engine.add_request("second", PROMPTS[1], GREEDY)
+        await engine.abort("first")
+        waited = time.monotonic() - t0
+        release.set()
+        first_outputs = [o async for o in first]
+        second_outputs = [o async for o in second]
+        await engine.shutdown()
+        return waited, first_outputs, second_outputs
+
+    waited, first_outputs, second_outputs = asyncio.run(main())
+    assert waited < 5
+    aborted = first_outputs[-1].outputs[0]
+    assert aborted.finish_reason == "abort" and aborted.token_ids == [] and aborted.text == ""
+    assert second_outputs[-1].outputs[0].token_ids == expected.outputs[0].token_ids
+    assert _free_state(llm) == (0, 0, 0.0)

@@ -2,9 +2,10 @@
 outputs stream back as its tokens are sampled, and the step loop runs on a thread of its own so
 the event loop never waits for the device.
 
-One lock guards the synchronous engine: the step thread holds it for one step at a time, and
-`add`/`abort` from the event loop take it between steps, so an abort lands at the next step
-boundary and frees everything the request holds. Outputs reach each request's asyncio queue
+One lock guards the synchronous engine: the step thread holds it while it launches a step and
+while it applies a step's tokens, never while it waits for the device in between, and `add` /
+`abort` from the event loop take it in those gaps, so an abort lands at once (a token the device
+still computes for it is dropped) and frees everything the request holds. Outputs reach each request's asyncio queue
 through `call_soon_threadsafe`. A consumer that stops iterating (a client that disconnects)
 aborts its request. `shutdown` stops accepting, lets running requests finish for a grace period,
 aborts the rest and joins the thread.
@@ -16,6 +17,8 @@ import asyncio
 import logging
 import threading
 from typing import AsyncIterator, Sequence
+
+import jax
 
 from dsv4_jax.engine.engine import LLMEngine
 from dsv4_jax.engine.outputs import RequestOutput
@@ -134,11 +137,24 @@ class AsyncLLMEngine:
                 if self._stop:
                     return
                 try:
-                    outputs = self.engine.step()
+                    launched = self.engine.begin_step()
                 except BaseException as error:  # a failed step: fail every request, stop serving
-                    logger.exception("engine step failed")
-                    self.error = error
-                    self._fail_all(EngineDeadError(f"engine step failed: {error!r}"))
+                    self._die(error)
+                    return
+            if launched is None:
+                continue
+            # The device computes `launched` (and the step after it): wait without the lock, so the
+            # event loop never blocks on a step to add or abort a request (it used to wait for the
+            # whole step: every new request or disconnect froze every stream that long).
+            try:
+                self._wait(launched)
+            except BaseException:  # noqa: BLE001 - finish_step reads the same arrays and reports it
+                pass
+            with self._work:
+                try:
+                    outputs = self.engine.finish_step(launched)
+                except BaseException as error:
+                    self._die(error)
                     return
                 deliveries = [(self._queues.get(o.request_id), o) for o in outputs]
                 for out in outputs:
@@ -147,6 +163,14 @@ class AsyncLLMEngine:
             for queue, out in deliveries:
                 if queue is not None:
                     self._loop.call_soon_threadsafe(queue.put_nowait, out)
+
+    def _wait(self, launched) -> None:
+        jax.block_until_ready(self.engine.device_outputs(launched))
+
+    def _die(self, error: BaseException) -> None:
+        logger.exception("engine step failed")
+        self.error = error
+        self._fail_all(EngineDeadError(f"engine step failed: {error!r}"))
 
     def _fail_all(self, error: BaseException) -> None:
         for request_id, queue in list(self._queues.items()):

@@ -88,6 +88,8 @@ class _Tracked:
     def output(self) -> RequestOutput:
         r, status = self.request, self.request.status
         ids = r.output_token_ids
+        if status.finished and ids and ids[-1] == PLACEHOLDER:  # aborted while its token was computed
+            ids = ids[:-1]
         completion = CompletionOutput(
             index=0, text=self.detokenizer.text,
             token_ids=list(ids) if status.finished else TokenIdsSoFar(ids, len(ids)),
@@ -205,17 +207,34 @@ class LLMEngine:
         reach the host (its rows read them on the device), so host work hides behind device work;
         it completes in the next call. Requests with penalties or forced tokens need their last
         token on the host to build the next step, so while any runs, steps go one at a time."""
+        launched = self.begin_step()
+        return [] if launched is None else self.finish_step(launched)
+
+    def begin_step(self) -> _InFlight | None:
+        """`step`'s first half: launch what runs next and return the step whose tokens
+        `finish_step` applies (None: nothing to run). Between the two only the device works on
+        that step (`device_outputs` says what to wait for): requests may be added and aborted
+        meanwhile, as between steps."""
         if self._in_flight is None:
             scheduled = self.scheduler.schedule()
             if not scheduled.rows:
-                return []
+                return None
             self._in_flight = self._launch(scheduled, None)
         current, self._in_flight = self._in_flight, None
         if self.async_scheduling and self._can_overlap():
             scheduled = self.scheduler.schedule()  # current's tokens are placeholders until its update
             if scheduled.rows:
                 self._in_flight = self._launch(scheduled, current)
-        return self._complete(current)
+        return current
+
+    def finish_step(self, launched: _InFlight) -> list[RequestOutput]:
+        """`step`'s second half: fetch `launched`'s tokens, apply them, decide which requests stop."""
+        return self._complete(launched)
+
+    @staticmethod
+    def device_outputs(launched: _InFlight) -> SampledTokens:
+        """What `finish_step` reads from the device (ready once the launched step has run)."""
+        return launched.sampled
 
     def _can_overlap(self) -> bool:
         return not any(t.params.has_penalties or t.forced for t in self._tracked.values())
