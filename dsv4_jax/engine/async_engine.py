@@ -117,8 +117,8 @@ class AsyncLLMEngine:
                 await self.abort(request_id)
 
     def abort_now(self, request_id: str) -> None:
-        """Abort from the event loop's thread without awaiting (it never blocks for long: the lock
-        is held for one step at most)."""
+        """Abort from the event loop's thread without awaiting (it never blocks for long: the step
+        thread holds the lock for a step's host work only, never while the device computes)."""
         with self._work:
             queue = self._queues.pop(request_id, None)
             out = self.engine.abort(request_id)
