@@ -228,11 +228,21 @@ class ModelRunner:
         ranks = self._ranks(rows)
         b, s = self.buckets.pick(int(np.bincount(ranks, minlength=self.dp).max()), int(lens.max()))
         b *= self.dp
-        bad = ((lens == 0) | (slots < 0) | (slots >= lay.num_seq_slots) | (starts < 0)
-               | (starts + lens > per_seq * lay.block_size) | (nblocks > per_seq))
-        if bad.any():
-            first = int(np.argmax(bad))
-            self._refuse(first, rows[first])
+        capacity = per_seq * lay.block_size
+        no_tokens, bad_slot = lens == 0, (slots < 0) | (slots >= lay.num_seq_slots)
+        outside, too_many = (starts < 0) | (starts + lens > capacity), nblocks > per_seq
+        bad = no_tokens | bad_slot | outside | too_many
+        if bad.any():  # the first bad row, and what is wrong with it
+            i = int(np.argmax(bad))
+            row = rows[i]
+            if no_tokens[i]:
+                raise ValueError(f"row {i} (slot {row.slot}) has no tokens")
+            if bad_slot[i]:
+                raise ValueError(f"row {i}: slot {row.slot} is outside [0, {lay.num_seq_slots})")
+            if outside[i]:
+                raise ValueError(f"row {i}: positions {row.start}..{row.start + lens[i] - 1} are outside the "
+                                 f"{capacity} a sequence can hold")
+            raise ValueError(f"row {i}: {nblocks[i]} blocks exceed {per_seq} per sequence")
         at = self._positions(ranks, b)
         tokens = np.zeros((b, s), np.int32)
         if s == 1:
@@ -250,19 +260,6 @@ class ModelRunner:
                 itertools.chain.from_iterable(r.compressed_blocks for r in rows), np.int32, int(nblocks.sum()))
         positions = np.arange(s, dtype=np.int32) + row_start[:, None]
         return (b, s), tokens, StepSequences(positions, row_lens, row_slots, sliding, compressed)
-
-    def _refuse(self, i: int, row: StepRow) -> None:
-        """Raise the ValueError that says what is wrong with row `i`."""
-        lay = self.layout
-        n = len(row.token_ids)
-        if n == 0:
-            raise ValueError(f"row {i} (slot {row.slot}) has no tokens")
-        if not 0 <= row.slot < lay.num_seq_slots:
-            raise ValueError(f"row {i}: slot {row.slot} is outside [0, {lay.num_seq_slots})")
-        if row.start < 0 or row.start + n > lay.max_blocks_per_seq * lay.block_size:
-            raise ValueError(f"row {i}: positions {row.start}..{row.start + n - 1} are outside the "
-                             f"{lay.max_blocks_per_seq * lay.block_size} a sequence can hold")
-        raise ValueError(f"row {i}: {len(row.compressed_blocks)} blocks exceed {lay.max_blocks_per_seq} per sequence")
 
     def padding_step(self, bucket: tuple[int, int]) -> tuple[np.ndarray, StepSequences]:
         """Host arrays of a step of padding rows only (it reads and writes nothing): token ids
