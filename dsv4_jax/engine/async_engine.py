@@ -5,8 +5,8 @@ the event loop never waits for the device.
 One lock guards the synchronous engine: the step thread holds it while it launches a step and
 while it applies a step's tokens, never while it waits for the device in between, and `add` /
 `abort` from the event loop take it in those gaps, so an abort lands at once (a token the device
-still computes for it is dropped) and frees everything the request holds. Outputs reach each request's asyncio queue
-through `call_soon_threadsafe`. A consumer that stops iterating (a client that disconnects)
+still computes for it is dropped) and frees everything the request holds. Outputs reach each
+request's asyncio queue through `call_soon_threadsafe`. A consumer that stops iterating (a client that disconnects)
 aborts its request. `shutdown` stops accepting, lets running requests finish for a grace period,
 aborts the rest and joins the thread.
 """

@@ -88,11 +88,14 @@ class _Tracked:
     def output(self) -> RequestOutput:
         r, status = self.request, self.request.status
         ids = r.output_token_ids
-        if status.finished and ids and ids[-1] == PLACEHOLDER:  # aborted while its token was computed
-            ids = ids[:-1]
+        if not status.finished:
+            token_ids = TokenIdsSoFar(ids, len(ids))
+        elif ids and ids[-1] == PLACEHOLDER:  # aborted while the device computed its next token
+            token_ids = ids[:-1]
+        else:
+            token_ids = list(ids)
         completion = CompletionOutput(
-            index=0, text=self.detokenizer.text,
-            token_ids=list(ids) if status.finished else TokenIdsSoFar(ids, len(ids)),
+            index=0, text=self.detokenizer.text, token_ids=token_ids,
             cumulative_logprob=self.cumulative_logprob if self.logprobs is not None else None,
             logprobs=self.logprobs, finish_reason=status.finish_reason,
             stop_reason=self.stop_reason if status is RequestStatus.FINISHED_STOPPED else None,
