@@ -8,6 +8,7 @@ logits at every position up to float32 reordering (1e-5 x max |logits|).
 
 from __future__ import annotations
 
+import array
 import copy
 import dataclasses
 
@@ -147,8 +148,9 @@ def test_a_step_donates_the_cache(runner):
 
 
 def test_build_lays_out_ragged_rows_as_the_step_reads_them(runner):
-    # A 3-token chunk of slot 1 at position 5 holding blocks 0 and 2, and slot 3's first token.
-    (b, s), tokens, seqs = runner.build([StepRow(1, 5, [7, 8, 9], [0, 2]), StepRow(3, 0, [4], [])])
+    # A 3-token chunk of slot 1 at position 5 holding blocks 0 and 2 (as the scheduler gives
+    # them: C ints), and slot 3's first token.
+    (b, s), tokens, seqs = runner.build([StepRow(1, 5, [7, 8, 9], array.array("i", [0, 2])), StepRow(3, 0, [4], [])])
     assert (b, s) == (2, 16)
     want_tokens = np.zeros((2, 16), np.int32)
     want_tokens[0, :3], want_tokens[1, 0] = [7, 8, 9], 4

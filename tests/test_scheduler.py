@@ -265,6 +265,9 @@ def test_prompt_is_chunked_and_only_the_last_chunk_samples():
     chunks = [run_step(scheduler, runner).rows for _ in range(3)]
     assert [(r.start, len(r.token_ids), r.is_sampling) for (r,) in chunks] == [(0, 128, False), (128, 128, False),
                                                                                (256, 44, True)]
+    # Each row keeps the blocks of its own step (ceil(end / 16)), though the request grew since.
+    assert [len(r.compressed_blocks) for (r,) in chunks] == [8, 16, 19]
+    assert chunks[0][0].compressed_blocks.tolist() == chunks[2][0].compressed_blocks.tolist()[:8]
     (decode,) = run_step(scheduler, runner).rows
     assert (decode.start, decode.token_ids) == (300, (sampled_token("long", 0),))
     assert not scheduler.has_unfinished()  # max_tokens 2 reached: finished by length
@@ -275,9 +278,11 @@ def test_abort_between_schedule_and_update_is_ignored_and_frees_everything():
     scheduler.add(new_request("a", 20, 4))
     scheduler.add(new_request("b", 20, 4))
     output = scheduler.schedule()
+    held = output.rows[0].request.compressed_blocks.tolist()
     assert scheduler.abort("a") and not scheduler.abort("a")
     a = output.rows[0].request
     assert a.status is RequestStatus.FINISHED_ABORTED and a.slot is None and not a.compressed_blocks
+    assert output.rows[0].compressed_blocks.tolist() == held == [0, 1]  # the row's copy, as scheduled
     got = scheduler.update(output, {"b": 5})  # the engine sampled only "b"
     assert [r.request_id for r in got] == ["b"] and a.num_computed_tokens == 0 and not a.output_token_ids
     assert scheduler.finish("b", RequestStatus.FINISHED_STOPPED)
@@ -320,7 +325,7 @@ def test_preemption_frees_the_newest_and_it_recomputes_prompt_and_output():
     assert output.preempted == ("new",) and scheduler.num_waiting == 1
     new = scheduler._requests["new"]
     assert (new.status, new.num_computed_tokens, new.slot) == (RequestStatus.WAITING, 0, None)
-    assert new.compressed_blocks == []
+    assert not new.compressed_blocks
     outputs_before = list(new.output_token_ids)
     while scheduler.has_unfinished():
         output = run_step(scheduler, runner)
@@ -404,9 +409,9 @@ def test_block_manager_counts_and_refuses_what_it_cannot_hold():
     bm = BlockManager(num_seq_slots=2, num_compressed_blocks=10, block_size=4, max_blocks_per_seq=3,
                       usable_blocks_cap=5)
     a, b = new_request("a", 1, 1), new_request("b", 1, 1)
-    assert bm.allocate_slot(a) == 0 and bm.allocate_blocks(a, 9) and a.compressed_blocks == [0, 1, 2]
+    assert bm.allocate_slot(a) == 0 and bm.allocate_blocks(a, 9) and a.compressed_blocks.tolist() == [0, 1, 2]
     assert bm.allocate_blocks(a, 12) and len(a.compressed_blocks) == 3  # already covered
-    assert not bm.allocate_blocks(b, 9) and b.compressed_blocks == []  # 2 free: nothing taken
+    assert not bm.allocate_blocks(b, 9) and not b.compressed_blocks  # 2 free: nothing taken
     with pytest.raises(ValueError, match="13 tokens need 4 compressed blocks of 4, more than max_blocks_per_seq=3"):
         bm.allocate_blocks(a, 13)
     assert (bm.num_free_blocks, bm.usage) == (2, pytest.approx(0.6))

@@ -107,7 +107,7 @@ class BlockManager:
             self._ref_counts[block] -= 1
             if self._ref_counts[block] == 0:
                 self._free_blocks.append(block)
-        request.compressed_blocks.clear()
+        del request.compressed_blocks[:]
         if request.slot is not None:
             self._free_slots.append(request.slot)
             request.slot = None

@@ -3,6 +3,7 @@ in the cache (a sequence slot and compressed blocks). Plain Python: no jax here.
 
 from __future__ import annotations
 
+import array
 import dataclasses
 import enum
 import time
@@ -61,7 +62,10 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0  # leading tokens whose KV is in the cache
     slot: int | None = None  # sequence slot: its sliding ring and compressor state
-    compressed_blocks: list[int] = dataclasses.field(default_factory=list)  # block k: positions [k*bs, (k+1)*bs)
+    # Block k holds positions [k*bs, (k+1)*bs). C ints rather than a list: a step copies each row's
+    # blocks, and at long contexts (4096 blocks at 1M positions) copying Python ints into the
+    # step's table cost more than the step's whole build (`_StepPlan.rows`).
+    compressed_blocks: array.array = dataclasses.field(default_factory=lambda: array.array("i"))
     dp_rank: int = 0  # the data-parallel rank whose pools hold it
     num_preemptions: int = 0
 

@@ -39,6 +39,7 @@ to the rank with the fewest unfinished requests. Plain Python: no jax here.
 
 from __future__ import annotations
 
+import array
 import collections
 import dataclasses
 import math
@@ -100,7 +101,7 @@ class ScheduledRow:
     slot: int
     start: int
     token_ids: tuple[int, ...]
-    compressed_blocks: tuple[int, ...]  # the request's blocks, covering positions [0, start + n)
+    compressed_blocks: array.array  # a copy of the request's blocks, covering positions [0, start + n)
     is_sampling: bool  # the chunk reaches the end of the known tokens: the engine samples this row
 
     @property
@@ -142,7 +143,9 @@ class _StepPlan:
         for request, n in self.chunks.values():
             start = request.num_computed_tokens
             tokens = tuple(request.token_ids(start, start + n))
-            rows.append(ScheduledRow(request, request.slot, start, tokens, tuple(request.compressed_blocks),
+            # blocks[:] is a memcpy of C ints: the row keeps this step's blocks whatever the request
+            # holds later (a tuple of Python ints cost 1.6 ms a decode step at 32 rows x 4096 blocks).
+            rows.append(ScheduledRow(request, request.slot, start, tokens, request.compressed_blocks[:],
                                      start + n == request.num_tokens))
         return rows
 
