@@ -451,7 +451,43 @@ def test_requests_that_can_never_run_are_refused_with_the_numbers(llm):
     # A refusal in the middle of a batch leaves nothing queued.
     with pytest.raises(ValueError, match="exceeds max_model_len"):
         _generate(llm, [[3, 4], [3] * 250], SamplingParams(max_tokens=10))
+    # More stop ids and EOS than a step can ban below min_tokens (SamplerConfig.max_banned_ids):
+    # refused up front, not failing the step of every request.
+    stops = list(range(3, 73))
+    with pytest.raises(ValueError, match=rf"at most 64 stop_token_ids and EOS ids .* names {len({*stops, EOS})}"):
+        _generate(llm, [[3, 4], [3, 5]], SamplingParams(max_tokens=2, min_tokens=1, stop_token_ids=stops))
     _assert_idle(llm)
+
+
+def test_penalties_follow_the_full_forwards_logits_under_vllms_rules(llm):
+    """Greedy with repetition, frequency and presence penalties: each token is the argmax of the
+    full forward's logits after the penalties over the prompt and the tokens before it (the
+    engine keeps each request's history and catches it up step by step)."""
+    prompt = _prompt(7, 9)  # its plain greedy completion repeats a prompt token, then its own
+    plain = dict(temperature=0.0, max_tokens=12, ignore_eos=True)
+    counter = CompileCounter()
+    (greedy,) = _generate(llm, [prompt], SamplingParams(**plain))
+    (out,) = _generate(llm, [prompt], SamplingParams(**plain, repetition_penalty=1.5, frequency_penalty=0.6,
+                                                     presence_penalty=0.4))
+    assert counter.built == 0  # penalised batches were warmed up
+    tokens = out.outputs[0].token_ids
+    assert len(tokens) == 12 and tokens != greedy.outputs[0].token_ids  # the penalties bite
+    ids = np.zeros(REFERENCE_SHAPE, np.int32)
+    ids[0, : len(prompt) + len(tokens)] = prompt + tokens
+    logits = np.asarray(llm.model(ids))[0].astype(np.float64)
+    compared = 0
+    for k, token in enumerate(tokens):
+        x = logits[len(prompt) - 1 + k].copy()
+        seen = prompt + tokens[:k]
+        x[seen] = np.where(x[seen] > 0, x[seen] / 1.5, x[seen] * 1.5)
+        counts = np.bincount(np.asarray(tokens[:k], int), minlength=len(x))
+        x -= 0.6 * counts + 0.4 * (counts > 0)
+        top2 = np.sort(x)[-2:]
+        if top2[1] - top2[0] <= GAP:
+            break
+        assert token == int(np.argmax(x)), (k, tokens)
+        compared += 1
+    assert compared >= 6, compared
 
 
 @pytest.mark.parametrize("kwargs, field", [

@@ -8,11 +8,17 @@ one: nine in all.
 
 from __future__ import annotations
 
+import dataclasses
+import math
+
 import jax
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dsv4_jax.engine.sampler import (
+    PenaltyHistory,
     SamplerConfig,
     SamplingRow,
     build_sampling_batch,
@@ -224,6 +230,35 @@ def test_process_logits_matches_vllm_rules(mixed):
     np.testing.assert_allclose(processed, expected, rtol=1e-6, atol=1e-5)
 
 
+def test_kept_histories_in_a_doubled_width_process_the_same_logits(mixed):
+    """The engine's way: each row's history kept and caught up in two parts, in a batch whose
+    longest history is wider than `penalty_history` (16: it takes the narrowest doubling)."""
+    logits, rows, _ = mixed
+    kept = [dataclasses.replace(row, penalty_history=PenaltyHistory(row.prompt_token_ids)
+                                .catch_up(row.output_token_ids[:3]).catch_up(row.output_token_ids)) for row in rows]
+    longest = max(len({*row.prompt_token_ids, *row.output_token_ids}) for row in rows if row.params.has_penalties)
+    assert longest > 32
+    batch = build_sampling_batch(kept, B, vocab_size=V, eos_token_ids=[EOS], config=SamplerConfig(penalty_history=16))
+    assert batch.penalties.token_ids.shape == (B, 16 * 2 ** math.ceil(math.log2(longest / 16)))
+    processed = np.asarray(jax.jit(process_logits)(*jax.device_put((logits, batch))))
+    expected = np.stack([_processed_reference(x, row, [EOS]) for x, row in zip(logits, rows)])
+    np.testing.assert_allclose(processed, expected, rtol=1e-6, atol=1e-5)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 40), max_size=30), st.lists(st.integers(0, 40), max_size=30), st.data())
+def test_a_kept_history_counts_what_the_whole_lists_count(prompt, outputs, data):
+    history, counted = PenaltyHistory(prompt), 0
+    while counted < len(outputs):  # caught up in random parts, as steps come
+        counted = data.draw(st.integers(counted + 1, len(outputs)))
+        history.catch_up(outputs[:counted])
+    got = dict(zip(history.token_ids, history.output_counts))
+    assert len(got) == history.size == len({*prompt, *outputs})
+    assert got == {t: outputs.count(t) for t in {*prompt, *outputs}}
+    with pytest.raises(ValueError, match="output token id -1"):  # a pending token is never counted
+        history.catch_up([*outputs, -1])
+
+
 def test_greedy_rows_take_the_argmax_after_penalties_and_bans(mixed):
     logits, rows, out = mixed
     greedy = [i for i, row in enumerate(rows) if row.params.greedy]
@@ -393,14 +428,11 @@ def test_token_ids_outside_the_vocabulary_are_rejected():
 
 
 def test_batch_builder_rejects_what_does_not_fit():
-    penalised = SamplingRow(SamplingParams(presence_penalty=1.0), 0, prompt_token_ids=list(range(10)))
-    with pytest.raises(ValueError, match=r"SamplerConfig\.penalty_history \(8\)"):
-        build_sampling_batch([penalised], 1, vocab_size=V, config=SamplerConfig(penalty_history=8))
     banned = SamplingRow(SamplingParams(min_tokens=2, stop_token_ids=[1, 2, 3]), 0)
     with pytest.raises(ValueError, match=r"SamplerConfig\.max_banned_ids \(2\)"):
         build_sampling_batch([banned], 1, vocab_size=V, config=SamplerConfig(max_banned_ids=2))
     with pytest.raises(ValueError, match="bucket 1 holds 1..1 rows, got 2"):
-        build_sampling_batch([penalised, penalised], 1, vocab_size=V)
+        build_sampling_batch([banned, banned], 1, vocab_size=V)
     with pytest.raises(ValueError, match=r"SamplerConfig\.candidates must be an int >= 1, got 0"):
         SamplerConfig(candidates=0)
 

@@ -31,6 +31,7 @@ from dsv4_jax.engine.request import PLACEHOLDER, ForcedTokens, Request, RequestR
 from dsv4_jax.engine.runner import ModelRunner, StepBuckets, StepOutput
 from dsv4_jax.engine.lockstep import Lockstep
 from dsv4_jax.engine.sampler import (
+    PenaltyHistory,
     SampledTokens,
     Sampler,
     SamplerConfig,
@@ -80,6 +81,7 @@ class _Tracked:
     forced_after: int | None = None  # the model's token that arms them; None once armed
     # The prompt's ids for its outputs: one copy, shared by all of them (not one per step).
     prompt_token_ids: list[int] = dataclasses.field(default_factory=list)
+    penalty_history: PenaltyHistory | None = None  # what its penalties read, kept up to date
 
     def next_forced(self) -> int | None:
         """The token to emit in place of this step's sample, if one is forced now."""
@@ -169,6 +171,12 @@ class LLMEngine:
             raise RequestRejected(f"prompt token ids must be in [0, {vocab}) (the model's vocabulary); got {bad[:8]}",
                                   "prompt")
         params.check_token_ids(vocab)
+        if params.min_tokens:  # the step would fail (for every request) on a ban it cannot hold
+            banned = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
+            if len(banned) > self.sampler_config.max_banned_ids:
+                raise RequestRejected(
+                    f"with min_tokens, at most {self.sampler_config.max_banned_ids} stop_token_ids and EOS ids "
+                    f"can be banned; this request names {len(banned)}", "stop_token_ids")
         if forced is not None and not all(0 <= t < vocab for t in forced.token_ids):
             raise ValueError(f"forced token ids must be in [0, {vocab}) (the model's vocabulary)")
         room = self.max_model_len - len(ids)
@@ -189,6 +197,7 @@ class LLMEngine:
             prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
             forced=collections.deque(forced.token_ids) if forced is not None else None,
             forced_after=forced.after_token if forced is not None else None, prompt_token_ids=list(ids),
+            penalty_history=PenaltyHistory(ids) if params.has_penalties else None,
         )
 
     def abort(self, request_id: str) -> RequestOutput | None:
@@ -259,9 +268,10 @@ class LLMEngine:
         sampling = [SamplingRow(_FILLER, 0)] * (max(position) + 1)  # rows after the last: padding
         for at, r in zip(position, rows):
             if r.is_sampling:
-                tracked = self._tracked[r.request.request_id]
-                sampling[at] = SamplingRow(tracked.params, tracked.index, r.request.prompt_token_ids,
-                                           r.request.output_token_ids)
+                tracked, outputs = self._tracked[r.request.request_id], r.request.output_token_ids
+                history = tracked.penalty_history
+                sampling[at] = SamplingRow(tracked.params, tracked.index, r.request.prompt_token_ids, outputs,
+                                           None if history is None else history.catch_up(outputs))
         batch = build_sampling_batch(
             sampling, out.bucket[0], vocab_size=self.config.vocab_size, eos_token_ids=self.eos_token_ids,
             engine_seed=self.seed, step=self._steps, config=self.sampler_config,
@@ -411,11 +421,16 @@ class LLMEngine:
         # On the warm-up steps' own logits and samples: on a mesh their shardings are part of what
         # an executable is compiled for, so anything else would compile again while serving.
         previous = None
+        # The kinds of batch: nothing to edit; bans (or a bias) only; penalties (Sampler), with a
+        # history of each width a request can reach (its distinct tokens: at most the vocabulary
+        # or max_model_len).
+        penalised = SamplingParams(repetition_penalty=1.1, logprobs=1)
+        widths = self.sampler_config.penalty_widths(min(vocab, self.max_model_len))
+        kinds = [(SamplingParams(temperature=1.0, logprobs=1), [0]), (SamplingParams(min_tokens=1, logprobs=1), [0])]
+        kinds += [(penalised, list(range(w // 2 + 1 if i else 1))) for i, w in enumerate(widths)]
         for b, logits in sorted(self.runner.warmup_logits.items()):
-            # The three kinds of batch: nothing to edit; bans (or a bias) only; penalties (Sampler).
-            for params in (SamplingParams(temperature=1.0, logprobs=1), SamplingParams(min_tokens=1, logprobs=1),
-                           SamplingParams(repetition_penalty=1.1, logprobs=1)):
-                batch = build_sampling_batch([SamplingRow(params, 0, [0], [])], b, vocab_size=vocab,
+            for params, prompt in kinds:
+                batch = build_sampling_batch([SamplingRow(params, 0, prompt, [])], b, vocab_size=vocab,
                                              eos_token_ids=self.eos_token_ids, config=self.sampler_config)
                 previous = self.sampler(logits, batch).token_ids
                 jax.block_until_ready(previous)

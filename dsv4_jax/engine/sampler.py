@@ -5,7 +5,9 @@ Every per-request setting is a row of a device array (`SamplingBatch`, built on 
 and sent with one `device_put`), so the draw compiles once per row bucket B and serves every mix
 of greedy and random rows, temperatures, top-k/top-p/min-p, seeds, biases and logprob requests.
 Penalties need each row's token history, so a batch where some row has penalties carries a
-`PenaltyBatch`. A batch where some row has a bias, banned ids or penalties runs two small programs
+`PenaltyBatch`: each penalised row's distinct prompt and output tokens (a `PenaltyHistory` the
+engine keeps per request) and output counts, padded to the narrowest of a few widths
+(`SamplerConfig.penalty_widths`) that holds the batch's longest history. A batch where some row has a bias, banned ids or penalties runs two small programs
 around the same draw: `process_logits` edits the logits before it, and the logprobs of the
 unedited logits are taken after it. Other batches never pay for them, and the draw (the
 sampler's costly compile) is built once per B, with one copy of each draw (`Sampler`).
@@ -60,6 +62,7 @@ Imports: only what the GPU machine has (jax, numpy and this repository).
 
 from __future__ import annotations
 
+import array
 import dataclasses
 import math
 from collections.abc import Sequence
@@ -83,7 +86,7 @@ class SamplerConfig:
     # ... among the first this many, unless the tokens a row keeps reach past them (module docstring)
     first_candidates: int = 64
     max_banned_ids: int = 64  # EOS + stop token ids masked per row while below min_tokens
-    penalty_history: int = 8192  # distinct prompt + output tokens of a row with penalties
+    penalty_history: int = 8192  # the narrowest history width of a penalised batch (`penalty_widths`)
     # token_ids padded to at least this many rows, so the next step (of any bucket) can read them
     # on the device with one compiled gather (async scheduling); 0 = B rows
     pad_rows: int = 0
@@ -95,17 +98,27 @@ class SamplerConfig:
                 raise ValueError(f"SamplerConfig.{name} must be an int >= {0 if name == 'pad_rows' else 1}, "
                                  f"got {value!r}")
 
+    def penalty_widths(self, max_distinct: int) -> tuple[int, ...]:
+        """The history widths (`PenaltyBatch` columns) of penalised batches whose rows hold at most
+        `max_distinct` distinct tokens: `penalty_history`, doubled until one holds them all. A
+        batch takes the narrowest that holds its longest history, so no history is ever refused
+        and a common batch ships few columns; the engine compiles each width at warm-up."""
+        widths = [self.penalty_history]
+        while widths[-1] < max_distinct:
+            widths.append(2 * widths[-1])
+        return tuple(widths)
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class PenaltyBatch:
-    """Penalties and the token history they read; H = SamplerConfig.penalty_history."""
+    """Penalties and the token history they read; W = one of `SamplerConfig.penalty_widths`."""
 
     repetition: np.ndarray  # [B] float32, 1 = off
     frequency: np.ndarray  # [B] float32, 0 = off
     presence: np.ndarray  # [B] float32, 0 = off
-    token_ids: np.ndarray  # [B, H] int32: distinct prompt + output tokens (PAD_ID pads)
-    output_counts: np.ndarray  # [B, H] int32: times each was generated
+    token_ids: np.ndarray  # [B, W] int32: distinct prompt + output tokens (PAD_ID pads)
+    output_counts: np.ndarray  # [B, W] int32: times each was generated
     # A row's token_ids are exactly its seen tokens, so no prompt flag is needed for repetition.
 
 
@@ -137,26 +150,57 @@ class SampledTokens:
     ranks: jax.Array  # [B] int32: 1 + the tokens more likely than the sampled one (vLLM's rank)
 
 
+class PenaltyHistory:
+    """The distinct prompt + output tokens of one request and how often each was generated: what
+    its penalties read (a `PenaltyBatch` row). The engine keeps one per penalised request and
+    feeds it each new output token (`catch_up`), so a step copies its `size` numbers instead of
+    re-deriving them from the whole sequence (32 rows of 6000-token prompts: 105 -> 1.9 ms of
+    batch building a step; Xeon, 2026-12-03).
+    The order of the tokens is free (the device scatters them): the prompt's, then the outputs'
+    new ones as they come."""
+
+    def __init__(self, prompt_token_ids: Sequence[int]):
+        ids = np.unique(np.asarray(prompt_token_ids, np.int64)).tolist()
+        self.token_ids = array.array("i", ids)  # [size] C ints
+        self.output_counts = array.array("i", bytes(4 * len(ids)))  # [size]: times each was generated
+        self._at = dict(zip(ids, range(len(ids))))  # token -> its index
+        self.num_outputs = 0  # output tokens counted so far
+
+    @property
+    def size(self) -> int:
+        return len(self.token_ids)
+
+    def catch_up(self, output_token_ids: Sequence[int]) -> PenaltyHistory:
+        """Count the outputs past the `num_outputs` already counted (a request's outputs only grow)."""
+        for token in output_token_ids[self.num_outputs:]:
+            at = self._at.get(token)
+            if at is None:
+                if token < 0:  # a PLACEHOLDER: penalised rows are built with every token known
+                    raise ValueError(f"output token id {token} in a penalised request's history")
+                at = self._at[token] = len(self.token_ids)
+                self.token_ids.append(token)
+                self.output_counts.append(0)
+            self.output_counts[at] += 1
+        self.num_outputs = len(output_token_ids)
+        return self
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingRow:
     """What the sampler needs of one request at this step."""
 
     params: SamplingParams
     request_index: int  # the engine's number for the request: the random stream of unseeded rows
-    prompt_token_ids: Sequence[int] = ()  # read for repetition penalty only
+    prompt_token_ids: Sequence[int] = ()  # read for penalties only, when `penalty_history` is None
     output_token_ids: Sequence[int] = ()  # its length drives seeds and min_tokens
+    # The request's kept history, caught up with `output_token_ids` (the engine's); None: built
+    # here from the two lists.
+    penalty_history: PenaltyHistory | None = None
 
 
 def _split64(value: int) -> tuple[int, int]:
     value %= 2**64
     return value >> 32, value % _U32
-
-
-def _history(prompt: Sequence[int], output: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
-    """Distinct tokens of prompt + output and how often each was generated."""
-    prompt_ids, output_ids = np.asarray(prompt, np.int64), np.asarray(output, np.int64)
-    ids, inverse = np.unique(np.concatenate([prompt_ids, output_ids]), return_inverse=True)
-    return ids, np.bincount(inverse[len(prompt_ids) :], minlength=len(ids))
 
 
 def build_sampling_batch(
@@ -213,20 +257,15 @@ def build_sampling_batch(
 def _penalty_batch(rows: Sequence[SamplingRow], bucket: int, config: SamplerConfig) -> PenaltyBatch:
     repetition = np.ones(bucket, np.float32)
     frequency, presence = np.zeros(bucket, np.float32), np.zeros(bucket, np.float32)
-    token_ids = np.full((bucket, config.penalty_history), PAD_ID, np.int32)
-    output_counts = np.zeros((bucket, config.penalty_history), np.int32)
-    for i, row in enumerate(rows):
-        p = row.params
-        if not p.has_penalties:
-            continue
-        ids, counts = _history(row.prompt_token_ids, row.output_token_ids)
-        if len(ids) > config.penalty_history:
-            raise ValueError(
-                f"request {row.request_index}: its penalties need {len(ids)} distinct prompt and output tokens, "
-                f"above SamplerConfig.penalty_history ({config.penalty_history})"
-            )
+    histories = {i: row.penalty_history or PenaltyHistory(row.prompt_token_ids).catch_up(row.output_token_ids)
+                 for i, row in enumerate(rows) if row.params.has_penalties}
+    width = config.penalty_widths(max(h.size for h in histories.values()))[-1]
+    token_ids = np.full((bucket, width), PAD_ID, np.int32)
+    output_counts = np.zeros((bucket, width), np.int32)
+    for i, history in histories.items():
+        p = rows[i].params
         repetition[i], frequency[i], presence[i] = p.repetition_penalty, p.frequency_penalty, p.presence_penalty
-        token_ids[i, : len(ids)], output_counts[i, : len(ids)] = ids, counts
+        token_ids[i, : history.size], output_counts[i, : history.size] = history.token_ids, history.output_counts
     return PenaltyBatch(repetition, frequency, presence, token_ids, output_counts)
 
 
