@@ -35,6 +35,7 @@ from dsv4_jax.chat import (
     attach_request_fields,
     encode_messages,
 )
+from dsv4_jax.engine import engine as engine_module
 from dsv4_jax.engine.compiles import CompileCounter
 from dsv4_jax.engine.llm import default_buckets
 from dsv4_jax.engine.request import ForcedTokens
@@ -368,12 +369,16 @@ def test_async_scheduling_gives_the_synchronous_outputs(llm, greedy_run, monkeyp
     exact, and a token sampled after a request stopped is dropped."""
     prompt, free = greedy_run
     stop_at = next(i for i in range(2, 12) if free.token_ids[i] not in free.token_ids[:i])
-    prompts = [prompt, _prompt(31, 5), _prompt(32, 40), _prompt(33, 17)]
+    prompts = [prompt, _prompt(31, 5), _prompt(32, 40), _prompt(33, 17), _prompt(7, 9), _prompt(34, 6)]
+    penalties = dict(repetition_penalty=1.5, frequency_penalty=0.6, presence_penalty=0.4)
     params = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2,
                              stop_token_ids=[free.token_ids[stop_at]]),
               SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2),
               SamplingParams(temperature=1.0, seed=7, max_tokens=9, ignore_eos=True, logprobs=2),
-              SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True, logprobs=2)]
+              SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True, logprobs=2),
+              # Penalised rows read their pending token on the device while steps overlap.
+              SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2, **penalties),
+              SamplingParams(temperature=1.0, seed=11, max_tokens=10, ignore_eos=True, logprobs=2, **penalties)]
     taken = []
     take = llm.engine.scheduler._take_as_done
     monkeypatch.setattr(llm.engine.scheduler, "_take_as_done", lambda output: (taken.append(1), take(output)))
@@ -390,7 +395,7 @@ def test_async_scheduling_gives_the_synchronous_outputs(llm, greedy_run, monkeyp
         assert (b.finish_reason, len(b.token_ids)) == (a.finish_reason, len(a.token_ids))
     # The stop token ends the first request exactly there; the others run to max_tokens.
     assert overlapped[0].token_ids == free.token_ids[: stop_at + 1] and overlapped[0].finish_reason == "stop"
-    assert [len(c.token_ids) for c in overlapped[1:]] == [12, 9, 7]
+    assert [len(c.token_ids) for c in overlapped[1:]] == [12, 9, 7, 12, 10]
 
 
 def test_forced_tokens_replace_samples_from_the_token_after_the_arming_one(llm, greedy_run):
@@ -459,17 +464,24 @@ def test_requests_that_can_never_run_are_refused_with_the_numbers(llm):
     _assert_idle(llm)
 
 
-def test_penalties_follow_the_full_forwards_logits_under_vllms_rules(llm):
+def test_penalties_follow_the_full_forwards_logits_under_vllms_rules(llm, monkeypatch):
     """Greedy with repetition, frequency and presence penalties: each token is the argmax of the
-    full forward's logits after the penalties over the prompt and the tokens before it (the
-    engine keeps each request's history and catches it up step by step)."""
+    full forward's logits after the penalties over the prompt and the tokens before it. The
+    engine keeps each request's history, catches it up step by step, and with async scheduling
+    the row's last token is still being sampled when its next batch is built: the device reads it."""
     prompt = _prompt(7, 9)  # its plain greedy completion repeats a prompt token, then its own
     plain = dict(temperature=0.0, max_tokens=12, ignore_eos=True)
     counter = CompileCounter()
     (greedy,) = _generate(llm, [prompt], SamplingParams(**plain))
+    pending = []
+    build = engine_module.build_sampling_batch
+    monkeypatch.setattr(engine_module, "build_sampling_batch", lambda *a, **k: (
+        batch := build(*a, **k), pending.append(batch.penalties is not None and (batch.penalties.pending_rows >= 0).any()))[0])
+    monkeypatch.setattr(llm.engine, "async_scheduling", True)
     (out,) = _generate(llm, [prompt], SamplingParams(**plain, repetition_penalty=1.5, frequency_penalty=0.6,
                                                      presence_penalty=0.4))
     assert counter.built == 0  # penalised batches were warmed up
+    assert sum(pending) >= 8, pending  # most decode steps read their penalised row's token on the device
     tokens = out.outputs[0].token_ids
     assert len(tokens) == 12 and tokens != greedy.outputs[0].token_ids  # the penalties bite
     ids = np.zeros(REFERENCE_SHAPE, np.int32)

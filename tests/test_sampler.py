@@ -17,6 +17,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from dsv4_jax.engine.request import PLACEHOLDER
 from dsv4_jax.engine.sampler import (
     PenaltyHistory,
     SamplerConfig,
@@ -232,15 +233,25 @@ def test_process_logits_matches_vllm_rules(mixed):
 
 def test_kept_histories_in_a_doubled_width_process_the_same_logits(mixed):
     """The engine's way: each row's history kept and caught up in two parts, in a batch whose
-    longest history is wider than `penalty_history` (16: it takes the narrowest doubling)."""
+    longest history is wider than `penalty_history` (16: it takes the narrowest doubling), and
+    every other row's last output pending (async scheduling: a PLACEHOLDER, read from the previous
+    step's token ids on the device)."""
     logits, rows, _ = mixed
-    kept = [dataclasses.replace(row, penalty_history=PenaltyHistory(row.prompt_token_ids)
-                                .catch_up(row.output_token_ids[:3]).catch_up(row.output_token_ids)) for row in rows]
+    previous = np.zeros(2 * B, np.int32)  # the previous step's token ids: row i's pending token at 2i + 1
+    kept = []
+    for i, row in enumerate(rows):
+        outputs = list(row.output_token_ids)
+        if outputs and i % 2:
+            previous[2 * i + 1], outputs[-1] = outputs[-1], PLACEHOLDER
+        kept.append(dataclasses.replace(row, output_token_ids=outputs, previous_row=2 * i + 1,
+                                        penalty_history=PenaltyHistory(row.prompt_token_ids)
+                                        .catch_up(outputs[:3]).catch_up(outputs)))
+    assert sum(row.params.has_penalties and row.output_token_ids[-1:] == [PLACEHOLDER] for row in kept) > 5
     longest = max(len({*row.prompt_token_ids, *row.output_token_ids}) for row in rows if row.params.has_penalties)
     assert longest > 32
     batch = build_sampling_batch(kept, B, vocab_size=V, eos_token_ids=[EOS], config=SamplerConfig(penalty_history=16))
     assert batch.penalties.token_ids.shape == (B, 16 * 2 ** math.ceil(math.log2(longest / 16)))
-    processed = np.asarray(jax.jit(process_logits)(*jax.device_put((logits, batch))))
+    processed = np.asarray(jax.jit(process_logits)(*jax.device_put((logits, batch, previous))))
     expected = np.stack([_processed_reference(x, row, [EOS]) for x, row in zip(logits, rows)])
     np.testing.assert_allclose(processed, expected, rtol=1e-6, atol=1e-5)
 
@@ -255,8 +266,10 @@ def test_a_kept_history_counts_what_the_whole_lists_count(prompt, outputs, data)
     got = dict(zip(history.token_ids, history.output_counts))
     assert len(got) == history.size == len({*prompt, *outputs})
     assert got == {t: outputs.count(t) for t in {*prompt, *outputs}}
-    with pytest.raises(ValueError, match="output token id -1"):  # a pending token is never counted
-        history.catch_up([*outputs, -1])
+    history.catch_up([*outputs, PLACEHOLDER])  # a pending last token waits until it is known
+    assert dict(zip(history.token_ids, history.output_counts)) == got and history.num_outputs == len(outputs)
+    with pytest.raises(ValueError, match="output token id -1"):  # anywhere else it is a bug
+        history.catch_up([*outputs, PLACEHOLDER, 5])
 
 
 def test_greedy_rows_take_the_argmax_after_penalties_and_bans(mixed):

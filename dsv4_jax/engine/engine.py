@@ -217,8 +217,9 @@ class LLMEngine:
 
         With async scheduling the next step is scheduled and launched before this one's tokens
         reach the host (its rows read them on the device), so host work hides behind device work;
-        it completes in the next call. Requests with penalties or forced tokens need their last
-        token on the host to build the next step, so while any runs, steps go one at a time."""
+        it completes in the next call. Requests with forced tokens need their last token on the
+        host to build the next step, so while any runs, steps go one at a time (a penalised row
+        reads its pending token on the device, as the step's tokens do)."""
         launched = self.begin_step()
         return [] if launched is None else self.finish_step(launched)
 
@@ -249,16 +250,15 @@ class LLMEngine:
         return launched.sampled
 
     def _can_overlap(self) -> bool:
-        return not any(t.params.has_penalties or t.forced for t in self._tracked.values())
+        return not any(t.forced for t in self._tracked.values())
 
     def _launch(self, scheduled: SchedulerOutput, previous: _InFlight | None) -> _InFlight:
         """Dispatch a step and its sampling to the device; nothing waits for the results."""
         rows = scheduled.rows
         bucket, tokens, seqs = self.runner.build(rows)
         position = self.runner.row_positions(rows, bucket[0])
-        token_ids = None
+        token_ids, source = None, np.full(bucket[0], -1, np.int32)
         if previous is not None:  # rows holding a placeholder read the previous step's sample
-            source = np.full(bucket[0], -1, np.int32)
             for at, r in zip(position, rows):
                 if PLACEHOLDER in r.token_ids:
                     source[at] = previous.position[r.request.request_id]
@@ -270,14 +270,15 @@ class LLMEngine:
             if r.is_sampling:
                 tracked, outputs = self._tracked[r.request.request_id], r.request.output_token_ids
                 history = tracked.penalty_history
+                # A pending last output (a placeholder) is the previous step's sample of row source[at].
                 sampling[at] = SamplingRow(tracked.params, tracked.index, r.request.prompt_token_ids, outputs,
-                                           None if history is None else history.catch_up(outputs))
+                                           None if history is None else history.catch_up(outputs), int(source[at]))
         batch = build_sampling_batch(
             sampling, out.bucket[0], vocab_size=self.config.vocab_size, eos_token_ids=self.eos_token_ids,
             engine_seed=self.seed, step=self._steps, config=self.sampler_config,
         )
         self._steps += 1
-        sampled = self.device.call("sample", out.logits, batch)
+        sampled = self.device.call("sample", out.logits, batch, None if previous is None else previous.sampled.token_ids)
         return _InFlight(scheduled, out, sampled, {r.request.request_id: at for at, r in zip(position, rows)})
 
     def _complete(self, step: _InFlight) -> list[RequestOutput]:

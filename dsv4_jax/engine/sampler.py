@@ -71,6 +71,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dsv4_jax.engine.request import PLACEHOLDER
 from dsv4_jax.engine.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
 
 # Padding token id: out of bounds for any vocabulary, so the scatters (mode="drop") skip it.
@@ -117,8 +118,11 @@ class PenaltyBatch:
     repetition: np.ndarray  # [B] float32, 1 = off
     frequency: np.ndarray  # [B] float32, 0 = off
     presence: np.ndarray  # [B] float32, 0 = off
-    token_ids: np.ndarray  # [B, W] int32: distinct prompt + output tokens (PAD_ID pads)
+    # [B, W] int32: distinct prompt + output tokens (PAD_ID pads), then a PLACEHOLDER with count 1
+    # for a row whose last output the device still computes (async scheduling)
+    token_ids: np.ndarray
     output_counts: np.ndarray  # [B, W] int32: times each was generated
+    pending_rows: np.ndarray  # [B] int32: where a PLACEHOLDER's token sits in the previous step's token_ids
     # A row's token_ids are exactly its seen tokens, so no prompt flag is needed for repetition.
 
 
@@ -156,8 +160,8 @@ class PenaltyHistory:
     feeds it each new output token (`catch_up`), so a step copies its `size` numbers instead of
     re-deriving them from the whole sequence (32 rows of 6000-token prompts: 105 -> 1.9 ms of
     batch building a step; Xeon, 2026-12-03).
-    The order of the tokens is free (the device scatters them): the prompt's, then the outputs'
-    new ones as they come."""
+    The order of the tokens is free (the device scatters them, adding the counts of a token
+    listed twice): the prompt's, then the outputs' new ones as they come."""
 
     def __init__(self, prompt_token_ids: Sequence[int]):
         ids = np.unique(np.asarray(prompt_token_ids, np.int64)).tolist()
@@ -171,17 +175,20 @@ class PenaltyHistory:
         return len(self.token_ids)
 
     def catch_up(self, output_token_ids: Sequence[int]) -> PenaltyHistory:
-        """Count the outputs past the `num_outputs` already counted (a request's outputs only grow)."""
-        for token in output_token_ids[self.num_outputs:]:
+        """Count the outputs past the `num_outputs` already counted (a request's outputs only grow).
+        A last PLACEHOLDER, the token the device still computes (async scheduling), is counted
+        once it is known: the batch lists it as pending (`PenaltyBatch`)."""
+        known = len(output_token_ids) - (1 if output_token_ids and output_token_ids[-1] == PLACEHOLDER else 0)
+        for token in output_token_ids[self.num_outputs:known]:
             at = self._at.get(token)
             if at is None:
-                if token < 0:  # a PLACEHOLDER: penalised rows are built with every token known
+                if token < 0:
                     raise ValueError(f"output token id {token} in a penalised request's history")
                 at = self._at[token] = len(self.token_ids)
                 self.token_ids.append(token)
                 self.output_counts.append(0)
             self.output_counts[at] += 1
-        self.num_outputs = len(output_token_ids)
+        self.num_outputs = known
         return self
 
 
@@ -196,6 +203,8 @@ class SamplingRow:
     # The request's kept history, caught up with `output_token_ids` (the engine's); None: built
     # here from the two lists.
     penalty_history: PenaltyHistory | None = None
+    # Async scheduling: the previous step's row that samples a last output still a PLACEHOLDER.
+    previous_row: int = -1
 
 
 def _split64(value: int) -> tuple[int, int]:
@@ -259,29 +268,41 @@ def _penalty_batch(rows: Sequence[SamplingRow], bucket: int, config: SamplerConf
     frequency, presence = np.zeros(bucket, np.float32), np.zeros(bucket, np.float32)
     histories = {i: row.penalty_history or PenaltyHistory(row.prompt_token_ids).catch_up(row.output_token_ids)
                  for i, row in enumerate(rows) if row.params.has_penalties}
-    width = config.penalty_widths(max(h.size for h in histories.values()))[-1]
+    pending = {i for i in histories if rows[i].output_token_ids and rows[i].output_token_ids[-1] == PLACEHOLDER}
+    width = config.penalty_widths(max(h.size + (i in pending) for i, h in histories.items()))[-1]
     token_ids = np.full((bucket, width), PAD_ID, np.int32)
     output_counts = np.zeros((bucket, width), np.int32)
+    pending_rows = np.full(bucket, -1, np.int32)
     for i, history in histories.items():
-        p = rows[i].params
+        p, n = rows[i].params, history.size
         repetition[i], frequency[i], presence[i] = p.repetition_penalty, p.frequency_penalty, p.presence_penalty
-        token_ids[i, : history.size], output_counts[i, : history.size] = history.token_ids, history.output_counts
-    return PenaltyBatch(repetition, frequency, presence, token_ids, output_counts)
+        token_ids[i, :n], output_counts[i, :n] = history.token_ids, history.output_counts
+        if i in pending:
+            if rows[i].previous_row < 0:
+                raise ValueError(f"request {rows[i].request_index}: its last output is pending, but no previous_row "
+                                 "says where the previous step samples it")
+            token_ids[i, n], output_counts[i, n], pending_rows[i] = PLACEHOLDER, 1, rows[i].previous_row
+    return PenaltyBatch(repetition, frequency, presence, token_ids, output_counts, pending_rows)
 
 
 # ---- device -----------------------------------------------------------------------------------
 
 
-def process_logits(logits: jax.Array, batch: SamplingBatch) -> jax.Array:
-    """Steps 1-2 of the pipeline: bias, bans and penalties. [B, V] float32 -> [B, V] float32."""
+def process_logits(logits: jax.Array, batch: SamplingBatch, previous_token_ids: jax.Array | None = None) -> jax.Array:
+    """Steps 1-2 of the pipeline: bias, bans and penalties. [B, V] float32 -> [B, V] float32.
+    `previous_token_ids` (the previous step's `token_ids`) supplies penalised rows' pending tokens
+    (`PenaltyBatch.pending_rows`); a batch without any may leave it out."""
     rows = jnp.arange(logits.shape[0])[:, None]
     x = logits.at[rows, batch.bias_ids].add(batch.bias_values, mode="drop")
     x = x.at[rows, batch.banned_ids].set(-jnp.inf, mode="drop")
     pen = batch.penalties
     if pen is None:
         return x
-    counts = jnp.zeros(x.shape, jnp.int32).at[rows, pen.token_ids].add(pen.output_counts, mode="drop")
-    seen = jnp.zeros(x.shape, bool).at[rows, pen.token_ids].set(True, mode="drop")
+    ids = pen.token_ids
+    if previous_token_ids is not None:  # a PLACEHOLDER takes its row's token of the previous step
+        ids = jnp.where(ids == PLACEHOLDER, previous_token_ids[jnp.maximum(pen.pending_rows, 0)][:, None], ids)
+    counts = jnp.zeros(x.shape, jnp.int32).at[rows, ids].add(pen.output_counts, mode="drop")
+    seen = jnp.zeros(x.shape, bool).at[rows, ids].set(True, mode="drop")
     rep = pen.repetition[:, None]
     x = jnp.where(seen, jnp.where(x > 0, x / rep, x * rep), x)  # vLLM: shrink seen tokens either sign
     return x - pen.frequency[:, None] * counts - pen.presence[:, None] * (counts > 0)
@@ -546,8 +567,17 @@ class Sampler:
         self._draw = jax.jit(_sample, static_argnames="config", out_shardings=self._whole)
         self._logprobs = jax.jit(_with_raw_logprobs, out_shardings=self._whole)
         self._edit = {None: jax.jit(process_logits)}  # and, on a mesh, one per logits sharding
+        self._last_token_ids: jax.Array | None = None  # of the last draw
 
-    def __call__(self, logits: jax.Array, batch: SamplingBatch) -> SampledTokens:
+    def __call__(self, logits: jax.Array, batch: SamplingBatch,
+                 previous_token_ids: jax.Array | None = None) -> SampledTokens:
+        """`previous_token_ids`: the previous step's `token_ids`, when some penalised row's last
+        output is its pending sample (async scheduling)."""
+        sampled = self._sample(logits, batch, previous_token_ids)
+        self._last_token_ids = sampled.token_ids
+        return sampled
+
+    def _sample(self, logits: jax.Array, batch: SamplingBatch, previous_token_ids: jax.Array | None) -> SampledTokens:
         if not edits_logits(batch):
             return self._draw(logits, self._put(batch), config=self.config)
         # The edited logits are placed as the step's logits are (a jit output without
@@ -556,7 +586,15 @@ class Sampler:
         sharding = None if self._whole is None else logits.sharding
         if sharding not in self._edit:
             self._edit[sharding] = jax.jit(process_logits, out_shardings=sharding)
-        edited = self._edit[sharding](logits, self._put(batch))
+        edit_args = (logits, self._put(batch))
+        if batch.penalties is not None:
+            # Always some previous step's token ids (the last draw's when none is pending: only
+            # pending rows read them), so a penalised batch has one executable per width.
+            if previous_token_ids is None and (np.asarray(batch.penalties.pending_rows) >= 0).any():
+                raise ValueError("a penalised row's last output is pending: pass the previous step's token_ids")
+            previous = self._last_token_ids if previous_token_ids is None else previous_token_ids
+            edit_args += (jnp.zeros(1, jnp.int32) if previous is None else previous,)
+        edited = self._edit[sharding](*edit_args)
         wants_logprobs = bool(np.any(np.asarray(batch.num_logprobs) >= 0))
         draw_batch = dataclasses.replace(  # what process_logits applied, and logprobs read below
             batch, penalties=None, bias_ids=np.full(np.shape(batch.bias_ids), PAD_ID, np.int32),
