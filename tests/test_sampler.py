@@ -225,7 +225,9 @@ def mixed():
 def test_process_logits_matches_vllm_rules(mixed):
     logits, rows, _ = mixed
     batch = build_sampling_batch(rows, B, vocab_size=V, eos_token_ids=[EOS])
-    processed = np.asarray(jax.jit(process_logits)(*jax.device_put((logits, batch))))
+    # With previous token ids as the sampler passes them (nothing pending reads them): the
+    # executable `mixed` compiled.
+    processed = np.asarray(jax.jit(process_logits)(*jax.device_put((logits, batch)), np.zeros(B, np.int32)))
     expected = np.stack([_processed_reference(x, row, [EOS]) for x, row in zip(logits, rows)])
     assert np.isinf(expected).any() and (np.abs(expected - logits) > 1e-3).mean() > 0.1  # the rules bite
     np.testing.assert_allclose(processed, expected, rtol=1e-6, atol=1e-5)

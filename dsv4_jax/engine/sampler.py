@@ -588,12 +588,17 @@ class Sampler:
             self._edit[sharding] = jax.jit(process_logits, out_shardings=sharding)
         edit_args = (logits, self._put(batch))
         if batch.penalties is not None:
-            # Always some previous step's token ids (the last draw's when none is pending: only
-            # pending rows read them), so a penalised batch has one executable per width.
-            if previous_token_ids is None and (np.asarray(batch.penalties.pending_rows) >= 0).any():
-                raise ValueError("a penalised row's last output is pending: pass the previous step's token_ids")
-            previous = self._last_token_ids if previous_token_ids is None else previous_token_ids
-            edit_args += (jnp.zeros(1, jnp.int32) if previous is None else previous,)
+            if previous_token_ids is None:
+                if (np.asarray(batch.penalties.pending_rows) >= 0).any():
+                    raise ValueError("a penalised row's last output is pending: pass the previous step's token_ids")
+                # Only pending rows read them, but some token ids of a draw's shape always go in,
+                # so a penalised batch has one executable per width: the last draw's (in the
+                # engine, placed exactly as a pending step's are), or zeros before any draw.
+                rows = max(logits.shape[0], self.config.pad_rows)
+                previous_token_ids = self._last_token_ids
+                if previous_token_ids is None or previous_token_ids.shape != (rows,):
+                    previous_token_ids = np.zeros(rows, np.int32)
+            edit_args += (previous_token_ids,)
         edited = self._edit[sharding](*edit_args)
         wants_logprobs = bool(np.any(np.asarray(batch.num_logprobs) >= 0))
         draw_batch = dataclasses.replace(  # what process_logits applied, and logprobs read below
