@@ -270,6 +270,7 @@ def test_a_kept_history_counts_what_the_whole_lists_count(prompt, outputs, data)
     assert got == {t: outputs.count(t) for t in {*prompt, *outputs}}
     history.catch_up([*outputs, PLACEHOLDER])  # a pending last token waits until it is known
     assert dict(zip(history.token_ids, history.output_counts)) == got and history.num_outputs == len(outputs)
+    assert history.pending and not history.catch_up(outputs).pending
     with pytest.raises(ValueError, match="output token id -1"):  # anywhere else it is a bug
         history.catch_up([*outputs, PLACEHOLDER, 5])
 

@@ -169,6 +169,7 @@ class PenaltyHistory:
         self.output_counts = array.array("i", bytes(4 * len(ids)))  # [size]: times each was generated
         self._at = dict(zip(ids, range(len(ids))))  # token -> its index
         self.num_outputs = 0  # output tokens counted so far
+        self.pending = False  # the last output seen is a PLACEHOLDER, not counted yet
 
     @property
     def size(self) -> int:
@@ -178,7 +179,8 @@ class PenaltyHistory:
         """Count the outputs past the `num_outputs` already counted (a request's outputs only grow).
         A last PLACEHOLDER, the token the device still computes (async scheduling), is counted
         once it is known: the batch lists it as pending (`PenaltyBatch`)."""
-        known = len(output_token_ids) - (1 if output_token_ids and output_token_ids[-1] == PLACEHOLDER else 0)
+        self.pending = bool(output_token_ids) and output_token_ids[-1] == PLACEHOLDER
+        known = len(output_token_ids) - self.pending
         for token in output_token_ids[self.num_outputs:known]:
             at = self._at.get(token)
             if at is None:
@@ -268,8 +270,7 @@ def _penalty_batch(rows: Sequence[SamplingRow], bucket: int, config: SamplerConf
     frequency, presence = np.zeros(bucket, np.float32), np.zeros(bucket, np.float32)
     histories = {i: row.penalty_history or PenaltyHistory(row.prompt_token_ids).catch_up(row.output_token_ids)
                  for i, row in enumerate(rows) if row.params.has_penalties}
-    pending = {i for i in histories if rows[i].output_token_ids and rows[i].output_token_ids[-1] == PLACEHOLDER}
-    width = config.penalty_widths(max(h.size + (i in pending) for i, h in histories.items()))[-1]
+    width = config.penalty_widths(max(h.size + h.pending for h in histories.values()))[-1]
     token_ids = np.full((bucket, width), PAD_ID, np.int32)
     output_counts = np.zeros((bucket, width), np.int32)
     pending_rows = np.full(bucket, -1, np.int32)
@@ -277,7 +278,7 @@ def _penalty_batch(rows: Sequence[SamplingRow], bucket: int, config: SamplerConf
         p, n = rows[i].params, history.size
         repetition[i], frequency[i], presence[i] = p.repetition_penalty, p.frequency_penalty, p.presence_penalty
         token_ids[i, :n], output_counts[i, :n] = history.token_ids, history.output_counts
-        if i in pending:
+        if history.pending:
             if rows[i].previous_row < 0:
                 raise ValueError(f"request {rows[i].request_index}: its last output is pending, but no previous_row "
                                  "says where the previous step samples it")
