@@ -423,10 +423,10 @@ class LLMEngine:
         # an executable is compiled for, so anything else would compile again while serving.
         previous = None
         # The kinds of batch: nothing to edit; bans (or a bias) only; penalties (Sampler), with a
-        # history of each width a request can reach (its distinct tokens: at most the vocabulary
-        # or max_model_len).
+        # history of each width a request can reach (its distinct tokens and a pending one: at
+        # most the vocabulary plus one, or max_model_len).
         penalised = SamplingParams(repetition_penalty=1.1, logprobs=1)
-        widths = self.sampler_config.penalty_widths(min(vocab, self.max_model_len))
+        widths = self.sampler_config.penalty_widths(min(vocab + 1, self.max_model_len))
         kinds = [(SamplingParams(temperature=1.0, logprobs=1), [0]), (SamplingParams(min_tokens=1, logprobs=1), [0])]
         kinds += [(penalised, list(range(w // 2 + 1 if i else 1))) for i, w in enumerate(widths)]
         for b, logits in sorted(self.runner.warmup_logits.items()):
