@@ -36,6 +36,7 @@ from dsv4_jax.engine.sampler import (
     Sampler,
     SamplerConfig,
     SamplingRow,
+    banned_below_min_tokens,
     build_sampling_batch,
 )
 from dsv4_jax.engine.sampling_params import SamplingParams
@@ -172,7 +173,7 @@ class LLMEngine:
                                   "prompt")
         params.check_token_ids(vocab)
         if params.min_tokens:  # the step would fail (for every request) on a ban it cannot hold
-            banned = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
+            banned = banned_below_min_tokens(params, self.eos_token_ids)
             if len(banned) > self.sampler_config.max_banned_ids:
                 raise RequestRejected(
                     f"with min_tokens, at most {self.sampler_config.max_banned_ids} stop_token_ids and EOS ids "

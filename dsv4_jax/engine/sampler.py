@@ -214,6 +214,12 @@ def _split64(value: int) -> tuple[int, int]:
     return value >> 32, value % _U32
 
 
+def banned_below_min_tokens(params: SamplingParams, eos_token_ids: Sequence[int]) -> list[int]:
+    """The ids a row bans while it has fewer than `min_tokens` outputs: its stop_token_ids and EOS
+    (vLLM: `ignore_eos` also stops banning EOS), sorted."""
+    return sorted(set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids)))
+
+
 def build_sampling_batch(
     rows: Sequence[SamplingRow],
     bucket: int,
@@ -251,8 +257,8 @@ def build_sampling_batch(
         if p.logit_bias:
             bias_ids[i, : len(p.logit_bias)] = list(p.logit_bias)
             bias_values[i, : len(p.logit_bias)] = list(p.logit_bias.values())
-        if len(row.output_token_ids) < p.min_tokens:  # vLLM: ignore_eos also stops banning EOS
-            banned = sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids)))
+        if len(row.output_token_ids) < p.min_tokens:
+            banned = banned_below_min_tokens(p, eos_token_ids)
             if len(banned) > config.max_banned_ids:
                 raise ValueError(
                     f"request {row.request_index}: {len(banned)} EOS and stop_token_ids to ban below min_tokens "
