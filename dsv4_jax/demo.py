@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
-from pallas_kernels.cli import add_debug_flag, run_main
+from pallas_kernels.cli import OneLineParser, add_debug_flag, run_main
 
 if TYPE_CHECKING:
     from dsv4_jax.loading import CausalLM
@@ -23,7 +23,7 @@ PROG = "python -m dsv4_jax.demo"
 
 
 def make_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
+    parser = OneLineParser(prog=PROG, description=__doc__.splitlines()[0])
     parser.add_argument(
         "--model", default=None, metavar="DIR",
         help="DeepSeek-V4 checkpoint directory with config.json and *.safetensors (default: the built-in "

@@ -26,7 +26,7 @@ from dsv4_jax.kv_cache.planner import (
 )
 from dsv4_jax.kv_cache.resolver import ACCEPTED_REQUESTS, ATTENTION_BACKENDS, KVCacheSpec, resolve_kv_cache
 from dsv4_jax.presets import PRESETS, get_config
-from pallas_kernels.cli import add_debug_flag, run_main
+from pallas_kernels.cli import OneLineParser, add_debug_flag, run_main
 
 PROG = "python -m dsv4_jax.plan"
 
@@ -193,7 +193,7 @@ def build_report(args: argparse.Namespace) -> str:
 
 
 def make_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
+    p = OneLineParser(prog=PROG, description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="dsv4-flash",
                    help=f"preset ({', '.join(sorted(PRESETS))}), model directory or config.json (default: %(default)s)")
     p.add_argument("--device-kind", default="NVIDIA H200",

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import devices, indexer_topk, kv_write, sparse_decode, sparse_prefill
-from pallas_kernels.cli import add_debug_flag, run_main
+from pallas_kernels.cli import OneLineParser, add_debug_flag, run_main
 from pallas_kernels.devices import DeviceKind
 
 PROG = "python -m pallas_kernels.check"
@@ -282,7 +282,7 @@ def run_check(
 
 
 def make_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog=PROG,
         description="Lower the Pallas kernels to Triton IR for GPU kinds, without a GPU. " + DISCLAIMER,
     )

@@ -19,6 +19,18 @@ from typing import Callable, NoReturn, Sequence
 USER_ERRORS = (ValueError, OSError)
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse's usage errors as one line `<error_prog>: error: ...` and status 2, without the
+    usage block, as `run_main` reports a user error. `error_prog` defaults to `prog`."""
+
+    def __init__(self, *args, error_prog: str | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.error_prog = error_prog or self.prog
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.error_prog}: error: {message}\n")
+
+
 def add_debug_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--debug", action="store_true",

@@ -47,11 +47,11 @@ import os
 import re
 import sys
 from pathlib import Path
-from typing import Any, NoReturn, Sequence
+from typing import Any, Sequence
 
 from dsv4_jax.distributed import DistributedConfig
 from dsv4_jax.engine.sampling_params import MAX_LOGPROBS, SamplingParams
-from pallas_kernels.cli import add_debug_flag
+from pallas_kernels.cli import OneLineParser, add_debug_flag
 
 PROG = "serve"  # the name in error lines; the entry point passes it to run_main
 USAGE_PROG = "python -m serve"
@@ -136,13 +136,6 @@ class ServerArgs:
     debug: bool
     distributed: DistributedConfig  # --nnodes, --node-rank, --master-addr, --master-port, --headless
     ignored_flags: tuple[str, ...]  # one warning line per vLLM flag that changes nothing here
-
-
-class _OneLineParser(argparse.ArgumentParser):
-    """argparse's errors as one line `serve: error: ...` and status 2, without the usage block."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{PROG}: error: {message}\n")
 
 
 # ---- value types: each raises ArgumentTypeError, which argparse prefixes with the flag ----------
@@ -232,8 +225,8 @@ def _json_object(text: str) -> dict[str, Any]:
 
 # ---- the parser ----------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
-    parser = _OneLineParser(
-        prog=USAGE_PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+    parser = OneLineParser(
+        prog=USAGE_PROG, error_prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
         allow_abbrev=False,  # a prefix of one of our flags must not silently stand for it
     )
     add = parser.add_argument

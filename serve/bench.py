@@ -58,7 +58,7 @@ import httpx
 import numpy as np
 from tqdm import tqdm
 
-from pallas_kernels.cli import add_debug_flag, one_line, run_main
+from pallas_kernels.cli import OneLineParser, add_debug_flag, one_line, run_main
 from serve.bench_datasets import (
     DATASET_NAMES,
     SampleRequest,
@@ -447,13 +447,6 @@ def result_path(config: BenchConfig, model: str, date: str) -> Path:
 
 
 # ---- command line --------------------------------------------------------------------------------
-class _OneLineParser(argparse.ArgumentParser):
-    """argparse's errors as one line `serve.bench: error: ...` and status 2, without the usage block."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{PROG}: error: {message}\n")
-
-
 def _number(kind: type, low: float, allowed: str, *, high: float = math.inf, inclusive: bool = True,
             inf_ok: bool = False):
     """An argparse type: `kind` (int or float) from `low` (above it when not inclusive) to `high`."""
@@ -503,7 +496,7 @@ def _metric(text: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _OneLineParser(prog=f"python -m {PROG}", description=__doc__, allow_abbrev=False,
+    parser = OneLineParser(prog=f"python -m {PROG}", error_prog=PROG, description=__doc__, allow_abbrev=False,
                             formatter_class=argparse.RawDescriptionHelpFormatter)
     add = parser.add_argument
     positive_int = _number(int, 1, "1, 2, ...")

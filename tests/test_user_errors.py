@@ -252,6 +252,12 @@ def test_demo_bad_model_dir_is_one_line_and_debug_shows_the_traceback(model_dir)
     assert debug.returncode != 0 and "Traceback" in debug.stderr and "`hidden_size`" in debug.stderr
 
 
+@pytest.mark.parametrize("module", ["pallas_kernels.check", "dsv4_jax.demo", "dsv4_jax.plan"])
+def test_an_unknown_flag_is_one_line_without_the_usage_block(module):
+    done = _run(module, "--no-such-flag")
+    _assert_one_line_error(done, f"python -m {module}", "unrecognized arguments: --no-such-flag")
+
+
 def test_plan_bad_model_is_one_line(model_dir):
     (model_dir / "config.json").write_text("{")
     done = _run("dsv4_jax.plan", "--model", str(model_dir))
