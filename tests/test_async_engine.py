@@ -137,3 +137,84 @@ def test_requests_come_and_go_while_a_step_waits_for_the_device(llm):
     assert aborted.finish_reason == "abort" and aborted.token_ids == [] and aborted.text == ""
     assert second_outputs[-1].outputs[0].token_ids == expected.outputs[0].token_ids
     assert _free_state(llm) == (0, 0, 0.0)
+
+
+def test_a_consumer_that_falls_behind_gets_the_newest_output_not_a_backlog(llm):
+    """Outputs are cumulative (each holds the whole text so far): one that nobody has taken yet is
+    replaced by the next, so a slow client costs one output of memory, not one per token."""
+    async def main():
+        engine = AsyncLLMEngine(llm.engine)
+        await engine.start()
+        stream = engine.add_request("slow", PROMPTS[3], GREEDY)
+        while llm.engine.has_unfinished():  # nothing is read until the request has run to its end
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.1)  # the step thread's last delivery reaches the event loop
+        outputs = [o async for o in stream]
+        await engine.shutdown()
+        return outputs
+
+    outputs = asyncio.run(main())
+    # One output (the final one); two only if the reading began between the last two deliveries.
+    assert 1 <= len(outputs) <= 2 and outputs[-1].finished
+    assert len(outputs[-1].outputs[0].token_ids) == 12 and outputs[-1].outputs[0].finish_reason == "length"
+    assert _free_state(llm) == (0, 0, 0.0)
+
+
+def test_a_request_added_while_the_step_thread_fails_is_refused_not_left_hanging(llm):
+    """`add_request` checks that the engine serves before it takes the lock; the step thread can
+    fail (and fail every request it knows) while the caller waits for that lock. The request must
+    be refused then: added after the failure, no thread would ever serve it."""
+    import threading
+
+    contended, release, in_finish = threading.Event(), threading.Event(), threading.Event()
+
+    class Lock:  # a lock that tells when the event loop's thread starts waiting for it
+        def __init__(self):
+            self._lock = threading.Lock()
+
+        def acquire(self, blocking=True, timeout=-1):
+            if threading.current_thread().name != "dsv4-engine-steps":
+                contended.set()
+            return self._lock.acquire(blocking, timeout)
+
+        def release(self):
+            self._lock.release()
+
+        __enter__ = acquire
+
+        def __exit__(self, *exc):
+            self.release()
+
+    async def main():
+        engine = AsyncLLMEngine(llm.engine)
+        engine._work = threading.Condition(Lock())
+        real_wait = engine._wait
+
+        def held(launched):
+            release.wait(30)
+            real_wait(launched)
+
+        def failing_finish(launched):  # runs under the lock: fails once the event loop waits for it
+            in_finish.set()
+            assert contended.wait(30)
+            raise RuntimeError("a step failed")
+
+        engine._wait, llm.engine.finish_step = held, failing_finish
+        await engine.start()
+        first = engine.add_request("first", PROMPTS[0], GREEDY)
+        contended.clear()  # from here only the next add_request waits for the lock on this thread
+        release.set()
+        assert await asyncio.to_thread(in_finish.wait, 30)  # the step thread holds the lock
+        with pytest.raises(EngineDeadError, match="a step failed"):
+            engine.add_request("late", PROMPTS[1], GREEDY)
+        with pytest.raises(EngineDeadError):
+            async for _ in first:
+                pass
+        await engine.shutdown(grace_seconds=0.0)
+
+    try:
+        asyncio.run(main())
+    finally:
+        del llm.engine.finish_step  # the class's own again
+        llm.engine.reset()  # what the failed step left scheduled
+    assert _free_state(llm) == (0, 0, 0.0) and not llm.engine.has_unfinished()

@@ -6,8 +6,10 @@ One lock guards the synchronous engine: the step thread holds it while it launch
 while it applies a step's tokens, never while it waits for the device in between, and `add` /
 `abort` from the event loop take it in those gaps, so an abort lands at once (a token the device
 still computes for it is dropped) and frees everything the request holds. Outputs reach each
-request's asyncio queue through `call_soon_threadsafe`. A consumer that stops iterating (a client that disconnects)
-aborts its request. `shutdown` stops accepting, lets running requests finish for a grace period,
+request's `_Latest` through `call_soon_threadsafe`: outputs are cumulative, so a consumer that
+falls behind (a slow client) gets the newest one, not a queue of every step's copy of the whole
+text (vLLM's output collector merges them likewise). A consumer that stops iterating (a client
+that disconnects) aborts its request. `shutdown` stops accepting, lets running requests finish for a grace period,
 aborts the rest and joins the thread.
 """
 
@@ -32,12 +34,35 @@ class EngineDeadError(RuntimeError):
     """The step loop failed; the engine serves nothing more."""
 
 
+class _Latest:
+    """One request's newest output not yet taken (or the error that ended it). Outputs are
+    cumulative, so a newer one replaces an untaken older one; a finished output or an error is
+    never replaced (a step's delivery can trail the abort that finished the request)."""
+
+    def __init__(self):
+        self._item: RequestOutput | BaseException | None = None
+        self._ready = asyncio.Event()
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        held = self._item
+        if held is not None and (isinstance(held, BaseException) or held.finished):
+            return
+        self._item = item
+        self._ready.set()
+
+    async def get(self) -> RequestOutput | BaseException:
+        await self._ready.wait()
+        item, self._item = self._item, None
+        self._ready.clear()
+        return item
+
+
 class AsyncLLMEngine:
     def __init__(self, engine: LLMEngine):
         self.engine = engine
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)
-        self._queues: dict[str, asyncio.Queue] = {}
+        self._queues: dict[str, _Latest] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._accepting = False
@@ -81,14 +106,20 @@ class AsyncLLMEngine:
         """Queue a request now (a bad one raises ValueError here, with nothing queued) and return its
         outputs as they come (each the whole output so far; the last has `finished` set). The
         caller must iterate the outputs to the end or close them: closing early aborts the request."""
-        if not self.accepting:
-            raise EngineDeadError("the engine is shutting down" if self.error is None else f"the engine failed: {self.error}")
-        queue: asyncio.Queue = asyncio.Queue()
+        self._check_accepting()
+        queue = _Latest()
         with self._work:
+            # Again under the lock: the step thread may have failed (and failed every request it
+            # knew) while this call waited for the lock; a request added then would never be served.
+            self._check_accepting()
             self.engine.add_request(request_id, prompt_token_ids, params, prompt=prompt, forced=forced)
             self._queues[request_id] = queue
             self._work.notify()
         return self._outputs(request_id, queue)
+
+    def _check_accepting(self) -> None:
+        if not self.accepting or self._stop:
+            raise EngineDeadError("the engine is shutting down" if self.error is None else f"the engine failed: {self.error}")
 
     async def generate(
         self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, prompt: str | None = None,
@@ -103,7 +134,7 @@ class AsyncLLMEngine:
         finally:
             await outputs.aclose()
 
-    async def _outputs(self, request_id: str, queue: asyncio.Queue) -> AsyncIterator[RequestOutput]:
+    async def _outputs(self, request_id: str, queue: _Latest) -> AsyncIterator[RequestOutput]:
         finished = False
         try:
             while not finished:
@@ -123,7 +154,7 @@ class AsyncLLMEngine:
             queue = self._queues.pop(request_id, None)
             out = self.engine.abort(request_id)
         if queue is not None and out is not None:
-            queue.put_nowait(out)  # its last output, marked finished ("abort")
+            queue.put(out)  # its last output, marked finished ("abort")
 
     async def abort(self, request_id: str) -> None:
         self.abort_now(request_id)
@@ -162,7 +193,7 @@ class AsyncLLMEngine:
                         self._queues.pop(out.request_id, None)
             for queue, out in deliveries:
                 if queue is not None:
-                    self._loop.call_soon_threadsafe(queue.put_nowait, out)
+                    self._loop.call_soon_threadsafe(queue.put, out)
 
     def _wait(self, launched) -> None:
         jax.block_until_ready(self.engine.device_outputs(launched))
@@ -175,5 +206,5 @@ class AsyncLLMEngine:
     def _fail_all(self, error: BaseException) -> None:
         for request_id, queue in list(self._queues.items()):
             self.engine.abort(request_id)
-            self._loop.call_soon_threadsafe(queue.put_nowait, error)
+            self._loop.call_soon_threadsafe(queue.put, error)
         self._queues.clear()
