@@ -410,7 +410,10 @@ def test_real_vocabulary_greedy_top_k_and_logprobs():
         ({"seed": "7"}, "seed", "'7'"),
         ({"logit_bias": {"5": 1.0}}, "logit_bias", "'5'"),
         ({"logit_bias": {5: float("inf")}}, "logit_bias", "inf for 5"),
-        ({"logit_bias": {t: 1.0 for t in range(301)}}, "logit_bias", "at most 300"),
+        ({"logit_bias": {t: 1.0 for t in range(301)}}, "logit_bias", "at most 300 {token id: bias} entries, got 301"),
+        ({"logit_bias": {5: 1e39}}, "logit_bias", "float32 numbers, got 1e+39 for 5"),  # inf in float32
+        ({"temperature": 1e39}, "temperature", "1e+39"),
+        ({"stop": ["x"] * 129}, "stop", "at most 128 strings, got 129"),
         ({"stop": ""}, "stop", "''"),
         ({"stop": ["a", 3]}, "stop", "['a', 3]"),
         ({"stop_token_ids": [-1]}, "stop_token_ids", "[-1]"),
@@ -441,6 +444,21 @@ def test_token_ids_outside_the_vocabulary_are_rejected():
         message = rf"SamplingParams\.{name} has token ids \[{bad}\] outside the vocabulary \[0, {V}\)"
         with pytest.raises(ValueError, match=message):
             build_sampling_batch([SamplingRow(SamplingParams(**kwargs), 0)], 1, vocab_size=V)
+
+
+def test_choices_of_a_request_take_seed_plus_index_within_int64():
+    top = 2**63 - 1
+    assert [SamplingParams(n=3, seed=5).for_child(i).seed for i in range(3)] == [5, 6, 7]
+    assert [SamplingParams(n=3, seed=top - 1).for_child(i).seed for i in range(3)] == [top - 1, top, -(2**63)]
+    assert SamplingParams(n=2).for_child(1).seed is None and SamplingParams(n=2, seed=1).for_child(1).n == 1
+
+
+def test_a_top_k_past_the_vocabulary_is_off_whatever_its_size():
+    # Any int is a valid top_k (vLLM); one of the vocabulary or more keeps every token. The batch
+    # holds top_k as int32, where 2**31 would not fit: it must not fail the step of every request.
+    rows = [SamplingRow(SamplingParams(top_k=k, seed=1), 0) for k in (V - 1, V, 2**31, 2**70)]
+    batch = build_sampling_batch(rows, 4, vocab_size=V)
+    assert batch.top_k.tolist() == [V - 1, 0, 0, 0]
 
 
 def test_batch_builder_rejects_what_does_not_fit():

@@ -248,7 +248,10 @@ def build_sampling_batch(
         p = row.params
         p.check_token_ids(vocab_size)
         if not p.greedy:
-            greedy[i], temperature[i], top_p[i], top_k[i], min_p[i] = False, p.temperature, p.top_p, p.top_k, p.min_p
+            # A top_k of the vocabulary or more keeps every token: off (and any int fits the int32).
+            off = p.top_k >= vocab_size
+            greedy[i], temperature[i], top_p[i], top_k[i], min_p[i] = (
+                False, p.temperature, p.top_p, 0 if off else p.top_k, p.min_p)
         if p.seed is None:
             key_words[i] = (1, engine_hi, engine_lo, step % _U32, row.request_index % _U32)
         else:

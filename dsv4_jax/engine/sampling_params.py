@@ -20,6 +20,12 @@ GREEDY_TEMPERATURE = 1e-5
 MAX_LOGPROBS = 20
 # logit_bias entries a request may carry: the sampler holds them in a fixed-width array.
 MAX_LOGIT_BIAS = 300
+# Stop strings a request may carry: each new token's text is searched for every one of them, on the
+# engine's thread, so a request with thousands would slow every other request's steps.
+MAX_STOP_STRINGS = 128
+# The largest float32: the sampler holds temperatures and biases in float32, where larger values
+# would become inf (a temperature of inf, or a bias of inf minus inf, is no distribution).
+_FLOAT32_MAX = 3.4028234663852886e38
 _INT64 = (-(2**63), 2**63 - 1)  # OpenAI's seed range
 
 
@@ -59,6 +65,10 @@ class SamplingParams:
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Derived once here, so what each step and each token checks costs O(1): the largest token id
+    # that logit_bias or stop_token_ids names (-1: none), and the stop ids as a set.
+    _largest_token_id: int = dataclasses.field(init=False, repr=False, compare=False, default=-1)
+    _stop_id_set: frozenset[int] = dataclasses.field(init=False, repr=False, compare=False, default=frozenset())
 
     def __post_init__(self) -> None:
         self._check_ints()
@@ -93,7 +103,7 @@ class SamplingParams:
 
     def _check_reals(self) -> None:
         ranges = {  # name: (test, description of what is allowed)
-            "temperature": (lambda v: v >= 0, "a finite number >= 0"),
+            "temperature": (lambda v: 0 <= v <= _FLOAT32_MAX, f"a number in [0, {_FLOAT32_MAX:.6g}]"),
             "top_p": (lambda v: 0 < v <= 1, "a number in (0, 1]"),
             "min_p": (lambda v: 0 <= v <= 1, "a number in [0, 1]"),
             "presence_penalty": (lambda v: -2 <= v <= 2, "a number in [-2, 2]"),
@@ -109,14 +119,17 @@ class SamplingParams:
     def _check_lists(self) -> None:
         bias = self.logit_bias
         if bias is not None:
-            if not isinstance(bias, dict) or len(bias) > MAX_LOGIT_BIAS:
-                raise _bad("logit_bias", bias, f"a dict of at most {MAX_LOGIT_BIAS} {{token id: bias}} entries")
+            allowed = f"a dict of at most {MAX_LOGIT_BIAS} {{token id: bias}} entries"
+            if not isinstance(bias, dict):
+                raise _bad("logit_bias", bias, allowed)
+            if len(bias) > MAX_LOGIT_BIAS:  # the count, not the whole dict, in the message
+                raise ValueError(f"SamplingParams.logit_bias must be {allowed}, got {len(bias)} entries")
             for token, value in bias.items():
                 if not _is_int(token) or token < 0:
                     raise ValueError(f"SamplingParams.logit_bias keys must be token ids (ints >= 0), got {token!r}")
-                if not _is_real(value) or not math.isfinite(value):
+                if not _is_real(value) or not math.isfinite(value) or abs(value) > _FLOAT32_MAX:
                     raise ValueError(
-                        f"SamplingParams.logit_bias values must be finite numbers, got {value!r} for {token}"
+                        f"SamplingParams.logit_bias values must be finite float32 numbers, got {value!r} for {token}"
                     )
             object.__setattr__(self, "logit_bias", {int(t): float(v) for t, v in bias.items()})
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
@@ -124,15 +137,32 @@ class SamplingParams:
             stop = []
         if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
             raise _bad("stop", self.stop, "a non-empty str, a list of non-empty str, or None")
+        if len(stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"SamplingParams.stop must hold at most {MAX_STOP_STRINGS} strings, got {len(stop)}")
         object.__setattr__(self, "stop", list(stop))
         ids = [] if self.stop_token_ids is None else self.stop_token_ids
         if not isinstance(ids, (list, tuple)) or not all(_is_int(t) and t >= 0 for t in ids):
             raise _bad("stop_token_ids", self.stop_token_ids, "a list of token ids (ints >= 0) or None")
         object.__setattr__(self, "stop_token_ids", [int(t) for t in ids])
+        object.__setattr__(self, "_stop_id_set", frozenset(self.stop_token_ids))
+        named = max(self._stop_id_set, default=-1), max(self.logit_bias or (), default=-1)
+        object.__setattr__(self, "_largest_token_id", max(named))
 
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE
+
+    def for_child(self, index: int) -> SamplingParams:
+        """Choice `index` of a request with n > 1: one sequence, seed + index as vLLM (wrapped
+        into OpenAI's int64 range, so a seed near its top stays a valid request)."""
+        if self.n == 1:
+            return self
+        seed = None if self.seed is None else (self.seed + index - _INT64[0]) % 2**64 + _INT64[0]
+        return dataclasses.replace(self, n=1, seed=seed)
+
+    def is_stop_token(self, token_id: int) -> bool:
+        """Whether `token_id` is one of `stop_token_ids` (a set lookup, not a list scan)."""
+        return token_id in self._stop_id_set
 
     @property
     def has_penalties(self) -> bool:
@@ -140,7 +170,10 @@ class SamplingParams:
 
     def check_token_ids(self, vocab_size: int) -> None:
         """Raise a RequestRejected (a ValueError) if `logit_bias` or `stop_token_ids` name a token
-        outside the vocabulary (the sampler would otherwise drop it silently)."""
+        outside the vocabulary (the sampler would otherwise drop it silently). O(1) when all are
+        inside: each step's batch checks every row again."""
+        if self._largest_token_id < vocab_size:
+            return
         for name, ids in (("logit_bias", list(self.logit_bias or ())), ("stop_token_ids", self.stop_token_ids)):
             outside = [t for t in ids if t >= vocab_size]
             if outside:
