@@ -304,6 +304,13 @@ def test_max_tokens_and_stop_token_ids(llm, greedy_run):
     c = out.outputs[0]
     assert c.token_ids == greedy.token_ids[: k + 1]  # the stop token is the last one, counted
     assert (c.finish_reason, c.stop_reason) == ("stop", stop)
+    # Its text is left out, unless include_stop_str_in_output (vLLM's detokenizer skips the token
+    # that stopped the request).
+    decode = llm.engine.tokenizer.decode
+    assert c.text == decode(greedy.token_ids[:k]) != decode(greedy.token_ids[: k + 1])
+    (kept,) = _generate(llm, [prompt], SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[stop],
+                                                      include_stop_str_in_output=True))
+    assert kept.outputs[0].token_ids == c.token_ids and kept.outputs[0].text == decode(greedy.token_ids[: k + 1])
 
 
 def test_min_tokens_bans_stop_tokens_until_reached(llm, greedy_run):
@@ -350,6 +357,32 @@ def test_stop_strings_are_never_shown_and_wait_for_min_tokens(llm, greedy_run):
     assert piece in short.outputs[0].text
     assert late.outputs[0].token_ids == greedy.token_ids and late.outputs[0].text == greedy.text
     assert late.outputs[0].finish_reason == "length"
+
+
+def test_streamed_text_never_shows_a_stop_string_that_a_later_token_completes(llm, greedy_run):
+    """A stop string that starts in one token's text and ends in the next: after the first token
+    its opening characters must wait (the server streams each output's new text and cannot take
+    text back), so every output's text is a prefix of the final one."""
+    prompt, greedy = greedy_run
+    decode = llm.engine.tokenizer.decode
+    texts = [decode(greedy.token_ids[:k]) for k in range(len(greedy.token_ids) + 1)]
+    ends = [len(t) for t in texts]
+    for k in range(2, len(ends) - 1):  # the first k tokens' text ends at ends[k], token k + 1's follows
+        at = ends[k] - 1
+        stop = greedy.text[at : at + 2]
+        whole = greedy.text.startswith(texts[k + 1]) and "\ufffd" not in texts[k + 1]
+        if whole and ends[k - 1] <= at < ends[k] < ends[k + 1] and greedy.text.find(stop) == at:
+            break
+    else:
+        pytest.skip(f"no stop string straddling two tokens in {greedy.text!r}")
+    llm.engine.add_request("straddle", prompt, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True,
+                                                              stop=[stop]))
+    seen = []
+    while llm.engine.has_unfinished():
+        seen += [o.outputs[0] for o in llm.engine.step() if o.request_id == "straddle"]
+    assert (seen[-1].text, seen[-1].finish_reason, seen[-1].stop_reason) == (greedy.text[:at], "stop", stop)
+    assert len(seen) == k + 1  # the token that completed the stop string is its last
+    assert all(seen[-1].text.startswith(c.text) for c in seen), [c.text for c in seen]
 
 
 def test_eos_stops_unless_ignore_eos(llm, greedy_run):
@@ -446,6 +479,43 @@ def test_each_streamed_output_keeps_the_tokens_it_had(llm, greedy_run):
     _assert_idle(llm)
 
 
+def test_an_interrupted_generate_leaves_the_engine_serving(llm, greedy_run, monkeypatch):
+    """Ctrl-C in a notebook lands anywhere in a step: here while a step's tokens are fetched (with
+    the next step launched: async scheduling), then right after a step call consumed the cache it
+    was donated. Each time the next generate must run as on a fresh engine."""
+    prompt, greedy = greedy_run
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    real_get, fetches = engine_module.jax.device_get, []
+
+    def interrupted_get(x):
+        fetches.append(1)
+        if len(fetches) == 3:
+            raise KeyboardInterrupt
+        return real_get(x)
+
+    monkeypatch.setattr(engine_module.jax, "device_get", interrupted_get)
+    with pytest.raises(KeyboardInterrupt):
+        _generate(llm, [prompt, _prompt(5, 7)], params)
+    monkeypatch.undo()
+    (again,) = _generate(llm, [prompt], params)
+    assert again.outputs[0].token_ids == greedy.token_ids
+    _assert_idle(llm)
+
+    real_step = llm.engine.runner._step
+
+    def step_then_interrupt(*args):
+        real_step(*args)  # the cache argument is donated: gone, and its successor is dropped
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(llm.engine.runner, "_step", step_then_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        _generate(llm, [prompt], params)
+    monkeypatch.undo()
+    (after,) = _generate(llm, [prompt], params)
+    assert after.outputs[0].token_ids == greedy.token_ids
+    _assert_idle(llm)
+
+
 def test_requests_that_can_never_run_are_refused_with_the_numbers(llm):
     with pytest.raises(ValueError, match=r"prompt \(250 tokens\) plus max_tokens \(10\) exceeds max_model_len \(256\)"):
         _generate(llm, [[3] * 250], SamplingParams(max_tokens=10))
@@ -453,6 +523,14 @@ def test_requests_that_can_never_run_are_refused_with_the_numbers(llm):
         _generate(llm, [[3, VOCAB, 9999]], SamplingParams(max_tokens=2))
     with pytest.raises(ValueError, match=rf"stop_token_ids has token ids \[{VOCAB}\]"):
         _generate(llm, [[3, 4]], SamplingParams(max_tokens=2, stop_token_ids=[VOCAB]))
+    # Without max_tokens the client asked for what is left of max_model_len: a prompt that leaves
+    # nothing is the prompt's fault, and min_tokens beyond what is left cannot be met (vLLM: 400).
+    with pytest.raises(ValueError, match=r"prompt \(256 tokens\) leaves no room .* max_model_len \(256\)") as error:
+        _generate(llm, [[3] * 256], SamplingParams(max_tokens=None))
+    assert error.value.param == "prompt"
+    with pytest.raises(ValueError, match=r"min_tokens \(7\) exceeds the 6 tokens") as error:
+        _generate(llm, [[3] * 250], SamplingParams(max_tokens=None, min_tokens=7))
+    assert error.value.param == "min_tokens"
     # A refusal in the middle of a batch leaves nothing queued.
     with pytest.raises(ValueError, match="exceeds max_model_len"):
         _generate(llm, [[3, 4], [3] * 250], SamplingParams(max_tokens=10))

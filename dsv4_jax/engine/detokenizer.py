@@ -68,6 +68,13 @@ class IncrementalDetokenizer:
         """The text still held back, once the output is over."""
         return self._flush(final=True)
 
+    @property
+    def shown(self) -> str:
+        """The text `add` and `finish` have returned so far: what a client may see now. `text` can
+        still end in the first characters of a stop string that the next token completes (and
+        cuts); once the output is over (`finish`, or a stop string found) the two are equal."""
+        return self.text[: self._sent]
+
     def _check_stop(self, added: int) -> None:
         if not self.stop or self._stop_from is None:
             return

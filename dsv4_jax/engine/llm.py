@@ -376,17 +376,16 @@ class LLM:
                 self._ids += 1
                 children = []
                 for i in range(params.n):
-                    child = params if params.n == 1 else dataclasses.replace(  # child i: seed + i, as vLLM
-                        params, n=1, seed=None if params.seed is None else params.seed + i)
+                    child = params.for_child(i)
                     rid = f"{base}-{i}"
                     self.engine.add_request(rid, ids, child, prompt=text)
                     children.append(rid)
                 groups.append((base, text, ids, children))
             finished = self._run(sum(len(g[3]) for g in groups), use_tqdm)
         except BaseException:
-            for _, _, _, children in groups:
-                for rid in children:
-                    self.engine.abort(rid)
+            # Whatever stopped it (Ctrl-C in a notebook, a bad argument, a failed step): the next
+            # call must find the engine as new, with nothing of this one scheduled or in flight.
+            self.engine.reset()
             raise
         results = []
         for base, text, ids, children in groups:

@@ -182,16 +182,9 @@ class ModelRunner:
         self.ctx = CacheStep(layout, self.backend)
         self.warm = False
         step = functools.partial(_step, self.graphdef, weights_def, model.options, self.ctx)
-        if self.mesh is None:
-            self.cache: PagedKVCache = init_paged_cache(layout)
-        else:  # every rank's pools side by side, split over the data axis
-            whole = dataclasses.replace(
-                layout, num_seq_slots=layout.num_seq_slots * self.dp,
-                num_sliding_blocks=layout.num_sliding_blocks * self.dp,
-                num_compressed_blocks=layout.num_compressed_blocks * self.dp,
-            )
-            self.cache = init_paged_cache(whole, self.mesh, DATA)
-            cache_specs = partition_specs(whole, DATA)
+        self.cache: PagedKVCache = self._new_cache()
+        if self.mesh is not None:  # every rank's pools side by side, split over the data axis
+            cache_specs = partition_specs(self._whole_layout(), DATA)
             rows = P(DATA)
             seq_specs = StepSequences(rows, rows, rows, rows, rows)
             step = jax.shard_map(
@@ -209,6 +202,26 @@ class ModelRunner:
         self._head = jax.jit(functools.partial(_head, self.graphdef, weights_def),
                              out_shardings=replicated if jax.process_count() > 1 else None)
         self._gather = jax.jit(lambda x: x, out_shardings=replicated)
+
+    def _whole_layout(self) -> PagedCacheLayout:
+        """Every data-parallel rank's pools side by side (the layout itself without a mesh)."""
+        lay = self.layout
+        return dataclasses.replace(lay, num_seq_slots=lay.num_seq_slots * self.dp,
+                                   num_sliding_blocks=lay.num_sliding_blocks * self.dp,
+                                   num_compressed_blocks=lay.num_compressed_blocks * self.dp)
+
+    def _new_cache(self) -> PagedKVCache:
+        if self.mesh is None:
+            return init_paged_cache(self.layout)
+        return init_paged_cache(self._whole_layout(), self.mesh, DATA)
+
+    def ensure_cache(self) -> None:
+        """A fresh cache if a step call consumed this one without returning its successor (the
+        call is donated its cache: an exception, or Ctrl-C, between the call and the assignment).
+        Nothing the cache held is needed then: every request was aborted (LLMEngine.reset)."""
+        if any(leaf.is_deleted() for leaf in jax.tree.leaves(self.cache)):
+            logger.warning("the KV cache was consumed by a step that did not complete: allocating it again")
+            self.cache = self._new_cache()
 
     # ---- host batches -------------------------------------------------------------------------
     def build(self, rows: Sequence[StepRow]) -> tuple[tuple[int, int], np.ndarray, StepSequences]:

@@ -251,6 +251,15 @@ class Scheduler:
         """Abort a request; its rows in a step already scheduled are ignored by `update`."""
         return self.finish(request_id, RequestStatus.FINISHED_ABORTED)
 
+    def drop_pending(self) -> None:
+        """Forget the steps scheduled and not updated, after a step failed part-way (an exception,
+        Ctrl-C in a notebook). Only with no unfinished request: their counts and outputs would
+        depend on the steps forgotten."""
+        if self._requests:
+            raise ValueError(f"drop_pending() with {len(self._requests)} unfinished requests: abort them first")
+        self._pending.clear()
+        self._taken_as_done.clear()
+
     # ---- one step ---------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         """The rows of the next runner step, every rank's. With one step not yet updated, it is
