@@ -516,6 +516,28 @@ def test_an_interrupted_generate_leaves_the_engine_serving(llm, greedy_run, monk
     _assert_idle(llm)
 
 
+def test_a_request_id_reused_while_its_old_steps_run_takes_nothing_from_them(llm):
+    """Abort a request while its steps are launched, then add another under the same id: those
+    steps' rows belong to the old request (its prompt), not to the new one."""
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, prompt_logprobs=1)
+    old_prompt, new_prompt = _prompt(1, 20), _prompt(2, 9)
+    (expected,) = _generate(llm, [new_prompt], params)
+    engine = llm.engine
+    engine.add_request("reused", old_prompt, params)
+    launched = engine.begin_step()  # its prefill, and (async scheduling) its first decode after it
+    engine.abort("reused")
+    engine.add_request("reused", new_prompt, params)
+    outputs = engine.finish_step(launched)
+    while engine.has_unfinished():
+        outputs += engine.step()
+    final = outputs[-1]
+    assert final.finished and final.prompt_token_ids == new_prompt
+    assert len(final.prompt_logprobs) == len(new_prompt)
+    assert [e and sorted(e) for e in final.prompt_logprobs] == [e and sorted(e) for e in expected.prompt_logprobs]
+    assert final.outputs[0].token_ids == expected.outputs[0].token_ids
+    _assert_idle(llm)
+
+
 def test_requests_that_can_never_run_are_refused_with_the_numbers(llm):
     with pytest.raises(ValueError, match=r"prompt \(250 tokens\) plus max_tokens \(10\) exceeds max_model_len \(256\)"):
         _generate(llm, [[3] * 250], SamplingParams(max_tokens=10))
