@@ -6,15 +6,19 @@ Routes: `GET /v1/models`, `POST /v1/chat/completions` (serve/chat.py), `POST /v1
 `GET /` (a chat page, unless `--no-web-ui`).
 With `--api-key`, every route but `/health`, `/metrics` and `/version` wants `Authorization:
 Bearer <key>` (vLLM leaves the first two open too). Bodies over `MAX_BODY_BYTES` get 413, bodies
-that are not JSON 400, anything unexpected 500: always `{"error": {...}}`, never a traceback.
+that are not JSON (or hold a lone UTF-16 surrogate) 400, anything unexpected 500: always
+`{"error": {...}}`, never a traceback. A client that disconnects aborts its request, whether it
+is streamed or not.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import importlib.metadata
 import json
 import logging
+import re
 import time
 from pathlib import Path
 from typing import Any, Awaitable, Callable
@@ -31,6 +35,7 @@ from serve.chat import create_chat_completion
 from serve.choices import TokenTexts
 from serve.completions import create_completion
 from serve.protocol import OpenAIError, parse_detokenize_request, parse_tokenize_request
+from serve.sse import DISCONNECTED, run_unless_disconnected
 from serve.state import ServingState
 
 logger = logging.getLogger("serve")
@@ -66,13 +71,40 @@ async def _json_body(request: Request) -> Any:
         chunks.append(chunk)
     raw = b"".join(chunks)
     try:
-        return json.loads(raw.decode("utf-8"))
+        body = json.loads(raw.decode("utf-8"))
     except UnicodeDecodeError as error:
         raise OpenAIError(f"request body is not valid UTF-8: {error}") from None
     except json.JSONDecodeError as error:
         raise OpenAIError(f"request body is not valid JSON: {error}") from None
     except RecursionError:  # json.loads gives up around 1000 levels deep
         raise OpenAIError("request body is not valid JSON: nested too deeply") from None
+    if _SURROGATE_ESCAPE.search(raw) and _holds_lone_surrogate(body):
+        raise OpenAIError("request body is not valid UTF-8: a string holds a lone UTF-16 surrogate "
+                          "(a \\ud800-\\udfff escape without its pair)")
+    return body
+
+
+# json.loads accepts "\ud800" escapes without their pair, giving strings no UTF-8 can encode (the
+# tokenizer and the JSON renderer of any error naming them fail). Only such an escape can put a
+# surrogate in a body that decoded as UTF-8, so most bodies skip the check after one C-speed search.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _holds_lone_surrogate(body: Any) -> bool:
+    """Whether some string of `body` (a key too) holds a surrogate that no pair completed."""
+    try:
+        json.dumps(body, ensure_ascii=False).encode("utf-8")  # one pass, in C
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[Any]) -> Any:
+    """`work`'s result; if the client disconnects first, `work` is cancelled (a non-streamed
+    response's generation then aborts its engine requests, as vLLM's `with_cancellation`) and an
+    empty 499 stands for the response nobody will read. Streamed responses watch on their own."""
+    result = await run_unless_disconnected(request.receive, work)
+    return Response(status_code=499) if result is DISCONNECTED else result
 
 
 def build_app(state: ServingState) -> Starlette:
@@ -105,20 +137,15 @@ def build_app(state: ServingState) -> Starlette:
 
         return endpoint
 
-    def check_capacity() -> None:
-        if state.engine.engine.scheduler.num_waiting >= state.args.max_waiting_requests:
-            raise OpenAIError(f"too many requests waiting ({state.args.max_waiting_requests}, "
-                              "--max-waiting-requests); retry later", status=503)
-
+    # The capacity check (--max-waiting-requests) is made by each route once it knows how many
+    # sequences the request adds (serve/generation.py, check_capacity).
     async def chat(request: Request):
         body = await _json_body(request)
-        check_capacity()
-        return await create_chat_completion(state, body)
+        return await _unless_disconnected(request, create_chat_completion(state, body))
 
     async def completions(request: Request):
         body = await _json_body(request)
-        check_capacity()
-        return await create_completion(state, body)
+        return await _unless_disconnected(request, create_completion(state, body))
 
     async def models(request: Request):
         llm = state.llm
@@ -137,15 +164,19 @@ def build_app(state: ServingState) -> Starlette:
     async def tokenize(request: Request):
         req = parse_tokenize_request(await _json_body(request), state.limits)
         if req.prompt is not None:  # add_special_tokens (vLLM's, default true): the one BOS completions add
-            ids = encode_prompt(state.tokenizer, req.prompt) if req.add_special_tokens \
-                else state.tokenizer.encode(req.prompt, add_special_tokens=False).ids
+            # In a worker thread, as every prompt (serve/prompts.py): a long one must not stall the loop.
+            if req.add_special_tokens:
+                ids = await asyncio.to_thread(encode_prompt, state.tokenizer, req.prompt)
+            else:
+                encoded = await asyncio.to_thread(state.tokenizer.encode_batch, [req.prompt], add_special_tokens=False)
+                ids = encoded[0].ids  # encode_batch releases the GIL (encode_prompt says more)
         else:
             try:
                 prompt = build_prompt(req.messages, tools=req.tools, chat_template_kwargs=req.chat_template_kwargs,
                                       reasoning_effort=req.reasoning_effort)
             except InvalidRequestField as error:
                 raise OpenAIError(str(error), param=error.field) from None
-            ids = encode_prompt(state.tokenizer, prompt)
+            ids = await asyncio.to_thread(encode_prompt, state.tokenizer, prompt)
         body = {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids}
         if req.return_token_strs:
             texts = TokenTexts(state.tokenizer, as_token_ids=False)

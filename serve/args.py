@@ -24,7 +24,7 @@ differs from vLLM (everything else has vLLM's name, meaning and default):
                                 accepted, change nothing: one warning each
     --speculative-config, --enable-prefix-caching
                                 refused: not built yet
-    --max-waiting-requests      1024: a longer queue answers 503  (none)
+    --max-waiting-requests      1024 sequences: a longer queue answers 503  (none)
     --no-web-ui                 turns off the browser page        (none)
     any other vLLM flag         refused: not supported by dsv4-jax
 
@@ -299,7 +299,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--max-logprobs", type=_max_logprobs, default=MAX_LOGPROBS,
         help=f"top logprobs a request may ask for, 0..{MAX_LOGPROBS} (default: %(default)s)")
     add("--max-waiting-requests", type=_positive_int, default=1024,
-        help="requests that may wait for a slot; beyond that new requests get 503 (default: %(default)s)")
+        help="sequences (prompts x n) that may wait for a slot; a request that would queue more gets 503 "
+             "(default: %(default)s)")
     add("--no-web-ui", action="store_true", help="do not serve the browser chat page (default: off)")
     add("--no-async-scheduling", action="store_true",
         help="schedule each step only after the last one's tokens reach the host (default: off, i.e. the next "

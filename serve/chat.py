@@ -25,9 +25,9 @@ from dsv4_jax.chat import (
     resolve_chat_options,
 )
 from dsv4_jax.engine.request import ForcedTokens
-from dsv4_jax.tokenizer import encode_prompt
 from serve.choices import ChoiceState, ReasoningSplitter, TokenTexts, chat_logprobs, usage
-from serve.generation import Generation, new_request_id
+from serve.generation import Generation, check_capacity, new_request_id
+from serve.prompts import encode_prompts
 from serve.protocol import ChatRequest, OpenAIError, ToolChoice, parse_chat_request
 from serve.sse import sse_response
 from serve.state import FORCED_OUTPUT_FIELD, ServingState
@@ -74,7 +74,8 @@ class _ChatPlan:
         except InvalidRequestField as error:
             raise OpenAIError(str(error), param=error.field) from None
         self.thinking = mode == "thinking"
-        self.prompt_ids = encode_prompt(state.tokenizer, prompt)
+        self.prompt = prompt
+        self.prompt_ids: list[int] = []  # by tokenize(), off the event loop
         self.forced = forced or forced_tool_prefix(req.tool_choice, self.thinking, state.tokenizer)
         # Tool calls are parsed when the request may make them; reasoning is split only with the
         # reasoning parser (without it, as in vLLM, everything is content).
@@ -82,6 +83,9 @@ class _ChatPlan:
             req.tool_choice.kind == "auto" and state.limits.enable_auto_tool_choice)
         self.split_reasoning = state.limits.reasoning_parser is not None and self.thinking
         self.max_tool_calls = None if req.parallel_tool_calls else 1
+
+    async def tokenize(self, state: ServingState) -> None:
+        (self.prompt_ids,) = await encode_prompts(state, [self.prompt], "messages")
 
     def parser(self) -> ChatStreamParser | ReasoningSplitter | None:
         if self.tools_active:
@@ -93,6 +97,8 @@ class _ChatPlan:
 async def create_chat_completion(state: ServingState, body: Any):
     plan = _ChatPlan(state, body)
     req = plan.request
+    check_capacity(state, req.params.n)  # before the work of tokenizing
+    await plan.tokenize(state)
     request_id = new_request_id("chatcmpl")
     generation = Generation(state, request_id, [plan.prompt_ids], req.params, plan.forced)
     texts = TokenTexts(state.tokenizer, req.return_tokens_as_token_ids)

@@ -8,9 +8,10 @@ non-streamed message, so streamed fragments and the whole answer cannot disagree
 
 from __future__ import annotations
 
+import codecs
 import functools
 import uuid
-from typing import Any
+from typing import Any, Callable
 
 from dsv4_jax.chat import (
     THINK_END,
@@ -38,6 +39,11 @@ def _byte_level_table() -> dict[str, int]:
     return chars
 
 
+@functools.lru_cache(maxsize=4)
+def _special_ids(tokenizer: Any) -> frozenset[int]:
+    return frozenset(i for i, token in tokenizer.get_added_tokens_decoder().items() if token.special)
+
+
 class TokenTexts:
     """A token's bytes and text for logprobs (`bytes` as OpenAI gives them: a token may hold part of
     a UTF-8 character, whose text then shows U+FFFD)."""
@@ -51,6 +57,10 @@ class TokenTexts:
         if piece and all(c in table for c in piece):
             return bytes(table[c] for c in piece)
         return piece.encode("utf-8")  # an added token (`</think>`, `<｜end▁of▁sentence｜>`): its own text
+
+    def is_special(self, token_id: int) -> bool:
+        """Whether skip_special_tokens drops the token's text (BOS, EOS, the chat format's markers)."""
+        return token_id in _special_ids(self.tokenizer)
 
     def text_of(self, token_id: int) -> str:
         if self.as_token_ids:  # vLLM's return_tokens_as_token_ids
@@ -72,23 +82,60 @@ def chat_logprobs(texts: TokenTexts, token_ids: list[int], entries: list[dict[in
     return items
 
 
+class TextOffsets:
+    """Where each token starts in the text it became (OpenAI's completions `text_offset`): the
+    characters its predecessors' bytes decode to, fed one token at a time as the text was decoded,
+    so a token holding the second half of a character sits where that character starts, and a
+    token whose text is not in the output (a skipped special token) adds nothing. Offsets never
+    pass `limit`, the text's length so far (a stop string may cut the last tokens' text)."""
+
+    def __init__(self, texts: TokenTexts, start: int):
+        self.texts, self.chars = texts, start
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def of(self, token_ids: list[int], limit: int, skipped: Callable[[int], bool]) -> list[int]:
+        offsets = []
+        for token in token_ids:
+            if skipped(token):
+                offsets.append(min(self.chars, limit))
+                continue
+            data, pending = self.texts.bytes_of(token), self._decoder.getstate()[0]
+            # An unfinished character that this token cannot continue shows as one U+FFFD before it.
+            broken = bool(pending) and _breaks(pending, data)
+            offsets.append(min(self.chars + broken, limit))
+            self.chars += len(self._decoder.decode(data))
+        return offsets
+
+
+def _breaks(pending: bytes, data: bytes) -> bool:
+    """Whether `data` cannot continue `pending`, the start of a UTF-8 character."""
+    try:
+        codecs.getincrementaldecoder("utf-8")("strict").decode(pending + data[:3])  # at most 3 to finish it
+    except UnicodeDecodeError as error:
+        return error.start < len(pending)
+    return False
+
+
 def completion_logprobs(texts: TokenTexts, token_ids: list[int], entries: list[dict[int, Logprob] | None], top: int,
-                        text_offset: int) -> dict[str, list]:
+                        text_offsets: list[int]) -> dict[str, list]:
     """OpenAI completions `logprobs` (tokens, token_logprobs, top_logprobs, text_offset). An entry of
-    None (an echoed prompt's first token, which nothing predicts) gives null logprobs (vLLM)."""
+    None (an echoed prompt's first token, which nothing predicts) gives null logprobs (vLLM).
+    `top_logprobs` holds the token itself, then the `top` most likely (vLLM and OpenAI's legacy
+    completions: up to top + 1 entries, `top` when the token is among them)."""
     out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-    for token, entry in zip(token_ids, entries):
-        text = texts.text_of(token)
-        out["tokens"].append(text)
+    for token, entry, offset in zip(token_ids, entries, text_offsets):
+        out["tokens"].append(texts.text_of(token))
         if entry is None:
             out["token_logprobs"].append(None)
             out["top_logprobs"].append(None)
         else:
             out["token_logprobs"].append(max(entry[token].logprob, -9999.0))
-            ranked = sorted((lp.rank, t, lp.logprob) for t, lp in entry.items() if lp.rank is not None and lp.rank <= top)
-            out["top_logprobs"].append({texts.text_of(t): max(lp, -9999.0) for _, t, lp in ranked[:top]})
-        out["text_offset"].append(text_offset)
-        text_offset += len(text)
+            ranked = sorted((lp.rank, t, lp.logprob) for t, lp in entry.items()
+                            if t != token and lp.rank is not None and lp.rank <= top)
+            alternatives = {texts.text_of(token): max(entry[token].logprob, -9999.0)}
+            alternatives.update((texts.text_of(t), max(lp, -9999.0)) for _, t, lp in ranked[:top])
+            out["top_logprobs"].append(alternatives)
+        out["text_offset"].append(offset)
     return out
 
 

@@ -9,10 +9,11 @@ import logging
 import time
 from typing import Any, AsyncIterator
 
-from dsv4_jax.tokenizer import encode_prompt
 from dsv4_jax.engine.outputs import Logprob, RequestOutput
-from serve.choices import TokenTexts, completion_logprobs, prompt_logprobs, usage
-from serve.generation import Generation, new_request_id
+from dsv4_jax.chat.tokens import BOS
+from serve.choices import TextOffsets, TokenTexts, completion_logprobs, prompt_logprobs, usage
+from serve.generation import Generation, check_capacity, new_request_id
+from serve.prompts import encode_prompts
 from serve.protocol import CompletionRequest, parse_completion_request
 from serve.sse import sse_response
 from serve.state import ServingState
@@ -21,14 +22,26 @@ logger = logging.getLogger("serve")
 
 
 class _Choice:
-    def __init__(self, index: int, echo: str | None):
+    def __init__(self, index: int, echo: str | None, prompt_is_text: bool, skip_special_tokens: bool):
         self.index, self.echo = index, echo
+        self.prompt_is_text, self.skip_special_tokens = prompt_is_text, skip_special_tokens
         self.sent_chars = self.sent_tokens = 0
         self.text_offset = 0
+        self.offsets: TextOffsets | None = None  # of the generated tokens, from the first advance on
         self.text: list[str] = []
         self.logprobs: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         self.prompt_logprobs: list[dict[int, Logprob] | None] | None = None
         self.finish_reason = self.stop_reason = None
+
+    def _echo_offsets(self, texts: TokenTexts, prompt_ids: list[int], echo: str) -> list[int]:
+        """Offsets of the prompt's tokens in the echoed prompt. A text prompt is echoed as given,
+        without the BOS encode_prompt added; token prompts are echoed decoded, special tokens skipped."""
+        offsets = TextOffsets(texts, 0)
+        if self.prompt_is_text:
+            if prompt_ids[:1] == [texts.tokenizer.token_to_id(BOS)] and not echo.startswith(BOS):
+                return [0, *offsets.of(prompt_ids[1:], len(echo), lambda t: False)]
+            return offsets.of(prompt_ids, len(echo), lambda t: False)
+        return offsets.of(prompt_ids, len(echo), texts.is_special)
 
     def advance(self, out: RequestOutput, texts: TokenTexts, top: int | None) -> tuple[str, dict | None]:
         """The text and logprobs `out` adds. With echo, the prompt leads the first piece, and its
@@ -41,15 +54,20 @@ class _Choice:
         entries = completion.logprobs[self.sent_tokens:] if completion.logprobs is not None else None
         self.sent_tokens = len(completion.token_ids)
         lead, echoing, self.echo = self.echo or "", self.echo is not None, None
+        text = lead + new_text
         logprobs = None
-        if entries is not None:  # offsets count the characters of the whole choice text before each token
-            logprobs = completion_logprobs(texts, tokens, entries, top, self.text_offset + len(lead))
+        if entries is not None:  # offsets index the whole choice text (the echoed prompt first)
+            if self.offsets is None:
+                self.offsets = TextOffsets(texts, len(lead))
+            skipped = texts.is_special if self.skip_special_tokens else (lambda t: False)
+            offsets = self.offsets.of(tokens, self.text_offset + len(text), skipped)
+            logprobs = completion_logprobs(texts, tokens, entries, top, offsets)
             if echoing and out.prompt_logprobs is not None:
-                echoed = completion_logprobs(texts, out.prompt_token_ids, out.prompt_logprobs, top, self.text_offset)
+                echo_offsets = self._echo_offsets(texts, out.prompt_token_ids, lead)
+                echoed = completion_logprobs(texts, out.prompt_token_ids, out.prompt_logprobs, top, echo_offsets)
                 logprobs = {key: echoed[key] + values for key, values in logprobs.items()}
             for key, values in logprobs.items():
                 self.logprobs[key] += values
-        text = lead + new_text
         self.text_offset += len(text)
         self.text.append(text)
         if completion.finish_reason is not None:
@@ -57,21 +75,26 @@ class _Choice:
         return text, logprobs
 
 
-def _prompt_ids(state: ServingState, prompt: str | list[int]) -> list[int]:
-    return encode_prompt(state.tokenizer, prompt) if isinstance(prompt, str) else list(prompt)
+async def _prompt_ids(state: ServingState, prompts: list[str | list[int]]) -> list[list[int]]:
+    """Token ids of each prompt; text prompts tokenized together, off the event loop."""
+    texts = [p for p in prompts if isinstance(p, str)]
+    encoded = iter(await encode_prompts(state, texts, "prompt") if texts else [])
+    return [next(encoded) if isinstance(p, str) else list(p) for p in prompts]
 
 
 async def create_completion(state: ServingState, body: Any):
     req: CompletionRequest = parse_completion_request(body, state.limits)
     if req.ignored_fields:
         logger.warning("ignoring unknown request fields: %s", ", ".join(req.ignored_fields))
-    prompts = [_prompt_ids(state, p) for p in req.prompts]
+    check_capacity(state, len(req.prompts) * req.params.n)  # before the work of tokenizing
+    prompts = await _prompt_ids(state, req.prompts)
     request_id = new_request_id("cmpl")
     generation = Generation(state, request_id, prompts, req.params)
     n = req.params.n
     texts = TokenTexts(state.tokenizer, req.return_tokens_as_token_ids)
     echoes = [p if isinstance(p, str) else state.tokenizer.decode(p, skip_special_tokens=True) for p in req.prompts]
-    choices = [_Choice(i, echoes[i // n] if req.echo else None) for i in range(len(prompts) * n)]
+    choices = [_Choice(i, echoes[i // n] if req.echo else None, isinstance(req.prompts[i // n], str),
+                       req.params.skip_special_tokens) for i in range(len(prompts) * n)]
     created = int(time.time())
     usage_prompt = sum(len(p) for p in prompts)  # each prompt once, whatever n is (as OpenAI)
     if req.stream:

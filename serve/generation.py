@@ -6,7 +6,6 @@ merged into one stream, metrics recorded, and every child aborted if the respons
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import itertools
 import time
 from typing import TYPE_CHECKING, AsyncIterator, Sequence
@@ -20,6 +19,18 @@ if TYPE_CHECKING:
     from serve.state import ServingState
 
 _numbers = itertools.count()
+
+
+def check_capacity(state: ServingState, sequences: int) -> None:
+    """Refuse a request whose `sequences` (prompts x n) would take the engine's waiting queue past
+    --max-waiting-requests: 503 while the queue is too full, 400 when the request alone is larger
+    than the whole queue (it can never be served; the client must split it)."""
+    limit = state.args.max_waiting_requests
+    if sequences > limit:
+        raise OpenAIError(f"this request needs {sequences} sequences (prompts x n), more than the "
+                          f"{limit} that may wait (--max-waiting-requests); send fewer prompts per request")
+    if state.engine.engine.scheduler.num_waiting + sequences > limit:
+        raise OpenAIError(f"too many requests waiting ({limit}, --max-waiting-requests); retry later", status=503)
 
 
 def new_request_id(prefix: str) -> str:
@@ -36,11 +47,12 @@ class Generation:
         self.n = params.n
         self.children: list[tuple[str, AsyncIterator[RequestOutput]]] = []
         self.finished: set[str] = set()
+        # Checked again here, after the awaits before (tokenizing), with nothing between it and the adds.
+        check_capacity(state, len(self.prompts) * params.n)
         try:
             for p, prompt_ids in enumerate(self.prompts):
                 for i in range(params.n):
-                    child = params if params.n == 1 else dataclasses.replace(
-                        params, n=1, seed=None if params.seed is None else params.seed + i)
+                    child = params.for_child(i)
                     rid = f"{request_id}-{p}-{i}"
                     stream = state.engine.add_request(rid, prompt_ids, child, forced=forced)
                     self.children.append((rid, stream))
@@ -62,21 +74,36 @@ class Generation:
                 self.state.metrics.request_finished(rid, "abort")
 
     async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """(choice index, cumulative output) as the engine produces them, children interleaved."""
-        merged: asyncio.Queue = asyncio.Queue()
+        """(choice index, cumulative output) as the engine produces them, children interleaved.
+
+        Outputs are cumulative (the whole text, token ids and logprobs so far), so for each child
+        only its newest undelivered output is kept: a slow reader gets fewer, larger steps instead
+        of a queue that grows with every token (each holding the whole text: O(tokens^2) bytes).
+        Children are served in the order their pending outputs arrived."""
+        pending: dict[int, tuple[str, RequestOutput | BaseException]] = {}
+        arrived = asyncio.Event()
+
+        def put(index: int, rid: str, item: RequestOutput | BaseException) -> None:
+            if not isinstance(pending.get(index, (None, None))[1], BaseException):  # an error stays
+                pending[index] = (rid, item)  # replaces an undelivered older output, keeping its place
+            arrived.set()
 
         async def pump(index: int, rid: str, stream: AsyncIterator[RequestOutput]) -> None:
             try:
                 async for out in stream:
-                    merged.put_nowait((index, rid, out))
+                    put(index, rid, out)
             except BaseException as error:  # noqa: BLE001  (handed to the consumer)
-                merged.put_nowait((index, rid, error))
+                put(index, rid, error)
 
         tasks = [asyncio.create_task(pump(i, rid, stream)) for i, (rid, stream) in enumerate(self.children)]
         counts = [0] * len(self.children)
         try:
             while len(self.finished) < len(self.children):
-                index, rid, item = await merged.get()
+                while not pending:
+                    arrived.clear()
+                    await arrived.wait()
+                index = next(iter(pending))
+                rid, item = pending.pop(index)
                 if isinstance(item, BaseException):
                     raise item
                 completion = item.outputs[0]
@@ -93,4 +120,3 @@ class Generation:
                 task.cancel()  # each child's stream aborts its request as it closes
             await asyncio.gather(*tasks, return_exceptions=True)
             self.close()
-

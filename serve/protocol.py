@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dsv4_jax.chat import InvalidRequestField, check_messages, check_tools, resolve_chat_options
-from dsv4_jax.engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from dsv4_jax.engine.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
 
 _INT64 = (-(2**63), 2**63 - 1)  # integer fields beyond this would overflow the engine's arrays
 _LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range for a logit_bias value; vLLM clamps to it
@@ -55,7 +55,7 @@ _ERROR_TYPES = {
     500: "internal_server_error",
     503: "service_unavailable_error",
 }
-_ERROR_CODES = {401: "invalid_api_key", 404: "model_not_found"}
+_ERROR_CODES = {401: "invalid_api_key"}  # a 404 is not always a model: unknown routes are 404s too
 
 
 class OpenAIError(Exception):
@@ -63,7 +63,8 @@ class OpenAIError(Exception):
 
     `type` defaults by status: "invalid_request_error" for 4xx (OpenAI's 400/404/413/422),
     "authentication_error" for 401, "service_unavailable_error" for 503, "internal_server_error"
-    for other 5xx; `code` defaults to "invalid_api_key" for 401 and "model_not_found" for 404.
+    for other 5xx; `code` defaults to "invalid_api_key" for 401 (an unknown model's 404 names
+    "model_not_found" itself; an unknown route's 404 has no code).
     """
 
     def __init__(
@@ -299,7 +300,7 @@ def _model(body: dict, limits: ServerLimits) -> str:
     if name is None:
         return limits.served_model_names[0]  # vLLM: the model is optional
     if name not in limits.served_model_names:
-        raise OpenAIError(f"The model `{name}` does not exist.", status=404, param="model")
+        raise OpenAIError(f"The model `{name}` does not exist.", status=404, param="model", code="model_not_found")
     return name
 
 
@@ -355,6 +356,8 @@ def _logit_bias(value: Any, vocab_size: int) -> dict[int, float] | None:
     bias = _as_object(value, "logit_bias")
     if bias is None:
         return None
+    if len(bias) > MAX_LOGIT_BIAS:  # the count, not the dict: SamplingParams' message would repeat it whole
+        raise _invalid("logit_bias", f"at most {MAX_LOGIT_BIAS} entries are allowed, got {len(bias)}")
     out: dict[int, float] = {}
     for key, amount in bias.items():
         # JSON keys are strings; int() alone would also take " 7", "+7" and non-ASCII digits.

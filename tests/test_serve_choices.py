@@ -6,8 +6,10 @@ Expectations come from elsewhere: `str.partition` for the reasoning split, the s
 No model, no jax.
 """
 
+import asyncio
 import json
 import random
+import types
 
 import pytest
 
@@ -21,15 +23,19 @@ from dsv4_jax.chat import (
     parse_completion,
     render_tool_calls,
 )
-from dsv4_jax.engine.outputs import CompletionOutput, Logprob
-from dsv4_jax.tokenizer import load_tokenizer
+from dsv4_jax.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from dsv4_jax.engine.sampling_params import SamplingParams
+from dsv4_jax.tokenizer import encode_prompt, load_tokenizer
 from serve.choices import (
     ChoiceState,
     ReasoningSplitter,
+    TextOffsets,
     TokenTexts,
     chat_logprobs,
     completion_logprobs,
 )
+from serve.completions import _Choice
+from serve.generation import Generation
 
 # `</th`, `<｜`-like and DSML text in the reasoning and after `</think>` exercise the held-back tail.
 SPLIT_TEXT = (
@@ -335,13 +341,165 @@ def test_chat_logprobs(tokenizer, logprob_case, top):
     ]
 
 
+# top_logprobs of completions: the token itself first, then the alternatives of rank <= top (vLLM's
+# _create_completion_logprobs over the engine's {sampled, top-k} entry; OpenAI's legacy completions
+# return up to logprobs + 1 entries, the sampled token among them).
+COMPLETION_TOP = {
+    0: [["s0"], ["s1"], ["s2"]],
+    1: [["s0", "a0"], ["s1", "a2"], ["s2"]],
+    2: [["s0", "a0"], ["s1", "a2", "a3"], ["s2", "a5"]],
+}
+
+
 @pytest.mark.parametrize("as_token_ids", [False, True])
-def test_completion_logprobs(tokenizer, logprob_case, as_token_ids):
+@pytest.mark.parametrize("top", [0, 1, 2])
+def test_completion_logprobs(tokenizer, logprob_case, as_token_ids, top):
     sampled, entries, sampled_logprobs, top2, text = logprob_case
     shown = (lambda t: f"token_id:{t}") if as_token_ids else text
-    out = completion_logprobs(TokenTexts(tokenizer, as_token_ids), sampled, entries, 2, text_offset=17)
+    out = completion_logprobs(TokenTexts(tokenizer, as_token_ids), sampled, entries, top, text_offsets=[17, 19, 23])
     assert out["tokens"] == [shown(t) for t in sampled]
     assert out["token_logprobs"] == sampled_logprobs
-    assert [list(d.items()) for d in out["top_logprobs"]] == [[(shown(a), lp) for a, lp in alts] for alts in top2]
-    lengths = [len(shown(t)) for t in sampled]
-    assert out["text_offset"] == [17, 17 + lengths[0], 17 + lengths[0] + lengths[1]]
+    alt = tokenizer.encode(" the a of to and in").ids
+    names = {**{f"s{i}": t for i, t in enumerate(sampled)}, **{f"a{i}": t for i, t in enumerate(alt)}}
+    logprob_of = {t: lp for alts in top2 for t, lp in alts} | dict(zip(sampled, sampled_logprobs))
+    assert [list(d.items()) for d in out["top_logprobs"]] == [
+        [(shown(names[n]), logprob_of[names[n]]) for n in row] for row in COMPLETION_TOP[top]]
+    assert out["text_offset"] == [17, 19, 23]
+
+
+# ---- completions' text_offset ---------------------------------------------------------------------
+
+
+def _cumulative(tokenizer, prompt_ids, ids, logprobs: bool = True) -> list[RequestOutput]:
+    """The engine's cumulative outputs, one token per step; the text holds back an incomplete
+    character (as the engine's detokenizer) and skips special tokens."""
+    outputs = []
+    for k in range(1, len(ids) + 1):
+        text = tokenizer.decode(ids[:k], skip_special_tokens=True).rstrip("\ufffd")
+        entries = [{t: Logprob(-1.0, rank=1)} for t in ids[:k]] if logprobs else None
+        last = k == len(ids)
+        outputs.append(RequestOutput("r", None, prompt_ids, [None, *({t: Logprob(-2.0, rank=1)} for t in prompt_ids[1:])],
+                                     [CompletionOutput(0, text, list(ids[:k]), None, entries,
+                                                       "stop" if last else None, None)], last))
+    return outputs
+
+
+def _expected_offsets(tokenizer, ids: list[int], start: int, skip_special: bool = True) -> list[int]:
+    """Each token's offset as the decoder places it: the length of the text the tokens before it
+    decode to, an incomplete last character left out."""
+    return [start + len(tokenizer.decode(ids[:i], skip_special_tokens=skip_special).rstrip("\ufffd"))
+            for i in range(len(ids))]
+
+
+def test_completion_text_offsets_after_an_unfinished_character(tokenizer):
+    """Token 5000 is the first two bytes of a three-byte character and "bit" cannot finish it: the
+    text shows U+FFFD there (the tokenizer's lossy decoding), and "bit" sits after it."""
+    texts = TokenTexts(tokenizer, as_token_ids=False)
+    ids = [4000, 5000, 6000, 4000]  # "AD", b"\xe0\xa8", "bit", "AD"
+    text = tokenizer.decode(ids)
+    assert text == "AD\ufffdbitAD"
+    assert TextOffsets(texts, 0).of(ids, len(text), lambda t: False) == [0, 2, 3, 6]
+    # Token 104 (b"\xa8") finishes it: one character "\u0a28" from two tokens, both at its start.
+    assert tokenizer.decode([4000, 5000, 104, 4000]) == "AD\u0a28AD"
+    assert TextOffsets(texts, 0).of([4000, 5000, 104, 4000], 5, lambda t: False) == [0, 2, 2, 3]
+
+
+@pytest.mark.parametrize("token_prompt", [False, True])
+def test_completion_text_offsets_index_the_echoed_and_generated_text(tokenizer, token_prompt):
+    """The echoed prompt (BOS not in its text) and the generated tokens (a character split over
+    two tokens, EOS skipped): every offset indexes the returned text, never decreasing, and each
+    token's text sits at its offset; the same whether the outputs are read one by one or only
+    the last (a slow reader's coalesced stream gives the same logprobs)."""
+    prompt = "Héllo wörld"
+    prompt_ids = encode_prompt(tokenizer, prompt)
+    generated = [*tokenizer.encode(" 😀 naïve", add_special_tokens=False).ids, tokenizer.token_to_id(EOS)]
+    assert any("\ufffd" in tokenizer.decode([t]) for t in generated)  # the emoji spans tokens
+    outputs = _cumulative(tokenizer, prompt_ids, generated)
+    echo = tokenizer.decode(prompt_ids, skip_special_tokens=True) if token_prompt else prompt
+    texts = TokenTexts(tokenizer, as_token_ids=False)
+    results = []
+    for feed in (outputs, outputs[-1:], outputs[::3] + outputs[-1:]):
+        choice = _Choice(0, echo, not token_prompt, skip_special_tokens=True)
+        pieces = [choice.advance(out, texts, 1) for out in feed]
+        results.append(("".join(text for text, _ in pieces), choice.logprobs))
+    assert results[1] == results[0] == results[2]
+    text, logprobs = results[0]
+    assert text == prompt + " 😀 naïve"
+    offsets = logprobs["text_offset"]
+    assert offsets == sorted(offsets) and 0 <= offsets[0] and offsets[-1] <= len(text)
+    n = len(prompt_ids)
+    assert offsets[:n] == _expected_offsets(tokenizer, prompt_ids, 0)
+    assert offsets[n:] == _expected_offsets(tokenizer, generated, len(prompt))
+    for token, offset in zip([*prompt_ids, *generated], offsets):
+        piece = tokenizer.decode([token], skip_special_tokens=True)
+        assert "\ufffd" in piece or text[offset:offset + len(piece)] == piece, (token, piece, offset)
+
+
+# ---- the merged output stream of a request's choices -------------------------------------------
+
+
+class _FakeEngine:
+    """add_request streams `steps` cumulative outputs per request, as fast as it can (a yield to the
+    loop between steps), as an engine far ahead of a slow client."""
+
+    def __init__(self, tokenizer, generated: list[int], steps: int):
+        self.outputs = _cumulative(tokenizer, [0], generated)[:steps]
+        self.engine = types.SimpleNamespace(scheduler=types.SimpleNamespace(num_waiting=0))
+        self.aborted: list[str] = []
+
+    def add_request(self, rid, prompt_ids, params, forced=None):
+        async def stream():
+            for out in self.outputs:
+                yield out
+                await asyncio.sleep(0)
+        return stream()
+
+    def abort_now(self, rid):
+        self.aborted.append(rid)
+
+
+class _Metrics:
+    def __init__(self):
+        self.generated, self.finished = {}, {}
+
+    def request_started(self, rid, prompt_len):
+        self.generated[rid] = 0
+
+    def tokens_generated(self, rid, count):
+        self.generated[rid] += count
+
+    def request_finished(self, rid, reason):
+        self.finished[rid] = reason
+
+
+def test_a_slow_reader_gets_only_the_newest_output_of_each_choice(tokenizer):
+    """Outputs are cumulative, so a reader slower than the engine gets each choice's newest output
+    (fewer, larger steps) instead of a queue of every step, each holding the whole text so far; the
+    deltas, logprobs and token counts it builds are those of reading every step."""
+    generated = tokenizer.encode(" a slow reader " * 40, add_special_tokens=False).ids
+    engine = _FakeEngine(tokenizer, generated, steps=len(generated))
+    state = types.SimpleNamespace(engine=engine, metrics=_Metrics(),
+                                  args=types.SimpleNamespace(max_waiting_requests=16))
+    texts = TokenTexts(tokenizer, as_token_ids=False)
+
+    async def read() -> tuple[list[int], list[_Choice]]:
+        generation = Generation(state, "cmpl", [[0]], SamplingParams(n=2, logprobs=1))
+        choices = [_Choice(i, None, False, True) for i in range(2)]
+        delivered = [0, 0]
+        async for index, out in generation.outputs():
+            delivered[index] += 1
+            choices[index].advance(out, texts, 1)
+            for _ in range(20):  # the reader is slow: the engine makes ~20 steps meanwhile
+                await asyncio.sleep(0)
+        return delivered, choices
+
+    delivered, choices = asyncio.run(read())
+    assert all(count <= len(generated) // 5 for count in delivered), delivered
+    every = _Choice(0, None, False, True)
+    for out in engine.outputs:
+        every.advance(out, texts, 1)
+    for choice in choices:
+        assert "".join(choice.text) == "".join(every.text) == tokenizer.decode(generated)
+        assert choice.logprobs == every.logprobs and choice.finish_reason == "stop"
+    assert state.metrics.generated == {"cmpl-0-0": len(generated), "cmpl-0-1": len(generated)}
+    assert state.metrics.finished == {"cmpl-0-0": "stop", "cmpl-0-1": "stop"} and not engine.aborted

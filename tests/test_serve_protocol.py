@@ -67,7 +67,7 @@ def chat_refused(param: str | None, words: str, limits: ServerLimits = LIMITS, *
         (413, "invalid_request_error", None),
         (422, "invalid_request_error", None),
         (401, "authentication_error", "invalid_api_key"),
-        (404, "invalid_request_error", "model_not_found"),
+        (404, "invalid_request_error", None),  # an unknown route; an unknown model names its code
         (503, "service_unavailable_error", None),
         (500, "internal_server_error", None),
     ],
@@ -247,7 +247,7 @@ def test_max_completion_tokens_wins_over_max_tokens():
         ("temperature", math.inf, "finite"),
         ("temperature", math.nan, "finite"),
         ("temperature", 10**400, "finite"),
-        ("temperature", -0.5, ">= 0"),
+        ("temperature", -0.5, "-0.5"),  # the bound's wording is SamplingParams'
         ("top_p", 0, "(0, 1]"),
         ("min_p", 1.5, "[0, 1]"),
         ("presence_penalty", 3, "[-2, 2]"),
@@ -284,7 +284,11 @@ def test_logit_bias_keys_are_token_ids_and_values_are_clamped():
     chat_refused("logit_bias", "finite", logit_bias={"3": math.nan})
     chat_refused("logit_bias", "number", logit_bias={"3": "1"})
     chat_refused("logit_bias", "object", logit_bias=[1])
-    chat_refused("logit_bias", "300", logit_bias={str(t): 1 for t in range(301)})  # SamplingParams' limit
+
+    # Over the limit (the sampler's fixed width): the count and the limit, not the entries, and before
+    # any entry is read (these keys are not even token ids).
+    error = chat_refused("logit_bias", "300", logit_bias={str(VOCAB + t): 1 for t in range(301)})
+    assert "301" in error.message and str(VOCAB) not in error.message and len(error.message) < 120, error.message
 
 
 def test_logprobs_and_top_logprobs():

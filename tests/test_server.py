@@ -143,7 +143,7 @@ def test_completions_whole_streamed_and_with_token_ids(server, client, chat_llm)
     assert detok == chat_llm.tokenizer.decode(prompt, skip_special_tokens=False)
 
 
-def test_completions_echo_and_prompt_logprobs(server, client):
+def test_completions_echo_and_prompt_logprobs(server, client, chat_llm):
     """vLLM's shapes: with echo and logprobs, the prompt's tokens lead the choice's logprobs (the
     first one null: nothing predicts it), whole or streamed; `prompt_logprobs` is returned per
     choice. The values: a greedy token's logprob when it was sampled equals its logprob when it is
@@ -159,9 +159,17 @@ def test_completions_echo_and_prompt_logprobs(server, client):
     assert [int(t.split(":")[1]) for t in logprobs["tokens"][:5]] == prompt and len(logprobs["tokens"]) == 7
     assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
     assert logprobs["token_logprobs"][4] == pytest.approx(sampled["logprobs"]["token_logprobs"][0], abs=LOGPROB_TOL)
-    assert all(lp <= 0 for lp in logprobs["token_logprobs"][1:]) and all(len(top) == 2 for top in logprobs["top_logprobs"][1:])
-    # The echoed tokens' offsets add up their strings from 0 (vLLM); the sampled ones' count the text.
-    assert logprobs["text_offset"][:5] == [0, *np.cumsum([len(t) for t in logprobs["tokens"][:4]])]
+    assert all(lp <= 0 for lp in logprobs["token_logprobs"][1:])
+    # top_logprobs: the token itself, then the top 2 (OpenAI's legacy completions, vLLM): 2 or 3 entries.
+    for token, lp, top in zip(logprobs["tokens"][1:], logprobs["token_logprobs"][1:], logprobs["top_logprobs"][1:]):
+        assert len(top) in (2, 3) and top[token] == lp and list(top)[0] == token, (token, top)
+    # text_offset indexes the returned text (OpenAI): from 0, never decreasing, the BOS (skipped
+    # from the text) at 0 with no length, and each whole token's text at its offset.
+    text, offsets, ids = choice["text"], logprobs["text_offset"], [int(t.split(":")[1]) for t in logprobs["tokens"]]
+    assert offsets[:2] == [0, 0] and offsets == sorted(offsets) and offsets[-1] <= len(text), (offsets, text)
+    for token_id, offset in zip(ids[1:], offsets[1:]):
+        piece = chat_llm.tokenizer.decode([token_id])
+        assert "\ufffd" in piece or text[offset:offset + len(piece)] == piece, (token_id, piece, offset, text)
     assert choice["prompt_logprobs"][0] is None and len(choice["prompt_logprobs"]) == len(prompt)
     for position, entry in enumerate(choice["prompt_logprobs"][1:], start=1):
         own = entry[str(prompt[position])]

@@ -211,6 +211,79 @@ def test_deeply_nested_json_is_a_400_not_a_500(chat_server):
     assert status == 400, error
 
 
+# A lone UTF-16 surrogate: JSON's \ud800 escape without its pair, which json.loads accepts but no
+# UTF-8 (the tokenizer, the error body naming it) can encode. Written as raw JSON text.
+LONE_SURROGATES = [
+    ("/v1/completions", r'{"prompt": "\ud800 hi", "max_tokens": 1}'),
+    ("/v1/completions", r'{"prompt": ["fine", "\udfff"], "max_tokens": 1}'),
+    ("/v1/completions", r'{"model": "\ud800", "prompt": "hi"}'),
+    ("/v1/chat/completions", r'{"messages": [{"role": "user", "content": "x\ud800"}], "max_tokens": 1}'),
+    ("/v1/chat/completions", r'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, '
+                             r'"tools": [{"type": "function", "function": {"name": "f\ud800", "description": "d"}}]}'),
+    ("/v1/chat/completions", r'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "response_format": '
+                             r'{"type": "json_schema", "json_schema": {"name": "s", "schema": {"\udc00": 1}}}}'),
+    ("/tokenize", r'{"prompt": "\ud800"}'),
+    ("/detokenize", r'{"tokens": [1], "model": "\udbff"}'),
+]
+
+
+def test_lone_surrogates_are_400s_and_paired_ones_are_text(chat_server, load, bystander_reference):
+    server = chat_server
+    headers = {**_headers(server), "content-type": "application/json"}
+    with harmless(server, load, bystander_reference), httpx.Client(base_url=server["base"], timeout=60) as http:
+        for path, body in LONE_SURROGATES:
+            status, error = _error(http.post(path, content=body.encode(), headers=headers))
+            assert status == 400 and error["type"] == "invalid_request_error", (path, body, error)
+            assert "surrogate" in error["message"], (path, error)
+        # A pair is one character (U+1F600), and an escaped backslash before "ud800" is plain text.
+        for text in (r"\ud83d\ude00", r"\\ud800"):
+            response = http.post("/tokenize", content=f'{{"prompt": "{text}"}}'.encode(), headers=headers)
+            assert response.status_code == 200 and response.json()["count"] > 1, response.text
+
+
+def test_an_unknown_route_is_a_404_that_names_no_model(chat_server):
+    """Starlette's and vLLM's 404 for a route says nothing of models; model_not_found is for `model`."""
+    for method, path in (("GET", "/nope"), ("POST", "/v1/embeddings")):
+        status, error = _error(httpx.request(method, f"{chat_server['base']}{path}", headers=_headers(chat_server)))
+        assert (status, error["code"], error["param"]) == (404, None, None), (path, error)
+        assert path in error["message"], error
+
+
+def test_a_huge_prompt_is_refused_without_stalling_the_server(chat_server, load, bystander_reference):
+    """A prompt near the 16 MiB body limit is refused (400, the numbers) before it is tokenized:
+    its characters alone prove it is over max_model_len. Meanwhile /health answers at once (it
+    was tokenized on the event loop for ~13 s before) and the bystander's streams go on."""
+    server = chat_server
+    huge = "hello world " * 1_300_000  # 15.6 MB
+    stop, latencies = threading.Event(), []
+
+    def poll_health() -> None:
+        with httpx.Client(timeout=60) as http:
+            while not stop.is_set():
+                started = time.monotonic()
+                http.get(f"{server['base']}/health")
+                latencies.append(time.monotonic() - started)
+                time.sleep(0.02)
+
+    poller = threading.Thread(target=poll_health)
+    with harmless(server, load, bystander_reference), httpx.Client(base_url=server["base"],
+                                                                   headers=_headers(server), timeout=120) as http:
+        poller.start()
+        try:
+            for path, body in (("/v1/chat/completions", {"messages": [{"role": "user", "content": huge}]}),
+                               ("/v1/completions", {"prompt": huge}), ("/v1/completions", {"prompt": ["hi", huge]})):
+                started = time.monotonic()
+                status, error = _error(http.post(path, json={"model": server["name"], "max_tokens": 1, **body}))
+                seconds = time.monotonic() - started
+                assert status == 400 and str(MAX_MODEL_LEN) in error["message"], (path, error)
+                # Generous bounds for a loaded 2-core CI machine: before, each took 13-20 s.
+                assert error["param"] in ("messages", "prompt") and seconds < 10, (path, error, seconds)
+        finally:
+            stop.set()
+            poller.join()
+    assert latencies and max(latencies) < 4.0, sorted(latencies)[-5:]
+
+
 # ---- every invalid parameter of every endpoint ---------------------------------------------------------------------
 CHAT_BODY = {"messages": HELLO, "max_tokens": 2}
 COMPLETION_BODY = {"prompt": "Hi", "max_tokens": 2}

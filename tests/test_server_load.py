@@ -14,7 +14,9 @@ through `vllm:kv_cache_usage_perc`; the in-process test below checks the allocat
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib
+import json
 import time
 
 import httpx
@@ -117,3 +119,129 @@ def test_a_full_waiting_queue_answers_503_and_aborted_requests_free_everything(c
     assert [(bm.num_free_slots, bm.num_free_blocks) for bm in scheduler.block_managers] == initial
     for bm in scheduler.block_managers:
         bm.check_invariants()
+
+
+# ---- in-process apps over the chat_llm engine ---------------------------------------------------------
+NAME = "dsv4-test"
+LONG = {"model": NAME, "max_tokens": 400, "ignore_eos": True}  # far longer than any test waits
+
+
+@contextlib.asynccontextmanager
+async def _serving(chat_llm, *flags: str):
+    """A ServingState and its app over the chat_llm engine (no server process, nothing compiled)."""
+    from dsv4_jax.engine.async_engine import AsyncLLMEngine
+    from serve.app import build_app
+    from serve.args import parse_args
+    from serve.metrics import EngineStats, ServerMetrics
+    from serve.protocol import ServerLimits
+    from serve.state import ServingState
+
+    state = ServingState(parse_args(["ckpt", *CHAT_SERVER_FLAGS, *flags]), served_model_names=(NAME,))
+    state.llm, state.engine = chat_llm, AsyncLLMEngine(chat_llm.engine)
+    state.limits = ServerLimits(served_model_names=(NAME,), vocab_size=chat_llm.config.vocab_size)
+    state.metrics = ServerMetrics(NAME, lambda: EngineStats(0, 0, 0.0, 0))
+    state.ready = True
+    await state.engine.start()
+    try:
+        yield state, build_app(state)
+    finally:
+        await state.engine.shutdown()
+
+
+async def _until(condition, what: str, within: float = 30) -> None:
+    deadline = time.monotonic() + within
+    while not condition():
+        assert time.monotonic() < deadline, what
+        await asyncio.sleep(0.01)
+
+
+def test_max_waiting_requests_counts_every_sequence_a_request_adds(chat_llm):
+    """--max-waiting-requests 4 counts sequences (prompts x n), not HTTP requests: a request that
+    alone exceeds the limit is a 400 saying so, one that would take the queue past it a 503, and
+    the queue never holds more than 4 (one request could otherwise queue thousands)."""
+    scheduler = chat_llm.engine.scheduler
+
+    async def main():
+        async with _serving(chat_llm, "--max-waiting-requests", "4") as (state, app), httpx.AsyncClient(
+                transport=httpx.ASGITransport(app=app), base_url="http://app", timeout=120) as http:
+            post = lambda body: asyncio.wait_for(http.post("/v1/completions", json=body), 30)
+            too_big = await post({**LONG, "prompt": [[0, 5]] * 3, "n": 2})  # 6 sequences > 4
+            clients = []
+            for k in (1, 2):  # 2 x (n=4) fill the 8 sequence slots
+                clients.append(asyncio.create_task(http.post("/v1/completions", json={**LONG, "prompt": [0, k], "n": 4})))
+                await _until(lambda k=k: scheduler.num_running == 4 * k, f"{4 * k} sequences running")
+            clients.append(asyncio.create_task(http.post("/v1/completions", json={**LONG, "prompt": [0, 7]})))
+            await _until(lambda: scheduler.num_waiting == 1, "one sequence waiting")
+            over = await post({**LONG, "prompt": [[0, 8], [0, 9]], "n": 2})  # 1 waiting + 4 > 4
+            chat_over = await asyncio.wait_for(http.post("/v1/chat/completions", json={
+                **LONG, "messages": [{"role": "user", "content": "Hi"}], "n": 4}), 30)  # 1 + 4 > 4
+            assert scheduler.num_waiting == 1  # neither was queued
+            clients.append(asyncio.create_task(http.post("/v1/completions", json={**LONG, "prompt": [[0, 8], [0, 9], [0, 10]]})))
+            await _until(lambda: scheduler.num_waiting == 4, "exactly the limit waiting")
+            for client in clients:
+                client.cancel()
+            await asyncio.gather(*clients, return_exceptions=True)
+            await _until(lambda: scheduler.num_running == scheduler.num_waiting == 0, "everything aborted")
+        return too_big, over, chat_over
+
+    too_big, over, chat_over = asyncio.run(main())
+    error = too_big.json()["error"]
+    assert too_big.status_code == 400 and "6 sequences" in error["message"] and "--max-waiting-requests" in error["message"]
+    for response in (over, chat_over):
+        assert response.status_code == 503, response.text
+        error = response.json()["error"]
+        assert error["type"] == "service_unavailable_error" and "--max-waiting-requests" in error["message"]
+
+
+async def _call_until_disconnect(app, path: str, body: dict, disconnect: asyncio.Event) -> list[dict]:
+    """One request through the ASGI app as a server runs it: the body, then (once `disconnect` is
+    set) http.disconnect, as uvicorn reports a client that closed its connection. The messages sent."""
+    payload, sent, read = json.dumps(body).encode(), [], [False]
+
+    async def receive() -> dict:
+        if not read[0]:
+            read[0] = True
+            return {"type": "http.request", "body": payload, "more_body": False}
+        await disconnect.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+             "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
+             "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())],
+             "client": ("127.0.0.1", 1), "server": ("app", 80)}
+    await app(scope, receive, send)
+    return sent
+
+
+@pytest.mark.parametrize("path, body", [("/v1/completions", {"prompt": [0, 5, 6]}),
+                                        ("/v1/chat/completions", {"messages": HELLO, "n": 2})])
+def test_a_client_that_disconnects_from_a_whole_response_aborts_its_requests(chat_llm, path, body):
+    """Not streamed: the client closes its connection while its request runs; as vLLM's
+    with_cancellation, the engine requests are aborted at once (a few tokens of the 400; an abort
+    is no success), not run to max_tokens for a response nobody reads."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    scheduler = chat_llm.engine.scheduler
+
+    async def main():
+        async with _serving(chat_llm) as (state, app):
+            disconnect = asyncio.Event()
+            call = asyncio.create_task(_call_until_disconnect(app, path, {**LONG, **body}, disconnect))
+            await _until(lambda: scheduler.num_running > 0, "the request running")
+            disconnect.set()
+            sent = await asyncio.wait_for(call, 60)
+            await _until(lambda: scheduler.num_running == scheduler.num_waiting == 0, "the request aborted", within=5)
+            samples = {(s.name, s.labels.get("finished_reason")): s.value
+                       for family in text_string_to_metric_families(state.metrics.render()[0].decode())
+                       for s in family.samples}
+        return sent, samples
+
+    sent, samples = asyncio.run(main())
+    choices = body.get("n", 1)
+    assert samples[("vllm:request_generation_tokens_count", None)] == choices, samples  # every choice ended
+    assert samples[("vllm:request_success_total", "length")] == 0, samples  # ... and none ran to max_tokens
+    assert samples[("vllm:generation_tokens_total", None)] < choices * LONG["max_tokens"] / 2, samples
+    assert sent[0]["status"] != 200, sent[0]  # the response nobody reads is not the completion
