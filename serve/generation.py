@@ -10,6 +10,7 @@ import itertools
 import time
 from typing import TYPE_CHECKING, AsyncIterator, Sequence
 
+from dsv4_jax.engine.async_engine import StepFailedError
 from dsv4_jax.engine.outputs import RequestOutput
 from dsv4_jax.engine.request import ForcedTokens
 from dsv4_jax.engine.sampling_params import SamplingParams
@@ -104,6 +105,8 @@ class Generation:
                     await arrived.wait()
                 index = next(iter(pending))
                 rid, item = pending.pop(index)
+                if isinstance(item, StepFailedError):  # the engine logged it and serves on: a 500, no traceback
+                    raise OpenAIError(str(item), status=500) from None
                 if isinstance(item, BaseException):
                     raise item
                 completion = item.outputs[0]

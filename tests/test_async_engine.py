@@ -8,7 +8,8 @@ import asyncio
 import pytest
 
 from dsv4_jax import LLM, SamplingParams
-from dsv4_jax.engine.async_engine import AsyncLLMEngine, EngineDeadError
+from dsv4_jax.engine import async_engine
+from dsv4_jax.engine.async_engine import AsyncLLMEngine, EngineDeadError, StepFailedError
 from dsv4_jax.presets import get_config
 from dsv4_jax.testing import write_random_checkpoint
 
@@ -160,11 +161,13 @@ def test_a_consumer_that_falls_behind_gets_the_newest_output_not_a_backlog(llm):
     assert _free_state(llm) == (0, 0, 0.0)
 
 
-def test_a_request_added_while_the_step_thread_fails_is_refused_not_left_hanging(llm):
+def test_a_request_added_while_the_step_thread_fails_is_refused_not_left_hanging(llm, monkeypatch):
     """`add_request` checks that the engine serves before it takes the lock; the step thread can
-    fail (and fail every request it knows) while the caller waits for that lock. The request must
-    be refused then: added after the failure, no thread would ever serve it."""
+    fail for good (and fail every request it knows) while the caller waits for that lock. The
+    request must be refused then: added after the failure, no thread would ever serve it."""
     import threading
+
+    monkeypatch.setattr(async_engine, "MAX_FAILED_STEPS", 1)  # the first failure stops the engine
 
     contended, release, in_finish = threading.Event(), threading.Event(), threading.Event()
 
@@ -217,4 +220,78 @@ def test_a_request_added_while_the_step_thread_fails_is_refused_not_left_hanging
     finally:
         del llm.engine.finish_step  # the class's own again
         llm.engine.reset()  # what the failed step left scheduled
+    assert _free_state(llm) == (0, 0, 0.0) and not llm.engine.has_unfinished()
+
+
+def _failing_steps(llm, failures: int):
+    """Make the engine's next `failures` finish_step calls raise (then the real one again)."""
+    real = type(llm.engine).finish_step
+    left = [failures]
+
+    def finish_step(launched):
+        if left[0] > 0:
+            left[0] -= 1
+            raise RuntimeError("injected step failure")
+        return real(llm.engine, launched)
+
+    llm.engine.finish_step = finish_step
+
+
+def test_a_failed_step_fails_its_requests_and_the_engine_serves_on(llm):
+    """A step that raises costs the requests the engine held (StepFailedError), not the engine:
+    it resets, frees everything, and the next request gets exactly the synchronous engine's tokens."""
+    (expected,) = llm.generate([{"prompt_token_ids": PROMPTS[4]}], GREEDY, use_tqdm=False)
+
+    async def main():
+        engine = AsyncLLMEngine(llm.engine)
+        await engine.start()
+        _failing_steps(llm, 1)
+        held = [engine.add_request(f"held{i}", PROMPTS[i], GREEDY) for i in range(2)]
+        errors = []
+        for stream in held:
+            with pytest.raises(StepFailedError, match="injected step failure") as info:
+                async for _ in stream:
+                    pass
+            errors.append(info.value)
+        after = [o async for o in engine.generate("after", PROMPTS[4], GREEDY)]
+        accepting = engine.accepting
+        await engine.shutdown()
+        return errors, after, accepting
+
+    try:
+        errors, after, accepting = asyncio.run(main())
+    finally:
+        del llm.engine.finish_step
+    assert len(errors) == 2 and accepting
+    assert after[-1].finished and after[-1].outputs[0].token_ids == expected.outputs[0].token_ids
+    assert _free_state(llm) == (0, 0, 0.0) and not llm.engine.has_unfinished()
+
+
+def test_failed_steps_in_a_row_stop_the_engine_for_good(llm):
+    """MAX_FAILED_STEPS failures with no step succeeding between (a lost device, say): the engine
+    stops (EngineDeadError for what it held and for new requests; the server's /health turns
+    503), rather than failing every request forever while looking healthy."""
+    async def main():
+        engine = AsyncLLMEngine(llm.engine)
+        await engine.start()
+        _failing_steps(llm, 10**6)
+        seen = []
+        for i in range(async_engine.MAX_FAILED_STEPS):
+            try:
+                async for _ in engine.generate(f"r{i}", PROMPTS[i], GREEDY):
+                    pass
+            except (StepFailedError, EngineDeadError) as error:
+                seen.append(type(error))
+        with pytest.raises(EngineDeadError, match="injected step failure"):
+            engine.add_request("late", PROMPTS[0], GREEDY)
+        accepting = engine.accepting
+        await engine.shutdown(grace_seconds=0.0)
+        return seen, accepting
+
+    try:
+        seen, accepting = asyncio.run(main())
+    finally:
+        del llm.engine.finish_step
+        llm.engine.reset()  # what the last failed step left scheduled
+    assert seen == [StepFailedError] * (async_engine.MAX_FAILED_STEPS - 1) + [EngineDeadError] and not accepting
     assert _free_state(llm) == (0, 0, 0.0) and not llm.engine.has_unfinished()

@@ -14,6 +14,7 @@ top-1/top-2 logprob gap exceeds 1e-3, logprobs within 1e-4.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -348,12 +349,10 @@ def test_bad_requests_get_openai_errors_and_harm_no_one(server):
 
 
 # ---- without the parsers, and bad command lines ---------------------------------------------------------
-def test_without_parser_flags_there_is_no_reasoning_split_and_auto_tool_choice_is_refused(chat_llm):
-    """As vLLM: no --reasoning-parser means the whole text is content; tool_choice "auto" without
-    --enable-auto-tool-choice is a 400 naming the flag. The app runs in this process over the
-    chat_llm engine (the same routes as the server process, without its flags)."""
-    import asyncio
-
+@contextlib.asynccontextmanager
+async def _in_process_app(chat_llm):
+    """The server's app in this process over the chat_llm engine (the same routes as the server
+    process, without its flags), as an httpx client."""
     from dsv4_jax.engine.async_engine import AsyncLLMEngine
     from serve.app import build_app
     from serve.args import parse_args
@@ -361,23 +360,32 @@ def test_without_parser_flags_there_is_no_reasoning_split_and_auto_tool_choice_i
     from serve.protocol import ServerLimits
     from serve.state import ServingState
 
+    state = ServingState(parse_args(["ckpt", *CHAT_SERVER_FLAGS]), served_model_names=(NAME,),
+                         forced_output_hook=True)
+    state.llm, state.engine = chat_llm, AsyncLLMEngine(chat_llm.engine)
+    state.limits = ServerLimits(served_model_names=(NAME,), vocab_size=chat_llm.config.vocab_size)
+    state.metrics = ServerMetrics(NAME, lambda: EngineStats(0, 0, 0.0, 0))
+    state.ready = True
+    await state.engine.start()
+    transport = httpx.ASGITransport(app=build_app(state))
+    try:
+        async with httpx.AsyncClient(transport=transport, base_url="http://app") as http:
+            yield http
+    finally:
+        await state.engine.shutdown()
+
+
+def test_without_parser_flags_there_is_no_reasoning_split_and_auto_tool_choice_is_refused(chat_llm):
+    """As vLLM: no --reasoning-parser means the whole text is content; tool_choice "auto" without
+    --enable-auto-tool-choice is a 400 naming the flag."""
+    import asyncio
+
     async def main():
-        state = ServingState(parse_args(["ckpt", *CHAT_SERVER_FLAGS]), served_model_names=(NAME,),
-                             forced_output_hook=True)
-        state.llm, state.engine = chat_llm, AsyncLLMEngine(chat_llm.engine)
-        state.limits = ServerLimits(served_model_names=(NAME,), vocab_size=chat_llm.config.vocab_size)
-        state.metrics = ServerMetrics(NAME, lambda: EngineStats(0, 0, 0.0, 0))
-        state.ready = True
-        await state.engine.start()
-        transport = httpx.ASGITransport(app=build_app(state))
-        try:
-            async with httpx.AsyncClient(transport=transport, base_url="http://app") as http:
-                plain = await http.post("/v1/chat/completions", json={
-                    "model": NAME, "messages": HELLO, "max_tokens": 100, "dsv4_test_forced_output": FORCED})
-                auto = await http.post("/v1/chat/completions", json={
-                    "model": NAME, "messages": HELLO, "tools": TOOLS, "tool_choice": "auto"})
-        finally:
-            await state.engine.shutdown()
+        async with _in_process_app(chat_llm) as http:
+            plain = await http.post("/v1/chat/completions", json={
+                "model": NAME, "messages": HELLO, "max_tokens": 100, "dsv4_test_forced_output": FORCED})
+            auto = await http.post("/v1/chat/completions", json={
+                "model": NAME, "messages": HELLO, "tools": TOOLS, "tool_choice": "auto"})
         return plain, auto
 
     plain, auto = asyncio.run(main())
@@ -385,6 +393,48 @@ def test_without_parser_flags_there_is_no_reasoning_split_and_auto_tool_choice_i
     assert message["content"] == FORCED[: -len(EOS)]  # everything, </think> and DSML included; EOS skipped
     assert message["reasoning_content"] is None and message["tool_calls"] == []
     assert auto.status_code == 400 and "--enable-auto-tool-choice" in auto.json()["error"]["message"]
+
+
+def test_a_failed_engine_step_is_a_500_for_its_requests_and_the_server_serves_on(chat_llm):
+    """A step that raises fails the requests it held (a 500 with OpenAI's error body; a stream
+    already started ends with an error event and [DONE]) and nothing else: /health stays 200 and
+    the next request is served."""
+    import asyncio
+
+    engine, real = chat_llm.engine, type(chat_llm.engine).finish_step
+
+    def fail_next_step():
+        def finish_step(launched):
+            del engine.finish_step  # once
+            raise RuntimeError("injected step failure")
+        engine.finish_step = finish_step
+
+    body = {"model": NAME, "prompt": [0, 5, 6], "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+
+    async def main():
+        async with _in_process_app(chat_llm) as http:
+            fail_next_step()
+            plain = await http.post("/v1/completions", json=body)
+            fail_next_step()
+            streamed = await http.post("/v1/completions", json={**body, "stream": True})
+            health = await http.get("/health")
+            after = await http.post("/v1/completions", json=body)
+        return plain, streamed, health, after
+
+    try:
+        plain, streamed, health, after = asyncio.run(main())
+    finally:
+        if "finish_step" in vars(engine):
+            del engine.finish_step
+    error = plain.json()["error"]
+    assert plain.status_code == 500 and error["type"] == "internal_server_error"
+    assert "injected step failure" in error["message"] and "retry" in error["message"]
+    events = [line[6:] for line in streamed.text.splitlines() if line.startswith("data: ")]
+    assert streamed.status_code == 200 and events[-1] == "[DONE]"
+    assert "injected step failure" in json.loads(events[-2])["error"]["message"]
+    assert health.status_code == 200
+    assert after.status_code == 200 and after.json()["usage"]["completion_tokens"] == 4
+    assert real is type(engine).finish_step and not engine.has_unfinished()
 
 
 @pytest.mark.parametrize("flags, names", [(["--port", "70000"], "--port"),

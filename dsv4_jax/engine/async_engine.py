@@ -11,6 +11,12 @@ falls behind (a slow client) gets the newest one, not a queue of every step's co
 text (vLLM's output collector merges them likewise). A consumer that stops iterating (a client
 that disconnects) aborts its request. `shutdown` stops accepting, lets running requests finish for a grace period,
 aborts the rest and joins the thread.
+
+A step that fails (an exception in the model, the sampler or the host's bookkeeping) fails the
+requests the engine held with `StepFailedError`, resets the engine and serves on: one bad batch
+costs its requests, not the server. Only `MAX_FAILED_STEPS` failures in a row (a lost device, a
+broken build: nothing would ever succeed) stop the engine for good (`EngineDeadError`; the
+server's /health then answers 503 so that a supervisor restarts it).
 """
 
 from __future__ import annotations
@@ -30,8 +36,15 @@ from dsv4_jax.engine.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 
+MAX_FAILED_STEPS = 3  # failed steps in a row (none succeeding between) after which the engine stops
+
+
 class EngineDeadError(RuntimeError):
-    """The step loop failed; the engine serves nothing more."""
+    """The step loop failed for good; the engine serves nothing more."""
+
+
+class StepFailedError(RuntimeError):
+    """The step that held this request failed; the engine was reset and serves new requests."""
 
 
 class _Latest:
@@ -67,6 +80,7 @@ class AsyncLLMEngine:
         self._thread: threading.Thread | None = None
         self._accepting = False
         self._stop = False
+        self._failed_in_a_row = 0
         self.error: BaseException | None = None
 
     # ---- life cycle -------------------------------------------------------------------------------
@@ -169,8 +183,9 @@ class AsyncLLMEngine:
                     return
                 try:
                     launched = self.engine.begin_step()
-                except BaseException as error:  # a failed step: fail every request, stop serving
-                    self._die(error)
+                except BaseException as error:
+                    if self._step_failed(error):
+                        continue
                     return
             if launched is None:
                 continue
@@ -185,8 +200,10 @@ class AsyncLLMEngine:
                 try:
                     outputs = self.engine.finish_step(launched)
                 except BaseException as error:
-                    self._die(error)
+                    if self._step_failed(error):
+                        continue
                     return
+                self._failed_in_a_row = 0
                 deliveries = [(self._queues.get(o.request_id), o) for o in outputs]
                 for out in outputs:
                     if out.finished:
@@ -198,13 +215,30 @@ class AsyncLLMEngine:
     def _wait(self, launched) -> None:
         jax.block_until_ready(self.engine.device_outputs(launched))
 
-    def _die(self, error: BaseException) -> None:
-        logger.exception("engine step failed")
+    def _step_failed(self, error: BaseException) -> bool:
+        """Under the lock, after a step raised: fail every request the engine held and reset it for
+        new ones. False when the engine must stop instead (too many failures in a row, or the
+        reset failed too): then every request fails with `EngineDeadError` and none is accepted."""
+        self._failed_in_a_row += 1
+        logger.error("engine step failed (%d in a row)", self._failed_in_a_row, exc_info=error)
+        if self._failed_in_a_row < MAX_FAILED_STEPS:
+            try:
+                self.engine.reset()
+            except BaseException as reset_error:  # noqa: BLE001 - the engine stops below
+                logger.error("resetting the engine after a failed step failed", exc_info=reset_error)
+                error = reset_error
+            else:
+                self._fail_all(StepFailedError(f"engine step failed: {error!r}; the request was dropped, retry it"))
+                return True
         self.error = error
         self._fail_all(EngineDeadError(f"engine step failed: {error!r}"))
+        return False
 
     def _fail_all(self, error: BaseException) -> None:
         for request_id, queue in list(self._queues.items()):
-            self.engine.abort(request_id)
+            try:
+                self.engine.abort(request_id)  # a no-op after reset(); a broken engine may raise
+            except BaseException:  # noqa: BLE001 - the request fails with `error` either way
+                pass
             self._loop.call_soon_threadsafe(queue.put, error)
         self._queues.clear()
