@@ -132,16 +132,17 @@ async def _stream(state: ServingState, plan: _ChatPlan, request_id: str, created
                   choices: list[ChoiceState], texts: TokenTexts) -> AsyncIterator[dict]:
     req = plan.request
     head = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": req.model}
-    usage_field = {"usage": None} if req.include_usage else {}
+    totals = [0] * len(choices)
 
     def chunk(index: int, delta: dict, logprobs: Any = None, finish_reason: str | None = None,
               stop_reason: Any = None) -> dict:
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         if finish_reason is not None:
             choice["stop_reason"] = stop_reason
-        return {**head, "choices": [choice], **usage_field}
+        if req.continuous_usage:  # this choice's tokens so far (vLLM)
+            return {**head, "choices": [choice], "usage": usage(len(plan.prompt_ids), totals[index])}
+        return {**head, "choices": [choice], **({"usage": None} if req.include_usage else {})}
 
-    totals = [0] * len(choices)
     try:
         for c in choices:
             yield chunk(c.index, {"role": "assistant", "content": ""})

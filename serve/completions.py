@@ -120,7 +120,6 @@ async def create_completion(state: ServingState, body: Any):
 async def _stream(req: CompletionRequest, request_id: str, created: int, generation: Generation,
                   choices: list[_Choice], texts: TokenTexts, usage_prompt: int) -> AsyncIterator[dict]:
     head = {"id": request_id, "object": "text_completion", "created": created, "model": req.model}
-    usage_field = {"usage": None} if req.include_usage else {}
     try:
         async with contextlib.aclosing(generation.outputs()) as outputs:
             async for index, out in outputs:
@@ -130,7 +129,10 @@ async def _stream(req: CompletionRequest, request_id: str, created: int, generat
                     entry = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": choice.finish_reason}
                     if choice.finish_reason is not None:
                         entry["stop_reason"] = choice.stop_reason
-                    yield {**head, "choices": [entry], **usage_field}
+                    if req.continuous_usage:  # this choice's tokens so far (vLLM)
+                        yield {**head, "choices": [entry], "usage": usage(usage_prompt, choice.sent_tokens)}
+                    else:
+                        yield {**head, "choices": [entry], **({"usage": None} if req.include_usage else {})}
     finally:
         generation.close()
     if req.include_usage:

@@ -18,7 +18,9 @@ is a drop-in for `vllm serve`. The points checked there:
   uses the room left under max_model_len, or generation_config's max_tokens when the server has one.
   completions: `max_tokens` defaults to 16 (OpenAI, vLLM); an explicit null means "no default".
 * `top_logprobs` > 0 needs `logprobs: true`; 0 without it is accepted, as vLLM does.
-* `stream_options` only with `stream: true`; given, its `include_usage` defaults to true (vLLM).
+* `stream_options` only with `stream: true`; given, its `include_usage` defaults to true (vLLM);
+  `continuous_usage_stats` with `include_usage` puts the usage so far in every chunk (vLLM's
+  `should_include_usage`: the choice's own completion tokens; the last chunk sums the choices).
 * tools: no `tool_choice` with non-empty `tools` means "auto" (OpenAI, vLLM's `check_tool_usage`),
   and vLLM refuses that implicit "auto" too unless auto tool choice is enabled on the server
   (`serving_chat.py` tests the resolved value). `tool_choice` other than "none" needs `tools`;
@@ -147,6 +149,7 @@ class ChatRequest:
     params: SamplingParams  # logprobs = top_logprobs when `logprobs` is true, else None
     stream: bool
     include_usage: bool
+    continuous_usage: bool  # every chunk carries the usage so far (stream_options.continuous_usage_stats)
     return_tokens_as_token_ids: bool
     parallel_tool_calls: bool
     ignored_fields: tuple[str, ...]  # unknown top-level fields, for one warning
@@ -160,6 +163,7 @@ class CompletionRequest:
     params: SamplingParams
     stream: bool
     include_usage: bool
+    continuous_usage: bool  # every chunk carries the usage so far (stream_options.continuous_usage_stats)
     return_tokens_as_token_ids: bool
     ignored_fields: tuple[str, ...]
 
@@ -340,16 +344,17 @@ def _ignored(body: dict, known: frozenset[str]) -> tuple[str, ...]:
     return tuple(name for name in body if name not in known)
 
 
-def _stream(body: dict) -> tuple[bool, bool]:
-    """(stream, include_usage)."""
+def _stream(body: dict) -> tuple[bool, bool, bool]:
+    """(stream, include_usage, continuous usage: only with include_usage, as vLLM)."""
     stream = _as_bool(body.get("stream"), "stream", False)
     options = _as_object(body.get("stream_options"), "stream_options")
     if options is None:
-        return stream, False
+        return stream, False, False
     if not stream:
         raise _invalid("stream_options", "stream_options can only be given when stream is true")
-    _as_bool(options.get("continuous_usage_stats"), "stream_options.continuous_usage_stats", False)
-    return stream, _as_bool(options.get("include_usage"), "stream_options.include_usage", True)
+    continuous = _as_bool(options.get("continuous_usage_stats"), "stream_options.continuous_usage_stats", False)
+    include_usage = _as_bool(options.get("include_usage"), "stream_options.include_usage", True)
+    return stream, include_usage, include_usage and continuous
 
 
 def _logit_bias(value: Any, vocab_size: int) -> dict[int, float] | None:
@@ -641,7 +646,7 @@ def parse_chat_request(body: Any, limits: ServerLimits) -> ChatRequest:
     messages = _messages(body.get("messages"))
     tool_choice, tools = _tool_choice(body.get("tool_choice"), _tools(body.get("tools")), limits)
     chat_template_kwargs, reasoning_effort = _chat_options(body, limits)
-    stream, include_usage = _stream(body)
+    stream, include_usage, continuous_usage = _stream(body)
 
     logprobs = _as_bool(body.get("logprobs"), "logprobs", False)
     top_logprobs = _as_int(body.get("top_logprobs"), "top_logprobs", low=0, high=limits.max_logprobs) or 0
@@ -670,6 +675,7 @@ def parse_chat_request(body: Any, limits: ServerLimits) -> ChatRequest:
         params=params,
         stream=stream,
         include_usage=include_usage,
+        continuous_usage=continuous_usage,
         return_tokens_as_token_ids=_as_bool(
             body.get("return_tokens_as_token_ids"), "return_tokens_as_token_ids", False
         ),
@@ -729,7 +735,7 @@ def parse_completion_request(body: Any, limits: ServerLimits) -> CompletionReque
         raise _invalid("prompt", "prompt is required")
     prompts = _prompts(body["prompt"], limits.vocab_size)
     echo = _as_bool(body.get("echo"), "echo", False)
-    stream, include_usage = _stream(body)
+    stream, include_usage, continuous_usage = _stream(body)
     logprobs = _as_int(body.get("logprobs"), "logprobs", low=0, high=limits.max_logprobs)
     prompt_logprobs = _as_int(body.get("prompt_logprobs"), "prompt_logprobs", low=0, high=limits.max_logprobs)
     if stream and prompt_logprobs:
@@ -756,6 +762,7 @@ def parse_completion_request(body: Any, limits: ServerLimits) -> CompletionReque
         params=params,
         stream=stream,
         include_usage=include_usage,
+        continuous_usage=continuous_usage,
         return_tokens_as_token_ids=_as_bool(
             body.get("return_tokens_as_token_ids"), "return_tokens_as_token_ids", False
         ),

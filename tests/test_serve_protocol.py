@@ -308,6 +308,13 @@ def test_stream_options_only_with_stream():
     chat_refused("stream_options", "stream", stream=False, stream_options={})
     chat_refused("stream_options.include_usage", "boolean", stream=True, stream_options={"include_usage": "yes"})
     chat_refused("stream_options", "object", stream=True, stream_options=[])
+    # continuous_usage_stats counts only with include_usage (vLLM's should_include_usage)
+    assert chat(stream=True).continuous_usage is False
+    assert chat(stream=True, stream_options={"continuous_usage_stats": True}).continuous_usage is True
+    assert chat(stream=True, stream_options={"include_usage": False, "continuous_usage_stats": True}
+                ).continuous_usage is False
+    chat_refused("stream_options.continuous_usage_stats", "boolean", stream=True,
+                 stream_options={"continuous_usage_stats": 1})
 
 
 # ---- tools, formats, template options -----------------------------------------------------------

@@ -200,6 +200,34 @@ def test_n_choices_and_logprobs(server, client):
             assert ranked == sorted(ranked, reverse=True) and item.logprob <= ranked[0] + 1e-6
 
 
+def test_continuous_usage_stats_put_each_choices_usage_so_far_in_every_chunk(server):
+    """stream_options.continuous_usage_stats (vLLM): every chunk carries usage with the prompt and
+    its choice's completion tokens so far (the chat role chunks 0); the last chunk sums the choices."""
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    chat = _sse(_http(server, "POST", "/v1/chat/completions", json={
+        "model": NAME, "messages": HELLO, "max_tokens": 5, "n": 2, "temperature": 1.0, "seed": 3, "logprobs": True,
+        "ignore_eos": True, "stream": True, "stream_options": options}))
+    text = _sse(_http(server, "POST", "/v1/completions", json={
+        "model": NAME, "prompt": [0, 7, 8, 9], "max_tokens": 5, "n": 2, "temperature": 1.0, "seed": 3,
+        "logprobs": 0, "ignore_eos": True, "stream": True, "stream_options": options}))
+    for events, prompt in ((chat, None), (text, 4)):
+        *chunks, last = events
+        prompt = prompt or last["usage"]["prompt_tokens"]
+        assert last["choices"] == [] and last["usage"] == {"prompt_tokens": prompt, "completion_tokens": 10,
+                                                             "total_tokens": prompt + 10}
+        so_far = [0, 0]
+        for chunk in chunks:
+            (choice,) = chunk["choices"]
+            logprobs = choice["logprobs"]
+            # one logprobs entry per token: the tokens this chunk adds to its choice
+            so_far[choice["index"]] += len(logprobs["content"] if "content" in (logprobs or {}) else
+                                           (logprobs or {}).get("tokens", []))
+            assert chunk["usage"] == {"prompt_tokens": prompt, "completion_tokens": so_far[choice["index"]],
+                                      "total_tokens": prompt + so_far[choice["index"]]}
+        assert so_far == [5, 5]
+    assert chat[0]["choices"][0]["delta"]["role"] == "assistant" and chat[0]["usage"]["completion_tokens"] == 0
+
+
 # ---- reasoning and tool calls, forced through the real engine --------------------------------------------
 CALL = {"type": "function", "function": {"name": "get_weather", "arguments": json.dumps({"city": "Paris"})}}
 FORCED = "Check the weather." + THINK_END + "Let me look." + "\n\n" + render_tool_calls([CALL]) + EOS
