@@ -63,6 +63,7 @@ class _InFlight:
     out: StepOutput
     sampled: SampledTokens
     position: dict[str, int]  # request id -> its row
+    prompt_scores: tuple | None = None  # a prefill step's `ModelRunner.prompt_scores`, when some row asked
 
 
 @dataclasses.dataclass
@@ -111,14 +112,22 @@ def _prompt_scores(logits: np.ndarray, targets: np.ndarray, k: int) -> tuple[lis
     """Logprob and rank of each position's next prompt token, and its k most likely tokens (most
     likely first, ties by smaller id) with their logprobs. `logits` [positions, vocab] float32,
     `targets` [positions]. Ranks and the top k read the logits themselves (log-softmax keeps their
-    order); only the chosen entries are normalised (a float64 log-sum-exp per position). This runs
-    under the async engine's lock: a float64 log-softmax and a full argsort per position took
-    2.2 s for 256 positions of the real vocabulary, this 0.5 s (2026-12-03, EPYC)."""
+    order); only the chosen entries are normalised (a float64 log-sum-exp per position). On the
+    host, for the one position of a one-token chunk in a decode step only: prefill steps score on
+    the device (`sampler.prompt_scores`, the same entries), since this runs under the async
+    engine's lock and took 0.5 s for 256 positions of the real vocabulary (2026-12-03, EPYC)."""
     peak = logits.max(-1, keepdims=True)
     log_total = peak[:, 0].astype(np.float64) + np.log(np.exp(logits - peak).sum(-1, dtype=np.float64))
     target = np.take_along_axis(logits, targets[:, None], axis=-1)  # [positions, 1]
     ranks = (logits > target).sum(-1) + 1
-    top = np.argpartition(-logits, k - 1, axis=-1)[:, :k] if k else np.zeros((len(targets), 0), np.int64)
+    if k:
+        # The entries above the k-th largest value, then the smallest ids among those equal to it.
+        kth = -np.partition(-logits, k - 1, axis=-1)[:, k - 1 : k]
+        tied = logits == kth
+        chosen = (logits > kth) | (tied & (np.cumsum(tied, axis=-1) <= k - (logits > kth).sum(-1, keepdims=True)))
+        top = np.nonzero(chosen)[1].reshape(len(targets), k)
+    else:
+        top = np.zeros((len(targets), 0), np.int64)
     order = np.lexsort((top, -np.take_along_axis(logits, top, axis=-1)), axis=-1)
     top = np.take_along_axis(top, order, axis=-1)
     top_logprobs = np.take_along_axis(logits, top, axis=-1).astype(np.float64) - log_total[:, None]
@@ -166,7 +175,7 @@ class LLMEngine:
             "fill": _fill_placeholders,
             "run": self.runner.run,
             "sample": self.sampler,
-            "head": self.runner.head,
+            "prompt_scores": self.runner.prompt_scores,
             "gather": self.runner.gather,
         }, passed_on=frozenset({"fill", "run", "sample"}))
         self._tracked: dict[str, _Tracked] = {}
@@ -287,9 +296,9 @@ class LLMEngine:
         return self._complete(launched)
 
     @staticmethod
-    def device_outputs(launched: _InFlight) -> SampledTokens:
+    def device_outputs(launched: _InFlight) -> tuple:
         """What `finish_step` reads from the device (ready once the launched step has run)."""
-        return launched.sampled
+        return launched.sampled, launched.prompt_scores
 
     def _can_overlap(self) -> bool:
         return not any(t.forced for t in self._tracked.values())
@@ -321,14 +330,31 @@ class LLMEngine:
         )
         self._steps += 1
         sampled = self.device.call("sample", out.logits, batch, None if previous is None else previous.sampled.token_ids)
-        return _InFlight(scheduled, out, sampled, {r.request.request_id: at for at, r in zip(position, rows)})
+        return _InFlight(scheduled, out, sampled, {r.request.request_id: at for at, r in zip(position, rows)},
+                         self._launch_prompt_scores(rows, position, out))
+
+    def _launch_prompt_scores(self, rows, position, out: StepOutput) -> tuple | None:
+        """Score a prefill step's positions for prompt logprobs on the device, launched with the
+        step so that `finish_step` (under the async engine's lock) only reads the results. Each
+        position's target is the prompt token after it; which entries are new is decided when the
+        step completes (a chunk recomputed after a preemption adds none)."""
+        if out.bucket[1] == 1:
+            return None  # a one-token chunk in a decode step: `_prompt_logprobs` reads the step's logits
+        targets, wanted = np.zeros(out.bucket, np.int32), False
+        for at, r in zip(position, rows):
+            prompt = r.request.prompt_token_ids
+            if self._tracked[r.request.request_id].prompt_logprobs is not None and r.start < len(prompt) - 1:
+                chunk = prompt[r.start + 1 : r.start + 1 + len(r.token_ids)]
+                targets[at, : len(chunk)] = chunk
+                wanted = True
+        return self.device.call("prompt_scores", out.streams, targets) if wanted else None
 
     def _complete(self, step: _InFlight) -> list[RequestOutput]:
         """Fetch a launched step's tokens, apply them and decide which requests stop."""
         scheduled, out, sampled = step.scheduled, step.out, step.sampled
         # Not aborted since (the same Request: its id may name a new request by now).
         rows = [r for r in scheduled.rows if (t := self._tracked.get(r.request.request_id)) and t.request is r.request]
-        self._prompt_logprobs(rows, out, step.position)
+        self._prompt_logprobs(rows, step)
         want_logprobs = any(r.is_sampling and self._tracked[r.request.request_id].logprobs is not None for r in rows)
         # One device-to-host transfer for the tokens and, when asked for, their logprobs.
         fetched = jax.device_get((sampled.token_ids, sampled.logprobs, sampled.top_token_ids, sampled.top_logprobs,
@@ -407,31 +433,40 @@ class LLMEngine:
         tracked.logprobs.append(entry)
         tracked.cumulative_logprob += logprob
 
-    def _prompt_logprobs(self, rows, out, position: dict[str, int]) -> None:
-        """Logprob of each prompt token given the tokens before it (vLLM's `prompt_logprobs`), from a
-        separate head call over the step's streams; only when some row's chunk adds one."""
+    def _prompt_logprobs(self, rows, step: _InFlight) -> None:
+        """Logprob of each prompt token given the tokens before it (vLLM's `prompt_logprobs`); only
+        when some row's chunk adds one. A prefill step's scores were launched with it
+        (`_launch_prompt_scores`): only they come to the host."""
         wanted = []
         for r in rows:
-            recorded = self._tracked[r.request.request_id].prompt_logprobs
+            tracked, prompt = self._tracked[r.request.request_id], r.request.prompt_token_ids
+            recorded = tracked.prompt_logprobs
             # The next entry to record is for prompt token len(recorded), predicted at position
             # len(recorded) - 1. A chunk that ends before it was recomputed after a preemption; one
             # that starts at the prompt's last token (or later) predicts no prompt token.
-            if recorded is not None and r.start < len(recorded) < len(r.request.prompt_token_ids) \
+            if recorded is not None and r.start < len(recorded) < len(prompt) \
                     and r.start + len(r.token_ids) >= len(recorded):
-                wanted.append((position[r.request.request_id], r))
+                # Chunk positions first..end-1 predict the prompt tokens not recorded yet.
+                first, end = len(recorded) - 1 - r.start, min(len(r.token_ids), len(prompt) - 1 - r.start)
+                wanted.append((step.position[r.request.request_id], tracked, first,
+                               prompt[r.start + first + 1 : r.start + end + 1]))
         if not wanted:
             return
-        # A one-token step's logits at its only position are the step's own (decode buckets have no
-        # compiled head over all positions).
-        every = self._host_logits(out.logits)[:, None] if out.bucket[1] == 1 \
-            else np.asarray(self.device.call("head", out.streams))
-        for i, r in wanted:
-            tracked, prompt = self._tracked[r.request.request_id], r.request.prompt_token_ids
-            # Chunk positions first..end-1 predict the prompt tokens not recorded yet.
-            first, end = len(tracked.prompt_logprobs) - 1 - r.start, min(len(r.token_ids), len(prompt) - 1 - r.start)
-            targets = np.asarray(prompt[r.start + first + 1 : r.start + end + 1])
-            scores = _prompt_scores(every[i, first:end], targets, tracked.params.prompt_logprobs)
-            for target, logprob, rank, top, top_logprobs in zip(targets.tolist(), *scores):
+        if step.prompt_scores is None:
+            # A one-token chunk in a decode step: its logits are the step's own, and decode buckets
+            # have no compiled scoring (one row of [B, vocab] on the host is cheap).
+            logits = self._host_logits(step.out.logits)
+            scored = [_prompt_scores(logits[i, None], np.asarray(targets), tracked.params.prompt_logprobs)
+                      for i, tracked, _, targets in wanted]
+        else:
+            logprob, rank, top_ids, top_logprobs = jax.device_get(step.prompt_scores)
+            scored = []
+            for i, tracked, first, targets in wanted:
+                at, k = slice(first, first + len(targets)), tracked.params.prompt_logprobs
+                scored.append((logprob[i, at].tolist(), rank[i, at].tolist(), top_ids[i, at, :k].tolist(),
+                               top_logprobs[i, at, :k].tolist()))
+        for (_, tracked, _, targets), scores in zip(wanted, scored):
+            for target, logprob, rank, top, top_logprobs in zip(targets, *scores):
                 entry = {target: Logprob(logprob, rank)}
                 for top_rank, (t, lp) in enumerate(zip(top, top_logprobs), start=1):
                     entry.setdefault(t, Logprob(lp, top_rank))

@@ -45,6 +45,8 @@ from jax.sharding import PartitionSpec as P
 
 from dsv4_jax.engine.compiles import CompileCounter
 from dsv4_jax.engine.host_memory import keep_freed_buffers
+from dsv4_jax.engine.sampler import prompt_scores
+from dsv4_jax.engine.sampling_params import MAX_LOGPROBS
 from dsv4_jax.kv_cache.paged import PagedCacheLayout, PagedKVCache, init_paged_cache, kv_planes, partition_specs
 from dsv4_jax.model.cache_step import CacheStep, StepSequences
 from dsv4_jax.sharding import DATA
@@ -130,6 +132,15 @@ def _head(graphdef, weights_def, weights, streams):
     return model.logits_from_streams(streams, model)
 
 
+def _head_scores(graphdef, weights_def, weights, streams, targets):
+    """`prompt_scores` of every position of a step's streams [B, S, hc, hidden] against targets
+    [B, S]: ([B, S], [B, S], [B, S, k], [B, S, k]) with k = MAX_LOGPROBS."""
+    logits = _head(graphdef, weights_def, weights, streams)  # [B, S, vocab] float32, never leaves the device
+    b, s, v = logits.shape
+    scores = prompt_scores(logits.reshape(b * s, v), targets.reshape(b * s), MAX_LOGPROBS)
+    return tuple(x.reshape(b, s, *x.shape[1:]) for x in scores)
+
+
 def _data_specs(tree):
     """Per leaf, the data-axis part of its sharding (the specs of a shard_map manual over data):
     a dimension split over (data, tensor) is a contiguous block per data rank, split over tensor
@@ -201,6 +212,8 @@ class ModelRunner:
         self._rows = None if self.mesh is None else NamedSharding(self.mesh, P(DATA))
         self._head = jax.jit(functools.partial(_head, self.graphdef, weights_def),
                              out_shardings=replicated if jax.process_count() > 1 else None)
+        self._head_scores = jax.jit(functools.partial(_head_scores, self.graphdef, weights_def),
+                                    out_shardings=replicated if jax.process_count() > 1 else None)
         self._gather = jax.jit(lambda x: x, out_shardings=replicated)
 
     def _whole_layout(self) -> PagedCacheLayout:
@@ -346,6 +359,14 @@ class ModelRunner:
         device with several processes)."""
         return self._head(self.weights, streams)
 
+    def prompt_scores(self, streams: jax.Array, targets: np.ndarray
+                      ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+        """Prompt logprobs of a prefill step (`sampler.prompt_scores` at every position): streams
+        [B, S, hc_mult, hidden], targets [B, S] int32 (the token each position predicts) ->
+        logprob [B, S], rank [B, S], top ids [B, S, MAX_LOGPROBS], top logprobs [B, S, MAX_LOGPROBS]
+        (whole on every device with several processes)."""
+        return self._head_scores(self.weights, streams, targets)
+
     def gather(self, x: jax.Array) -> jax.Array:
         """`x` whole on every device of the mesh (itself without a mesh)."""
         return x if self.mesh is None else self._gather(x)
@@ -366,7 +387,7 @@ class ModelRunner:
             jax.block_until_ready(out)
             self.warmup_logits[b] = out[0]  # as steps lay them out: the sampler warms up on these
             if s > 1:  # prompt logprobs come from prefill steps
-                jax.block_until_ready(self.all_logits(StepOutput(*out[:2], 0, (b, s))))
+                jax.block_until_ready(self.prompt_scores(out[1], np.zeros((b, s), np.int32)))
             if not before.is_deleted():
                 raise RuntimeError("the KV cache was not donated to the step: every step would copy it")
             seconds = time.perf_counter() - t0

@@ -348,6 +348,22 @@ def row_top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     return jax.lax.cond(jnp.any(jnp.isnan(block_sum)), lambda: tuple(jax.lax.top_k(x, k)), blocked)
 
 
+def prompt_scores(logits: jax.Array, targets: jax.Array, k: int
+                  ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """vLLM's prompt logprobs of each position's target (the next prompt token), on the device so
+    that only these leave it (a prefill chunk's logits are positions x vocab floats: 132 MB for 256
+    positions of the real vocabulary, which the host then had to rank under the engine's lock).
+    The target's logprob and rank (1 + the tokens with a larger logit: log-softmax keeps their
+    order), and the k most likely tokens (`row_top_k`: most likely first, ties by smaller id)
+    with their logprobs. [N, V] float32, [N] int32 ->
+    ([N] float32, [N] int32, [N, k] int32, [N, k] float32)"""
+    log_total = jax.nn.logsumexp(logits, axis=-1)  # [N]
+    target = jnp.take_along_axis(logits, targets[:, None], axis=-1)  # [N, 1]
+    ranks = jnp.sum(logits > target, axis=-1, dtype=jnp.int32) + 1
+    top_values, top_ids = row_top_k(logits, k)
+    return target[:, 0] - log_total, ranks, top_ids, top_values - log_total[:, None]
+
+
 def row_argmax(x: jax.Array) -> jax.Array:
     """`jnp.argmax(x, axis=-1)` as int32 (the first maximum; the first NaN): `row_top_k(x, 1)`
     (XLA:CPU's own argmax, a reduction over value-index pairs, takes 5.8 ms on [32, 129280]).
