@@ -268,9 +268,9 @@ class LLMEngine:
 
         With async scheduling the next step is scheduled and launched before this one's tokens
         reach the host (its rows read them on the device), so host work hides behind device work;
-        it completes in the next call. Requests with forced tokens need their last token on the
-        host to build the next step, so while any runs, steps go one at a time (a penalised row
-        reads its pending token on the device, as the step's tokens do)."""
+        it completes in the next call. A penalised row reads its pending token on the device, as
+        the step's tokens do; a forced token is known on the host and goes in directly (only a
+        request that is both forced and penalised makes steps go one at a time)."""
         launched = self.begin_step()
         return [] if launched is None else self.finish_step(launched)
 
@@ -301,7 +301,9 @@ class LLMEngine:
         return launched.sampled, launched.prompt_scores
 
     def _can_overlap(self) -> bool:
-        return not any(t.forced for t in self._tracked.values())
+        # A forced pending token would also have to replace the device-side placeholder of the
+        # row's penalty history: such (rare) requests run one step at a time.
+        return not any(t.forced and t.penalty_history is not None for t in self._tracked.values())
 
     def _launch(self, scheduled: SchedulerOutput, previous: _InFlight | None) -> _InFlight:
         """Dispatch a step and its sampling to the device; nothing waits for the results."""
@@ -312,7 +314,14 @@ class LLMEngine:
         if previous is not None:  # rows holding a placeholder read the previous step's sample
             for at, r in zip(position, rows):
                 if PLACEHOLDER in r.token_ids:
-                    source[at] = previous.position[r.request.request_id]
+                    # Armed forced tokens replace that sample when it is applied: the placeholder
+                    # is the one `finish_step` will emit for the previous step (nothing in between
+                    # changes what is forced), known here.
+                    forced = self._tracked[r.request.request_id].next_forced()
+                    if forced is None:
+                        source[at] = previous.position[r.request.request_id]
+                    else:
+                        tokens[at][tokens[at] == PLACEHOLDER] = forced
             if (source >= 0).any():
                 token_ids = self.device.call("fill", tokens, source, previous.sampled.token_ids)
         out = self.device.call("run", bucket, tokens, seqs, len(rows), token_ids)
