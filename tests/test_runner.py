@@ -55,7 +55,7 @@ def runner(model):
     # tests count compiles.
     for bucket in BUCKETS.prefill:
         streams = jax.eval_shape(runner._step, runner.weights, runner.cache, *runner.padding_step(bucket))[1]
-        runner.head(jnp.zeros(streams.shape, streams.dtype))
+        runner.head(np.zeros(streams.shape, streams.dtype))  # numpy: jnp.zeros would compile a fill
     return runner
 
 
@@ -145,6 +145,31 @@ def test_decode_completes_compression_windows_in_a_reused_slot(model, runner):
         assert relative_error(g, want) <= EXACT
     assert relative_error(rider.logits[0], full[0, :16]) <= EXACT
     assert runner.compiles.built == 0
+
+
+def test_prompt_scores_in_passes_equal_the_whole_steps_logits_scored_on_the_host(runner):
+    """Prompt logprobs score a prefill step's positions a pass at a time (`_head_scores`, bounded
+    memory): passes of 5 positions over a 2 x 16 step (the last pass padded), and the one pass
+    of the warmed-up executable, give the host scoring of `all_logits` (the whole step's logits)."""
+    import functools
+
+    from dsv4_jax.engine.engine import _prompt_scores
+    from dsv4_jax.engine.runner import _head_scores
+    from dsv4_jax.engine.sampling_params import MAX_LOGPROBS
+
+    rng = np.random.default_rng(4)
+    bucket = BUCKETS.prefill[0]
+    shape = jax.eval_shape(runner._step, runner.weights, runner.cache, *runner.padding_step(bucket))[1]
+    streams = rng.normal(size=shape.shape).astype(shape.dtype)
+    targets = rng.integers(0, CONFIG.vocab_size, size=bucket).astype(np.int32)
+    logits = np.asarray(runner.head(streams)).reshape(-1, CONFIG.vocab_size)
+    want = _prompt_scores(logits, targets.reshape(-1), MAX_LOGPROBS)
+    in_passes = jax.jit(functools.partial(_head_scores, runner.graphdef, runner.weights_def, positions=5))
+    for scores in (runner.prompt_scores(streams, targets), in_passes(runner.weights, streams, targets)):
+        logprob, rank, top_ids, top_logprobs = (np.asarray(x).reshape(len(logits), *x.shape[2:]) for x in scores)
+        assert rank.tolist() == want[1] and top_ids.tolist() == want[2]
+        np.testing.assert_allclose(logprob, want[0], atol=1e-5)
+        np.testing.assert_allclose(top_logprobs, want[3], atol=1e-5)
 
 
 def test_a_step_donates_the_cache(runner):

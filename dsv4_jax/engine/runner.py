@@ -132,13 +132,31 @@ def _head(graphdef, weights_def, weights, streams):
     return model.logits_from_streams(streams, model)
 
 
-def _head_scores(graphdef, weights_def, weights, streams, targets):
+# Positions one pass of the head scores for prompt logprobs: a pass holds its [positions, vocab]
+# float32 logits (1024 x 129,280: 0.5 GB), where the whole step's would be 4.2 GB for an 8192-token
+# prefill, outside what the KV planner leaves free.
+PROMPT_SCORE_POSITIONS = 1024
+
+
+def _head_scores(graphdef, weights_def, weights, streams, targets, *, positions=PROMPT_SCORE_POSITIONS):
     """`prompt_scores` of every position of a step's streams [B, S, hc, hidden] against targets
-    [B, S]: ([B, S], [B, S], [B, S, k], [B, S, k]) with k = MAX_LOGPROBS."""
-    logits = _head(graphdef, weights_def, weights, streams)  # [B, S, vocab] float32, never leaves the device
-    b, s, v = logits.shape
-    scores = prompt_scores(logits.reshape(b * s, v), targets.reshape(b * s), MAX_LOGPROBS)
-    return tuple(x.reshape(b, s, *x.shape[1:]) for x in scores)
+    [B, S], `positions` at a time: ([B, S], [B, S], [B, S, k], [B, S, k]), k = MAX_LOGPROBS."""
+    model = nnx.merge(graphdef, jax.tree.unflatten(weights_def, weights))
+    b, s = targets.shape
+    n = b * s
+    chunk = min(positions, n)
+    passes = -(-n // chunk)
+    rest = streams.shape[2:]  # (hc_mult, hidden)
+    flat = jnp.pad(streams.reshape(n, *rest), ((0, passes * chunk - n),) + ((0, 0),) * len(rest))
+    flat_targets = jnp.pad(targets.reshape(n), (0, passes * chunk - n))
+
+    def score(part):
+        part_streams, part_targets = part  # [chunk, hc, hidden], [chunk]: one position per row
+        logits = model.logits_from_streams(part_streams[:, None], model)[:, 0]  # [chunk, vocab] float32
+        return prompt_scores(logits, part_targets, MAX_LOGPROBS)
+
+    scores = jax.lax.map(score, (flat.reshape(passes, chunk, *rest), flat_targets.reshape(passes, chunk)))
+    return tuple(x.reshape(passes * chunk, *x.shape[2:])[:n].reshape(b, s, *x.shape[2:]) for x in scores)
 
 
 def _data_specs(tree):
@@ -212,6 +230,7 @@ class ModelRunner:
         self._rows = None if self.mesh is None else NamedSharding(self.mesh, P(DATA))
         self._head = jax.jit(functools.partial(_head, self.graphdef, weights_def),
                              out_shardings=replicated if jax.process_count() > 1 else None)
+        self.weights_def = weights_def  # the weights' tree structure (`weights` is its flat leaves)
         self._head_scores = jax.jit(functools.partial(_head_scores, self.graphdef, weights_def),
                                     out_shardings=replicated if jax.process_count() > 1 else None)
         self._gather = jax.jit(lambda x: x, out_shardings=replicated)
