@@ -22,8 +22,10 @@ logger = logging.getLogger("serve")
 
 
 class _Choice:
-    def __init__(self, index: int, echo: str | None, prompt_is_text: bool, skip_special_tokens: bool):
+    def __init__(self, index: int, echo: str | None, prompt_is_text: bool, skip_special_tokens: bool,
+                 prompt_tokens: int):
         self.index, self.echo = index, echo
+        self.prompt_tokens = prompt_tokens  # its own prompt's (a request may hold several prompts)
         self.prompt_is_text, self.skip_special_tokens = prompt_is_text, skip_special_tokens
         self.sent_chars = self.sent_tokens = 0
         self.text_offset = 0
@@ -94,7 +96,7 @@ async def create_completion(state: ServingState, body: Any):
     texts = TokenTexts(state.tokenizer, req.return_tokens_as_token_ids)
     echoes = [p if isinstance(p, str) else state.tokenizer.decode(p, skip_special_tokens=True) for p in req.prompts]
     choices = [_Choice(i, echoes[i // n] if req.echo else None, isinstance(req.prompts[i // n], str),
-                       req.params.skip_special_tokens) for i in range(len(prompts) * n)]
+                       req.params.skip_special_tokens, len(prompts[i // n])) for i in range(len(prompts) * n)]
     created = int(time.time())
     usage_prompt = sum(len(p) for p in prompts)  # each prompt once, whatever n is (as OpenAI)
     if req.stream:
@@ -129,8 +131,8 @@ async def _stream(req: CompletionRequest, request_id: str, created: int, generat
                     entry = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": choice.finish_reason}
                     if choice.finish_reason is not None:
                         entry["stop_reason"] = choice.stop_reason
-                    if req.continuous_usage:  # this choice's tokens so far (vLLM)
-                        yield {**head, "choices": [entry], "usage": usage(usage_prompt, choice.sent_tokens)}
+                    if req.continuous_usage:  # this choice's prompt and tokens so far (vLLM)
+                        yield {**head, "choices": [entry], "usage": usage(choice.prompt_tokens, choice.sent_tokens)}
                     else:
                         yield {**head, "choices": [entry], **({"usage": None} if req.include_usage else {})}
     finally:

@@ -207,24 +207,27 @@ def test_continuous_usage_stats_put_each_choices_usage_so_far_in_every_chunk(ser
     chat = _sse(_http(server, "POST", "/v1/chat/completions", json={
         "model": NAME, "messages": HELLO, "max_tokens": 5, "n": 2, "temperature": 1.0, "seed": 3, "logprobs": True,
         "ignore_eos": True, "stream": True, "stream_options": options}))
+    # Two prompts x n = 2: choices 0, 1 are the first prompt's (4 tokens), 2, 3 the second's (2).
     text = _sse(_http(server, "POST", "/v1/completions", json={
-        "model": NAME, "prompt": [0, 7, 8, 9], "max_tokens": 5, "n": 2, "temperature": 1.0, "seed": 3,
+        "model": NAME, "prompt": [[0, 7, 8, 9], [0, 5]], "max_tokens": 5, "n": 2, "temperature": 1.0, "seed": 3,
         "logprobs": 0, "ignore_eos": True, "stream": True, "stream_options": options}))
-    for events, prompt in ((chat, None), (text, 4)):
+    chat_prompt = chat[-1]["usage"]["prompt_tokens"]
+    for events, prompts in ((chat, [chat_prompt] * 2), (text, [4, 4, 2, 2])):
         *chunks, last = events
-        prompt = prompt or last["usage"]["prompt_tokens"]
-        assert last["choices"] == [] and last["usage"] == {"prompt_tokens": prompt, "completion_tokens": 10,
-                                                             "total_tokens": prompt + 10}
-        so_far = [0, 0]
+        completion = 5 * len(prompts)
+        prompt = chat_prompt if events is chat else 6  # each prompt once in the last chunk
+        assert last["choices"] == [] and last["usage"] == {"prompt_tokens": prompt, "completion_tokens": completion,
+                                                             "total_tokens": prompt + completion}
+        so_far = [0] * len(prompts)
         for chunk in chunks:
             (choice,) = chunk["choices"]
-            logprobs = choice["logprobs"]
+            i, logprobs = choice["index"], choice["logprobs"]
             # one logprobs entry per token: the tokens this chunk adds to its choice
-            so_far[choice["index"]] += len(logprobs["content"] if "content" in (logprobs or {}) else
-                                           (logprobs or {}).get("tokens", []))
-            assert chunk["usage"] == {"prompt_tokens": prompt, "completion_tokens": so_far[choice["index"]],
-                                      "total_tokens": prompt + so_far[choice["index"]]}
-        assert so_far == [5, 5]
+            so_far[i] += len(logprobs["content"] if "content" in (logprobs or {}) else
+                             (logprobs or {}).get("tokens", []))
+            assert chunk["usage"] == {"prompt_tokens": prompts[i], "completion_tokens": so_far[i],
+                                      "total_tokens": prompts[i] + so_far[i]}
+        assert so_far == [5] * len(prompts)
     assert chat[0]["choices"][0]["delta"]["role"] == "assistant" and chat[0]["usage"]["completion_tokens"] == 0
 
 
