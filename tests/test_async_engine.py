@@ -8,7 +8,6 @@ import asyncio
 import pytest
 
 from dsv4_jax import LLM, SamplingParams
-from dsv4_jax.engine import async_engine
 from dsv4_jax.engine.async_engine import AsyncLLMEngine, EngineDeadError, StepFailedError
 from dsv4_jax.presets import get_config
 from dsv4_jax.testing import write_random_checkpoint
@@ -167,7 +166,10 @@ def test_a_request_added_while_the_step_thread_fails_is_refused_not_left_hanging
     request must be refused then: added after the failure, no thread would ever serve it."""
     import threading
 
-    monkeypatch.setattr(async_engine, "MAX_FAILED_STEPS", 1)  # the first failure stops the engine
+    def broken_probe():  # the padding step after the reset fails too: the engine stops for good
+        raise RuntimeError("the device is gone")
+
+    monkeypatch.setattr(llm.engine, "probe", broken_probe)
 
     contended, release, in_finish = threading.Event(), threading.Event(), threading.Event()
 
@@ -238,60 +240,103 @@ def _failing_steps(llm, failures: int):
 
 
 def test_a_failed_step_fails_its_requests_and_the_engine_serves_on(llm):
-    """A step that raises costs the requests the engine held (StepFailedError), not the engine:
-    it resets, frees everything, and the next request gets exactly the synchronous engine's tokens."""
-    (expected,) = llm.generate([{"prompt_token_ids": PROMPTS[4]}], GREEDY, use_tqdm=False)
+    """A step that raises costs the requests it may have touched (StepFailedError), not the
+    engine: it resets and frees everything; requests that never ran (added while the failing step
+    was on the device) stay queued and, like a request added afterwards, get exactly the
+    synchronous engine's tokens."""
+    import threading
+
+    expected = [o.outputs[0].token_ids for o in
+                llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)]
+    parked, release = threading.Event(), threading.Event()
+
+    async def main():
+        engine = AsyncLLMEngine(llm.engine)
+        real_wait = engine._wait
+
+        def held(launched):  # the first step stays "on the device" until the others are added
+            parked.set()
+            assert release.wait(30)
+            real_wait(launched)
+
+        engine._wait = held
+        await engine.start()
+        _failing_steps(llm, 1)
+        first = engine.add_request("first", PROMPTS[0], GREEDY)
+        assert await asyncio.to_thread(parked.wait, 30)  # launched: the failing step holds it
+        waiting = [engine.add_request(f"w{i}", PROMPTS[i], GREEDY) for i in range(1, 5)]
+        release.set()
+        with pytest.raises(StepFailedError, match="injected step failure"):
+            async for _ in first:
+                pass
+        kept = [[o async for o in stream][-1] for stream in waiting]
+        after = [o async for o in engine.generate("after", PROMPTS[5], GREEDY)]
+        accepting = engine.accepting
+        await engine.shutdown()
+        return kept, after, accepting
+
+    try:
+        kept, after, accepting = asyncio.run(main())
+    finally:
+        del llm.engine.finish_step
+    assert accepting
+    assert [o.outputs[0].token_ids for o in kept] == expected[1:5]
+    assert after[-1].finished and after[-1].outputs[0].token_ids == expected[5]
+    assert _free_state(llm) == (0, 0, 0.0) and not llm.engine.has_unfinished()
+
+
+def test_a_request_that_fails_every_time_cannot_stop_the_engine(llm):
+    """A client resending a request whose steps always fail (an OpenAI SDK retries a 500 twice):
+    each attempt fails alone, the padding step after each reset passes, and the engine serves on."""
+    async def main():
+        engine = AsyncLLMEngine(llm.engine)
+        await engine.start()
+        _failing_steps(llm, 5)
+        seen = []
+        for attempt in range(5):
+            try:
+                async for _ in engine.generate(f"poison{attempt}", PROMPTS[0], GREEDY):
+                    pass
+            except StepFailedError as error:
+                seen.append(error)
+        after = [o async for o in engine.generate("after", PROMPTS[1], GREEDY)]
+        accepting = engine.accepting
+        await engine.shutdown()
+        return seen, after, accepting
+
+    try:
+        seen, after, accepting = asyncio.run(main())
+    finally:
+        del llm.engine.finish_step
+    assert len(seen) == 5 and accepting and after[-1].finished and len(after[-1].outputs[0].token_ids) == 12
+    assert _free_state(llm) == (0, 0, 0.0) and not llm.engine.has_unfinished()
+
+
+def test_when_the_engine_cannot_run_a_step_after_a_failure_it_stops_for_good(llm, monkeypatch):
+    """A failed step whose padding step fails too (a lost device, a broken cache): the engine
+    stops (EngineDeadError for what it held and for new requests; the server's /health turns
+    503), rather than failing every request forever while looking healthy."""
+    def broken_probe():
+        raise RuntimeError("the device is gone")
 
     async def main():
         engine = AsyncLLMEngine(llm.engine)
         await engine.start()
         _failing_steps(llm, 1)
-        held = [engine.add_request(f"held{i}", PROMPTS[i], GREEDY) for i in range(2)]
-        errors = []
-        for stream in held:
-            with pytest.raises(StepFailedError, match="injected step failure") as info:
-                async for _ in stream:
-                    pass
-            errors.append(info.value)
-        after = [o async for o in engine.generate("after", PROMPTS[4], GREEDY)]
-        accepting = engine.accepting
-        await engine.shutdown()
-        return errors, after, accepting
-
-    try:
-        errors, after, accepting = asyncio.run(main())
-    finally:
-        del llm.engine.finish_step
-    assert len(errors) == 2 and accepting
-    assert after[-1].finished and after[-1].outputs[0].token_ids == expected.outputs[0].token_ids
-    assert _free_state(llm) == (0, 0, 0.0) and not llm.engine.has_unfinished()
-
-
-def test_failed_steps_in_a_row_stop_the_engine_for_good(llm):
-    """MAX_FAILED_STEPS failures with no step succeeding between (a lost device, say): the engine
-    stops (EngineDeadError for what it held and for new requests; the server's /health turns
-    503), rather than failing every request forever while looking healthy."""
-    async def main():
-        engine = AsyncLLMEngine(llm.engine)
-        await engine.start()
-        _failing_steps(llm, 10**6)
-        seen = []
-        for i in range(async_engine.MAX_FAILED_STEPS):
-            try:
-                async for _ in engine.generate(f"r{i}", PROMPTS[i], GREEDY):
-                    pass
-            except (StepFailedError, EngineDeadError) as error:
-                seen.append(type(error))
+        monkeypatch.setattr(llm.engine, "probe", broken_probe)
+        with pytest.raises(EngineDeadError, match="the device is gone"):
+            async for _ in engine.generate("r", PROMPTS[0], GREEDY):
+                pass
         with pytest.raises(EngineDeadError, match="injected step failure"):
-            engine.add_request("late", PROMPTS[0], GREEDY)
+            engine.add_request("late", PROMPTS[1], GREEDY)
         accepting = engine.accepting
         await engine.shutdown(grace_seconds=0.0)
-        return seen, accepting
+        return accepting
 
     try:
-        seen, accepting = asyncio.run(main())
+        accepting = asyncio.run(main())
     finally:
         del llm.engine.finish_step
-        llm.engine.reset()  # what the last failed step left scheduled
-    assert seen == [StepFailedError] * (async_engine.MAX_FAILED_STEPS - 1) + [EngineDeadError] and not accepting
+        llm.engine.reset()  # what the failed step left scheduled
+    assert not accepting
     assert _free_state(llm) == (0, 0, 0.0) and not llm.engine.has_unfinished()

@@ -36,6 +36,7 @@ from dsv4_jax.chat import (
     encode_messages,
 )
 from dsv4_jax.engine import engine as engine_module
+from dsv4_jax.engine import runner as runner_module
 from dsv4_jax.engine.compiles import CompileCounter
 from dsv4_jax.engine.llm import default_buckets
 from dsv4_jax.engine.request import ForcedTokens
@@ -436,8 +437,8 @@ def test_forced_requests_overlap_steps_and_give_the_synchronous_outputs(llm, gre
     directly instead of waiting for the previous step: requests forced from their first token and
     after an arming token, beside ordinary ones, give one-step-at-a-time's outputs while steps
     overlap. A request both forced and penalised (its penalty history would need the forced
-    token on the device) runs its steps one at a time until its forced tokens are out, with the
-    same outputs."""
+    token on the device) runs its steps one at a time while its forced tokens are armed and not
+    all out, with the same outputs; before they are armed its steps overlap."""
     prompt, free = greedy_run
     arming = 3 if free.token_ids[3] not in free.token_ids[:3] else free.token_ids.index(free.token_ids[3])
     greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
@@ -448,6 +449,11 @@ def test_forced_requests_overlap_steps_and_give_the_synchronous_outputs(llm, gre
                                                           logprobs=2), ForcedTokens((10,)))]
     penalised = ("penalised", _prompt(44, 6), SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True,
                                                              logprobs=2, frequency_penalty=0.5), ForcedTokens((11, 12)))
+    # Forced after a token its bias rules out: never armed, so its pending tokens are samples.
+    unarmed = ("unarmed", _prompt(45, 6), SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=2,
+                                                         frequency_penalty=0.5, logit_bias={13: -100.0}),
+               ForcedTokens((11, 12), after_token=13))
+
     def run(batch):
         """Final outputs by id, and per step whether a launched step was left in flight (steps
         overlapped) and whether a forced, penalised request was running then."""
@@ -457,29 +463,32 @@ def test_forced_requests_overlap_steps_and_give_the_synchronous_outputs(llm, gre
         while llm.engine.has_unfinished():
             done.update((o.request_id, o.outputs[0]) for o in llm.engine.step() if o.finished)
             tracked = llm.engine._tracked.values()
-            steps.append((llm.engine._in_flight is not None, any(t.forced and t.penalty_history for t in tracked),
+            steps.append((llm.engine._in_flight is not None,
+                          any(t.forced and t.forced_after is None and t.penalty_history for t in tracked),
                           any(t.forced for t in tracked)))
         _assert_idle(llm)
         return done, steps
 
-    for batch in (requests, [penalised]):
+    for name, batch in (("mixed", requests), ("penalised", [penalised]), ("unarmed", [unarmed])):
         runs = {}
         for mode in (False, True):
             monkeypatch.setattr(llm.engine, "async_scheduling", mode)
             runs[mode], steps = run(batch)
             assert any(overlapped for overlapped, _, _ in steps) == mode  # steps overlapped in async mode
-            assert not any(overlapped and held for overlapped, held, _ in steps)  # never beside a forced penalised one
-            if batch is requests:  # ... and while forced tokens were still to come
+            # never beside an armed, forced, penalised request
+            assert not any(overlapped and held for overlapped, held, _ in steps)
+            if name != "penalised":  # ... and while forced tokens (armed or not) were still to come
                 assert any(overlapped and forced for overlapped, _, forced in steps) == mode
         for rid, _, params, forced in batch:
             a, b = runs[False][rid], runs[True][rid]
             assert_same_under_gap_rule(a, b, greedy=params.temperature == 0)
             assert len(b.token_ids) == params.max_tokens
-            if forced is None:
+            if rid == "unarmed":
+                assert 13 not in b.token_ids  # never armed
+            if forced is None or rid == "unarmed":
                 continue
             start = 0 if forced.after_token is None else b.token_ids.index(forced.after_token) + 1
             assert tuple(b.token_ids[start : start + len(forced.token_ids)]) == forced.token_ids, rid
-    assert runs[True]["penalised"].token_ids[:2] == [11, 12]
 
 
 def test_forced_tokens_replace_samples_from_the_token_after_the_arming_one(llm, greedy_run):
@@ -533,7 +542,8 @@ def test_each_streamed_output_keeps_the_tokens_it_had(llm, greedy_run):
 def test_an_interrupted_generate_leaves_the_engine_serving(llm, greedy_run, monkeypatch):
     """Ctrl-C in a notebook lands anywhere in a step: here while a step's tokens are fetched (with
     the next step launched: async scheduling), then right after a step call consumed the cache it
-    was donated. Each time the next generate must run as on a fresh engine."""
+    was donated; last, a cache that cannot be read. Each time the next generate must run as on a
+    fresh engine."""
     prompt, greedy = greedy_run
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     real_get, fetches = engine_module.jax.device_get, []
@@ -562,6 +572,22 @@ def test_an_interrupted_generate_leaves_the_engine_serving(llm, greedy_run, monk
     with pytest.raises(KeyboardInterrupt):
         _generate(llm, [prompt], params)
     monkeypatch.undo()
+    (after,) = _generate(llm, [prompt], params)
+    assert after.outputs[0].token_ids == greedy.token_ids
+    _assert_idle(llm)
+
+    # A GPU reports a failed step's error when its outputs are read, so the cache it returned
+    # looks alive but cannot be read: reset() allocates it again, and the padding step passes.
+    broken_cache = llm.engine.runner.cache
+
+    def unreadable(x):
+        raise RuntimeError("an asynchronous device error")
+
+    monkeypatch.setattr(runner_module.jax, "block_until_ready", unreadable)
+    llm.engine.reset()
+    monkeypatch.undo()
+    assert llm.engine.runner.cache is not broken_cache
+    llm.engine.probe()
     (after,) = _generate(llm, [prompt], params)
     assert after.outputs[0].token_ids == greedy.token_ids
     _assert_idle(llm)

@@ -525,8 +525,8 @@ def test_row_top_k_is_lax_top_k_with_ties_infs_and_nans():
 def test_prompt_scores_on_the_device_equal_the_hosts():
     """`prompt_scores` (prefill steps' prompt logprobs, on the device) gives the entries of the
     engine's host scoring (`engine._prompt_scores`, float64 normalisation, numpy's order) on rows
-    with many ties, -inf entries and targets that tie with better-ranked tokens: the same ranks
-    and top ids (ties by smaller id), logprobs within float32 rounding."""
+    with many ties, -inf entries, a NaN and targets that tie with better-ranked tokens: the same
+    ranks and top ids (ties by smaller id), logprobs within float32 rounding."""
     from dsv4_jax.engine.engine import _prompt_scores
 
     rng = np.random.default_rng(12)
@@ -534,6 +534,7 @@ def test_prompt_scores_on_the_device_equal_the_hosts():
     logits = (np.round(rng.normal(size=(n, vocab)) * 4) / 4).astype(np.float32)  # many ties
     logits[1, rng.choice(vocab, 50, replace=False)] = -np.inf
     logits[2, :40] = 7.0  # more tied best entries than MAX_LOGPROBS
+    logits[4, 500] = np.nan  # a broken row: the NaN ranks first and the logprobs are NaN, no error
     targets = rng.integers(0, vocab, n).astype(np.int32)
     targets[2] = 25  # tied with the best
     targets[3] = int(np.argmax(logits[3]))
@@ -541,6 +542,6 @@ def test_prompt_scores_on_the_device_equal_the_hosts():
         logits, targets, MAX_LOGPROBS))
     want_logprob, want_rank, want_ids, want_top = _prompt_scores(logits, targets, MAX_LOGPROBS)
     assert rank.tolist() == want_rank and top_ids.tolist() == want_ids
-    assert rank[2] == 1 and top_ids[2].tolist() == list(range(MAX_LOGPROBS))
+    assert rank[2] == 1 and top_ids[2].tolist() == list(range(MAX_LOGPROBS)) and top_ids[4, 0] == 500
     np.testing.assert_allclose(logprob, want_logprob, atol=2e-6)
     np.testing.assert_allclose(top_logprobs, want_top, atol=2e-6)

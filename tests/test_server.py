@@ -459,7 +459,7 @@ def test_a_failed_engine_step_is_a_500_for_its_requests_and_the_server_serves_on
             del engine.finish_step
     error = plain.json()["error"]
     assert plain.status_code == 500 and error["type"] == "internal_server_error"
-    assert "injected step failure" in error["message"] and "retry" in error["message"]
+    assert "injected step failure" in error["message"] and "dropped" in error["message"]
     events = [line[6:] for line in streamed.text.splitlines() if line.startswith("data: ")]
     assert streamed.status_code == 200 and events[-1] == "[DONE]"
     assert "injected step failure" in json.loads(events[-2])["error"]["message"]

@@ -13,10 +13,12 @@ that disconnects) aborts its request. `shutdown` stops accepting, lets running r
 aborts the rest and joins the thread.
 
 A step that fails (an exception in the model, the sampler or the host's bookkeeping) fails the
-requests the engine held with `StepFailedError`, resets the engine and serves on: one bad batch
-costs its requests, not the server. Only `MAX_FAILED_STEPS` failures in a row (a lost device, a
-broken build: nothing would ever succeed) stop the engine for good (`EngineDeadError`; the
-server's /health then answers 503 so that a supervisor restarts it).
+requests it may have touched with `StepFailedError` (those that never ran stay queued), resets
+the engine, and runs one step of padding rows: if that works, the engine serves on, so one bad
+batch costs its requests, not the server (and a client that resends a request that fails every
+time cannot stop it). If the reset or that step fails too (a lost device, a broken cache), the
+engine stops for good (`EngineDeadError`; the server's /health then answers 503 so that a
+supervisor restarts it).
 """
 
 from __future__ import annotations
@@ -34,9 +36,6 @@ from dsv4_jax.engine.request import ForcedTokens
 from dsv4_jax.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-
-MAX_FAILED_STEPS = 3  # failed steps in a row (none succeeding between) after which the engine stops
 
 
 class EngineDeadError(RuntimeError):
@@ -80,7 +79,6 @@ class AsyncLLMEngine:
         self._thread: threading.Thread | None = None
         self._accepting = False
         self._stop = False
-        self._failed_in_a_row = 0
         self.error: BaseException | None = None
 
     # ---- life cycle -------------------------------------------------------------------------------
@@ -203,7 +201,6 @@ class AsyncLLMEngine:
                     if self._step_failed(error):
                         continue
                     return
-                self._failed_in_a_row = 0
                 deliveries = [(self._queues.get(o.request_id), o) for o in outputs]
                 for out in outputs:
                     if out.finished:
@@ -216,23 +213,24 @@ class AsyncLLMEngine:
         jax.block_until_ready(self.engine.device_outputs(launched))
 
     def _step_failed(self, error: BaseException) -> bool:
-        """Under the lock, after a step raised: fail every request the engine held and reset it for
-        new ones. False when the engine must stop instead (too many failures in a row, or the
-        reset failed too): then every request fails with `EngineDeadError` and none is accepted."""
-        self._failed_in_a_row += 1
-        logger.error("engine step failed (%d in a row)", self._failed_in_a_row, exc_info=error)
-        if self._failed_in_a_row < MAX_FAILED_STEPS:
-            try:
-                self.engine.reset()
-            except BaseException as reset_error:  # noqa: BLE001 - the engine stops below
-                logger.error("resetting the engine after a failed step failed", exc_info=reset_error)
-                error = reset_error
-            else:
-                self._fail_all(StepFailedError(f"engine step failed: {error!r}; the request was dropped, retry it"))
-                return True
-        self.error = error
-        self._fail_all(EngineDeadError(f"engine step failed: {error!r}"))
-        return False
+        """Under the lock, after a step raised: fail the requests it may have touched, reset the
+        engine and check that it still runs a step. False when it cannot (the reset or the check
+        failed too): then every request fails with `EngineDeadError` and none is accepted."""
+        logger.error("engine step failed", exc_info=error)
+        try:
+            aborted = self.engine.reset(keep_waiting=True)
+            self.engine.probe()
+        except BaseException as broken:  # noqa: BLE001 - the engine stops below
+            logger.error("the engine cannot run a step after a failed one: stopping", exc_info=broken)
+            self.error = EngineDeadError(f"engine step failed: {error!r}; then {broken!r}")
+            self._fail_all(self.error)
+            return False
+        failure = StepFailedError(f"engine step failed: {error!r}; the request was dropped")
+        for request_id in aborted:
+            queue = self._queues.pop(request_id, None)
+            if queue is not None:
+                self._loop.call_soon_threadsafe(queue.put, failure)
+        return True
 
     def _fail_all(self, error: BaseException) -> None:
         for request_id, queue in list(self._queues.items()):

@@ -108,6 +108,12 @@ class _Tracked:
                              [completion], status.finished)
 
 
+def _never_ran(request: Request) -> bool:
+    """Waiting and never scheduled: no step has held it (a preempted request has run)."""
+    return (request.status is RequestStatus.WAITING and request.num_computed_tokens == 0
+            and not request.output_token_ids and request.num_preemptions == 0)
+
+
 def _prompt_scores(logits: np.ndarray, targets: np.ndarray, k: int) -> tuple[list, list, list, list]:
     """Logprob and rank of each position's next prompt token, and its k most likely tokens (most
     likely first, ties by smaller id) with their logprobs. `logits` [positions, vocab] float32,
@@ -120,15 +126,16 @@ def _prompt_scores(logits: np.ndarray, targets: np.ndarray, k: int) -> tuple[lis
     log_total = peak[:, 0].astype(np.float64) + np.log(np.exp(logits - peak).sum(-1, dtype=np.float64))
     target = np.take_along_axis(logits, targets[:, None], axis=-1)  # [positions, 1]
     ranks = (logits > target).sum(-1) + 1
+    key = np.where(np.isnan(logits), np.inf, logits)  # a NaN ranks first, as in lax.top_k
     if k:
         # The entries above the k-th largest value, then the smallest ids among those equal to it.
-        kth = -np.partition(-logits, k - 1, axis=-1)[:, k - 1 : k]
-        tied = logits == kth
-        chosen = (logits > kth) | (tied & (np.cumsum(tied, axis=-1) <= k - (logits > kth).sum(-1, keepdims=True)))
+        kth = -np.partition(-key, k - 1, axis=-1)[:, k - 1 : k]
+        tied = key == kth
+        chosen = (key > kth) | (tied & (np.cumsum(tied, axis=-1) <= k - (key > kth).sum(-1, keepdims=True)))
         top = np.nonzero(chosen)[1].reshape(len(targets), k)
     else:
         top = np.zeros((len(targets), 0), np.int64)
-    order = np.lexsort((top, -np.take_along_axis(logits, top, axis=-1)), axis=-1)
+    order = np.lexsort((top, -np.take_along_axis(key, top, axis=-1)), axis=-1)
     top = np.take_along_axis(top, order, axis=-1)
     top_logprobs = np.take_along_axis(logits, top, axis=-1).astype(np.float64) - log_total[:, None]
     return ((target[:, 0] - log_total).tolist(), ranks.tolist(), top.tolist(), top_logprobs.tolist())
@@ -176,6 +183,7 @@ class LLMEngine:
             "run": self.runner.run,
             "sample": self.sampler,
             "prompt_scores": self.runner.prompt_scores,
+            "probe": self.runner.probe,
             "gather": self.runner.gather,
         }, passed_on=frozenset({"fill", "run", "sample"}))
         self._tracked: dict[str, _Tracked] = {}
@@ -248,19 +256,35 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return bool(self._tracked)
 
-    def reset(self) -> list[str]:
+    def reset(self, keep_waiting: bool = False) -> list[str]:
         """After a step failed part-way (an exception, Ctrl-C in a notebook): abort every request
         and forget the launched step and the scheduler's steps not applied, so that the engine
         serves new requests again (without this, the next step would find a step it never
-        updated). Returns the ids aborted. Steps still running on the device finish first (the
-        cache is passed from step to step), so a new request never reads what they write late."""
-        aborted = list(self._tracked)
-        for request_id in aborted:
-            self.abort(request_id)
+        updated). With `keep_waiting`, requests that never ran (waiting, nothing computed, no
+        output: no failed step held them) are queued again as they came instead. Returns the ids
+        aborted. Steps still running on the device finish first (the cache is passed from step to
+        step), so a new request never reads what they write late."""
+        kept = {rid: t for rid, t in self._tracked.items() if keep_waiting and _never_ran(t.request)}
+        aborted = [rid for rid in self._tracked if rid not in kept]
+        for request_id in list(self._tracked):
+            try:
+                self.abort(request_id)
+            except Exception:  # noqa: BLE001 - its own state broke (perhaps what failed the step)
+                logger.exception("aborting %s after a failed step", request_id)
+                self._tracked.pop(request_id, None)
+                self.scheduler.abort(request_id)
         self._in_flight = None
         self.scheduler.drop_pending()
         self.runner.ensure_cache()
+        for t in kept.values():
+            forced = None if t.forced is None else ForcedTokens(tuple(t.forced), t.forced_after)
+            self.add_request(t.request.request_id, t.prompt_token_ids, t.params, prompt=t.prompt, forced=forced)
         return aborted
+
+    def probe(self) -> None:
+        """One step of padding rows, waited for: raises when the engine can no longer run a step
+        (a lost device, a broken cache), as opposed to a step that failed over its requests."""
+        self.device.call("probe")
 
     # ---- one step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -303,7 +327,9 @@ class LLMEngine:
     def _can_overlap(self) -> bool:
         # A forced pending token would also have to replace the device-side placeholder of the
         # row's penalty history: such (rare) requests run one step at a time.
-        return not any(t.forced and t.penalty_history is not None for t in self._tracked.values())
+        # Before its forced tokens are armed, such a request's pending token is a sample like any other.
+        return not any(t.forced and t.forced_after is None and t.penalty_history is not None
+                       for t in self._tracked.values())
 
     def _launch(self, scheduled: SchedulerOutput, previous: _InFlight | None) -> _InFlight:
         """Dispatch a step and its sampling to the device; nothing waits for the results."""

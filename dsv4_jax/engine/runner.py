@@ -251,9 +251,24 @@ class ModelRunner:
         """A fresh cache if a step call consumed this one without returning its successor (the
         call is donated its cache: an exception, or Ctrl-C, between the call and the assignment).
         Nothing the cache held is needed then: every request was aborted (LLMEngine.reset)."""
-        if any(leaf.is_deleted() for leaf in jax.tree.leaves(self.cache)):
-            logger.warning("the KV cache was consumed by a step that did not complete: allocating it again")
+        leaves = jax.tree.leaves(self.cache)
+        lost = any(leaf.is_deleted() for leaf in leaves)
+        if not lost:
+            try:
+                jax.block_until_ready(leaves)
+            except Exception:  # noqa: BLE001 - a device error a GPU reports only when the buffer is read
+                lost = True
+        if lost:
+            logger.warning("the KV cache was consumed or broken by a step that did not complete: allocating it again")
             self.cache = self._new_cache()
+
+    def probe(self) -> None:
+        """One step of padding rows (it reads and writes nothing) in the smallest bucket, waited
+        for: raises when the device or the cache can no longer run a step (after a failed step)."""
+        rank_rows, s = min(self.buckets.all, key=lambda bucket: bucket[0] * bucket[1])
+        out = self._step(self.weights, self.cache, *self._put(self.padding_step((rank_rows * self.dp, s))))
+        self.cache = out[2]
+        jax.block_until_ready(out)
 
     # ---- host batches -------------------------------------------------------------------------
     def build(self, rows: Sequence[StepRow]) -> tuple[tuple[int, int], np.ndarray, StepSequences]:
