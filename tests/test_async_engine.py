@@ -239,6 +239,14 @@ def _failing_steps(llm, failures: int):
     llm.engine.finish_step = finish_step
 
 
+async def _served_after(engine, prompt):
+    """A request served after the failures, and whether the engine accepts requests; then shut down."""
+    after = [o async for o in engine.generate("after", prompt, GREEDY)]
+    accepting = engine.accepting
+    await engine.shutdown()
+    return after, accepting
+
+
 def test_a_failed_step_fails_its_requests_and_the_engine_serves_on(llm):
     """A step that raises costs the requests it may have touched (StepFailedError), not the
     engine: it resets and frees everything; requests that never ran (added while the failing step
@@ -270,10 +278,7 @@ def test_a_failed_step_fails_its_requests_and_the_engine_serves_on(llm):
             async for _ in first:
                 pass
         kept = [[o async for o in stream][-1] for stream in waiting]
-        after = [o async for o in engine.generate("after", PROMPTS[5], GREEDY)]
-        accepting = engine.accepting
-        await engine.shutdown()
-        return kept, after, accepting
+        return (kept, *await _served_after(engine, PROMPTS[5]))
 
     try:
         kept, after, accepting = asyncio.run(main())
@@ -299,10 +304,7 @@ def test_a_request_that_fails_every_time_cannot_stop_the_engine(llm):
                     pass
             except StepFailedError as error:
                 seen.append(error)
-        after = [o async for o in engine.generate("after", PROMPTS[1], GREEDY)]
-        accepting = engine.accepting
-        await engine.shutdown()
-        return seen, after, accepting
+        return (seen, *await _served_after(engine, PROMPTS[1]))
 
     try:
         seen, after, accepting = asyncio.run(main())
