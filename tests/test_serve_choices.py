@@ -419,7 +419,7 @@ def test_completion_text_offsets_index_the_echoed_and_generated_text(tokenizer, 
     texts = TokenTexts(tokenizer, as_token_ids=False)
     results = []
     for feed in (outputs, outputs[-1:], outputs[::3] + outputs[-1:]):
-        choice = _Choice(0, echo, not token_prompt, skip_special_tokens=True)
+        choice = _Choice(0, echo, not token_prompt, skip_special_tokens=True, prompt_tokens=len(prompt_ids))
         pieces = [choice.advance(out, texts, 1) for out in feed]
         results.append(("".join(text for text, _ in pieces), choice.logprobs))
     assert results[1] == results[0] == results[2]
@@ -484,7 +484,7 @@ def test_a_slow_reader_gets_only_the_newest_output_of_each_choice(tokenizer):
 
     async def read() -> tuple[list[int], list[_Choice]]:
         generation = Generation(state, "cmpl", [[0]], SamplingParams(n=2, logprobs=1))
-        choices = [_Choice(i, None, False, True) for i in range(2)]
+        choices = [_Choice(i, None, False, True, 1) for i in range(2)]
         delivered = [0, 0]
         async for index, out in generation.outputs():
             delivered[index] += 1
@@ -495,7 +495,7 @@ def test_a_slow_reader_gets_only_the_newest_output_of_each_choice(tokenizer):
 
     delivered, choices = asyncio.run(read())
     assert all(count <= len(generated) // 5 for count in delivered), delivered
-    every = _Choice(0, None, False, True)
+    every = _Choice(0, None, False, True, 1)
     for out in engine.outputs:
         every.advance(out, texts, 1)
     for choice in choices:
