@@ -129,6 +129,7 @@ class ServerArgs:
     generation_config: str  # "auto", "vllm" or a folder holding generation_config.json
     uvicorn_log_level: str
     default_chat_template_kwargs: dict[str, Any] | None
+    enable_force_include_usage: bool
     max_logprobs: int
     max_waiting_requests: int
     no_web_ui: bool
@@ -296,6 +297,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("--default-chat-template-kwargs", type=_json_object, default=None, metavar="JSON",
         help="a JSON object of chat-template arguments for every request, e.g. '{\"thinking\": false}' "
              "(default: None)")
+    add("--enable-force-include-usage", action="store_true",
+        help="every streamed response carries usage: in each chunk (the usage so far) and in a last chunk, "
+             "whatever the request's stream_options say (default: off)")
     add("--max-logprobs", type=_max_logprobs, default=MAX_LOGPROBS,
         help=f"top logprobs a request may ask for, 0..{MAX_LOGPROBS} (default: %(default)s)")
     add("--max-waiting-requests", type=_positive_int, default=1024,
@@ -422,6 +426,7 @@ def parse_args(argv: Sequence[str] | None = None) -> ServerArgs:
         generation_config=namespace.generation_config,
         uvicorn_log_level=namespace.uvicorn_log_level,
         default_chat_template_kwargs=namespace.default_chat_template_kwargs,
+        enable_force_include_usage=namespace.enable_force_include_usage,
         max_logprobs=namespace.max_logprobs,
         max_waiting_requests=namespace.max_waiting_requests,
         no_web_ui=namespace.no_web_ui,

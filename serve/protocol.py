@@ -21,6 +21,7 @@ is a drop-in for `vllm serve`. The points checked there:
 * `stream_options` only with `stream: true`; given, its `include_usage` defaults to true (vLLM);
   `continuous_usage_stats` with `include_usage` puts the usage so far in every chunk (vLLM's
   `should_include_usage`: the choice's own completion tokens; the last chunk sums the choices).
+  The server's `--enable-force-include-usage` turns both on for every stream.
 * tools: no `tool_choice` with non-empty `tools` means "auto" (OpenAI, vLLM's `check_tool_usage`),
   and vLLM refuses that implicit "auto" too unless auto tool choice is enabled on the server
   (`serving_chat.py` tests the resolved value). `tool_choice` other than "none" needs `tools`;
@@ -102,6 +103,7 @@ class ServerLimits:
     max_n: int = 16
     enable_auto_tool_choice: bool = False
     reasoning_parser: str | None = None
+    force_include_usage: bool = False  # --enable-force-include-usage: every stream carries usage, continuously
     default_sampling: Mapping[str, Any] = field(default_factory=dict)
     default_chat_template_kwargs: Mapping[str, Any] = field(default_factory=dict)
 
@@ -344,16 +346,20 @@ def _ignored(body: dict, known: frozenset[str]) -> tuple[str, ...]:
     return tuple(name for name in body if name not in known)
 
 
-def _stream(body: dict) -> tuple[bool, bool, bool]:
-    """(stream, include_usage, continuous usage: only with include_usage, as vLLM)."""
+def _stream(body: dict, force_include_usage: bool) -> tuple[bool, bool, bool]:
+    """(stream, include_usage, continuous usage: only with include_usage, as vLLM). The server's
+    --enable-force-include-usage turns both on for every stream, whatever stream_options say
+    (vLLM's `should_include_usage`)."""
     stream = _as_bool(body.get("stream"), "stream", False)
     options = _as_object(body.get("stream_options"), "stream_options")
-    if options is None:
-        return stream, False, False
-    if not stream:
+    given = options is not None
+    if given and not stream:
         raise _invalid("stream_options", "stream_options can only be given when stream is true")
+    options = options or {}
     continuous = _as_bool(options.get("continuous_usage_stats"), "stream_options.continuous_usage_stats", False)
-    include_usage = _as_bool(options.get("include_usage"), "stream_options.include_usage", True)
+    include_usage = _as_bool(options.get("include_usage"), "stream_options.include_usage", given)
+    if force_include_usage and stream:
+        return True, True, True
     return stream, include_usage, include_usage and continuous
 
 
@@ -646,7 +652,7 @@ def parse_chat_request(body: Any, limits: ServerLimits) -> ChatRequest:
     messages = _messages(body.get("messages"))
     tool_choice, tools = _tool_choice(body.get("tool_choice"), _tools(body.get("tools")), limits)
     chat_template_kwargs, reasoning_effort = _chat_options(body, limits)
-    stream, include_usage, continuous_usage = _stream(body)
+    stream, include_usage, continuous_usage = _stream(body, limits.force_include_usage)
 
     logprobs = _as_bool(body.get("logprobs"), "logprobs", False)
     top_logprobs = _as_int(body.get("top_logprobs"), "top_logprobs", low=0, high=limits.max_logprobs) or 0
@@ -735,7 +741,7 @@ def parse_completion_request(body: Any, limits: ServerLimits) -> CompletionReque
         raise _invalid("prompt", "prompt is required")
     prompts = _prompts(body["prompt"], limits.vocab_size)
     echo = _as_bool(body.get("echo"), "echo", False)
-    stream, include_usage, continuous_usage = _stream(body)
+    stream, include_usage, continuous_usage = _stream(body, limits.force_include_usage)
     logprobs = _as_int(body.get("logprobs"), "logprobs", low=0, high=limits.max_logprobs)
     prompt_logprobs = _as_int(body.get("prompt_logprobs"), "prompt_logprobs", low=0, high=limits.max_logprobs)
     if stream and prompt_logprobs:

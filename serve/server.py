@@ -195,7 +195,8 @@ async def _become_ready(state, server, loaded: asyncio.Future, model_dir: Path, 
     state.limits = ServerLimits(
         served_model_names=state.served_model_names, vocab_size=llm.config.vocab_size,
         max_logprobs=args.max_logprobs, enable_auto_tool_choice=args.enable_auto_tool_choice,
-        reasoning_parser=args.reasoning_parser, default_sampling=defaults,
+        reasoning_parser=args.reasoning_parser, force_include_usage=args.enable_force_include_usage,
+        default_sampling=defaults,
         default_chat_template_kwargs=args.default_chat_template_kwargs or {},
     )
     engine = engine_class(llm.engine)

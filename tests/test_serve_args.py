@@ -55,7 +55,7 @@ def test_defaults():
     assert (args.enable_auto_tool_choice, args.tool_call_parser, args.reasoning_parser) == (False, None, None)
     assert (args.api_key, args.seed, args.generation_config, args.uvicorn_log_level) == (None, 0, "auto", "info")
     assert (args.default_chat_template_kwargs, args.max_logprobs, args.max_waiting_requests) == (None, 20, 1024)
-    assert (args.no_web_ui, args.debug, args.ignored_flags) == (False, False, ())
+    assert (args.no_web_ui, args.debug, args.ignored_flags, args.enable_force_include_usage) == (False, False, (), False)
 
 
 def test_every_flag_by_its_vllm_name(tmp_path):
@@ -69,6 +69,7 @@ def test_every_flag_by_its_vllm_name(tmp_path):
         "--reasoning-parser", "deepseek_v4", "--api-key", "k", "--seed", "-7", "--generation-config", "vllm",
         "--uvicorn-log-level", "trace", "--default-chat-template-kwargs", '{"thinking": false}',
         "--max-logprobs", "0", "--max-waiting-requests", "5", "--no-web-ui", "--no-async-scheduling", "--debug",
+        "--enable-force-include-usage",
     ]
     assert parse_args(argv) == ServerArgs(
         model=str(tmp_path), model_is_builtin=False, served_model_name=("deepseek-ai/DeepSeek-V4-Flash", "v4"),
@@ -77,7 +78,8 @@ def test_every_flag_by_its_vllm_name(tmp_path):
         num_gpu_blocks_override=40, max_model_len=1024, dtype="float32", kv_cache_dtype="fp8",
         attention_backend="pallas_bf16", block_size=384, enable_auto_tool_choice=True, tool_call_parser="deepseek_v4",
         reasoning_parser="deepseek_v4", api_key="k", seed=-7, generation_config="vllm", uvicorn_log_level="trace",
-        default_chat_template_kwargs={"thinking": False}, max_logprobs=0, max_waiting_requests=5, no_web_ui=True,
+        default_chat_template_kwargs={"thinking": False}, enable_force_include_usage=True, max_logprobs=0,
+        max_waiting_requests=5, no_web_ui=True,
         async_scheduling=False, debug=True, distributed=DistributedConfig(), ignored_flags=(),
     )
 

@@ -5,6 +5,7 @@ OpenAIError (400/404) with a JSON body, never another exception. Plain Python: n
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import math
 
@@ -315,6 +316,15 @@ def test_stream_options_only_with_stream():
                 ).continuous_usage is False
     chat_refused("stream_options.continuous_usage_stats", "boolean", stream=True,
                  stream_options={"continuous_usage_stats": 1})
+    # --enable-force-include-usage: every stream gets both, whatever stream_options say; a
+    # response that is not streamed always has its usage, and stream_options still need stream
+    forced = dataclasses.replace(LIMITS, force_include_usage=True)
+    for options in (None, {}, {"include_usage": False}, {"continuous_usage_stats": False}):
+        given = {} if options is None else {"stream_options": options}
+        for request in (chat(forced, stream=True, **given), complete(forced, stream=True, **given)):
+            assert (request.include_usage, request.continuous_usage) == (True, True)
+    assert (chat(forced).include_usage, chat(forced).continuous_usage) == (False, False)
+    chat_refused("stream_options", "stream", forced, stream_options={})
 
 
 # ---- tools, formats, template options -----------------------------------------------------------
