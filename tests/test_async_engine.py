@@ -342,3 +342,53 @@ def test_when_the_engine_cannot_run_a_step_after_a_failure_it_stops_for_good(llm
         llm.engine.reset()  # what the failed step left scheduled
     assert not accepting
     assert _free_state(llm) == (0, 0, 0.0) and not llm.engine.has_unfinished()
+
+
+def test_a_request_the_failed_step_finished_gets_the_error_too(llm):
+    """A step that finishes a request and then raises (its outputs never delivered): the finished
+    request is no longer the engine's, but its stream must still end, with the error."""
+    real = type(llm.engine).finish_step
+
+    def finish_then_fail(launched):
+        real(llm.engine, launched)
+        raise RuntimeError("failed after applying the tokens")
+
+    async def main():
+        engine = AsyncLLMEngine(llm.engine)
+        await engine.start()
+        llm.engine.finish_step = finish_then_fail
+        short = engine.generate("short", PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+        with pytest.raises(StepFailedError, match="failed after applying"):
+            await asyncio.wait_for(short.__anext__(), 30)
+        del llm.engine.finish_step
+        return await _served_after(engine, PROMPTS[1])
+
+    try:
+        after, accepting = asyncio.run(main())
+    finally:
+        vars(llm.engine).pop("finish_step", None)
+    assert accepting and after[-1].finished and len(after[-1].outputs[0].token_ids) == 12
+    assert _free_state(llm) == (0, 0, 0.0) and not llm.engine.has_unfinished()
+
+
+def test_a_failure_that_drops_no_request_does_not_repeat_forever(llm, monkeypatch):
+    """Scheduling raises while only requests that never ran exist: the first failure keeps them
+    queued, the next one (no step succeeded between) fails them, and the engine serves on."""
+    failures = []
+
+    def broken_schedule():
+        failures.append(1)
+        raise RuntimeError("the scheduler failed")
+
+    async def main():
+        engine = AsyncLLMEngine(llm.engine)
+        await engine.start()
+        monkeypatch.setattr(llm.engine.scheduler, "schedule", broken_schedule)
+        with pytest.raises(StepFailedError, match="the scheduler failed"):
+            await asyncio.wait_for(engine.generate("waits", PROMPTS[0], GREEDY).__anext__(), 30)
+        monkeypatch.undo()
+        return await _served_after(engine, PROMPTS[1])
+
+    after, accepting = asyncio.run(main())
+    assert len(failures) == 2 and accepting and after[-1].finished and len(after[-1].outputs[0].token_ids) == 12
+    assert _free_state(llm) == (0, 0, 0.0) and not llm.engine.has_unfinished()

@@ -535,6 +535,10 @@ def test_prompt_scores_on_the_device_equal_the_hosts():
     logits[1, rng.choice(vocab, 50, replace=False)] = -np.inf
     logits[2, :40] = 7.0  # more tied best entries than MAX_LOGPROBS
     logits[4, 500] = np.nan  # a broken row: the NaN ranks first and the logprobs are NaN, no error
+    # lax.top_k's total order: a NaN with its sign bit (what x86 arithmetic makes) below -inf, a
+    # positive one above +inf
+    logits[5, [2, 10]] = -np.float32(np.nan)
+    logits[5, [5, 9]] = [np.inf, np.nan]
     targets = rng.integers(0, vocab, n).astype(np.int32)
     targets[2] = 25  # tied with the best
     targets[3] = int(np.argmax(logits[3]))
@@ -543,5 +547,6 @@ def test_prompt_scores_on_the_device_equal_the_hosts():
     want_logprob, want_rank, want_ids, want_top = _prompt_scores(logits, targets, MAX_LOGPROBS)
     assert rank.tolist() == want_rank and top_ids.tolist() == want_ids
     assert rank[2] == 1 and top_ids[2].tolist() == list(range(MAX_LOGPROBS)) and top_ids[4, 0] == 500
+    assert top_ids[5, :2].tolist() == [9, 5] and not {2, 10} & set(top_ids[5].tolist())
     np.testing.assert_allclose(logprob, want_logprob, atol=2e-6)
     np.testing.assert_allclose(top_logprobs, want_top, atol=2e-6)

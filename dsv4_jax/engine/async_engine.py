@@ -79,6 +79,7 @@ class AsyncLLMEngine:
         self._thread: threading.Thread | None = None
         self._accepting = False
         self._stop = False
+        self._keep_waiting = True  # after a failed step, keep requests that never ran (see _step_failed)
         self.error: BaseException | None = None
 
     # ---- life cycle -------------------------------------------------------------------------------
@@ -201,6 +202,7 @@ class AsyncLLMEngine:
                     if self._step_failed(error):
                         continue
                     return
+                self._keep_waiting = True
                 deliveries = [(self._queues.get(o.request_id), o) for o in outputs]
                 for out in outputs:
                     if out.finished:
@@ -215,21 +217,28 @@ class AsyncLLMEngine:
     def _step_failed(self, error: BaseException) -> bool:
         """Under the lock, after a step raised: fail the requests it may have touched, reset the
         engine and check that it still runs a step. False when it cannot (the reset or the check
-        failed too): then every request fails with `EngineDeadError` and none is accepted."""
+        failed too, or several processes run the steps: a follower whose call failed has exited):
+        then every request fails with `EngineDeadError` and none is accepted. Requests that never
+        ran stay queued, unless the last failure kept them too and no step succeeded since (then
+        they may be what fails: a failure that drops nothing must not repeat forever)."""
         logger.error("engine step failed", exc_info=error)
+        keep_waiting, self._keep_waiting = self._keep_waiting, False
         try:
-            aborted = self.engine.reset(keep_waiting=True)
+            if jax.process_count() > 1:
+                raise RuntimeError("a failed step cannot be recovered across processes")
+            self.engine.reset(keep_waiting=keep_waiting)
             self.engine.probe()
         except BaseException as broken:  # noqa: BLE001 - the engine stops below
             logger.error("the engine cannot run a step after a failed one: stopping", exc_info=broken)
             self.error = EngineDeadError(f"engine step failed: {error!r}; then {broken!r}")
             self._fail_all(self.error)
             return False
+        # Every queue but those of the requests kept: a request the failed step finished before it
+        # raised is no longer the engine's, and its output was never delivered.
+        kept = self.engine.unfinished_ids()
         failure = StepFailedError(f"engine step failed: {error!r}; the request was dropped")
-        for request_id in aborted:
-            queue = self._queues.pop(request_id, None)
-            if queue is not None:
-                self._loop.call_soon_threadsafe(queue.put, failure)
+        for request_id in [rid for rid in self._queues if rid not in kept]:
+            self._loop.call_soon_threadsafe(self._queues.pop(request_id).put, failure)
         return True
 
     def _fail_all(self, error: BaseException) -> None:

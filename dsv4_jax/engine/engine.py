@@ -126,7 +126,10 @@ def _prompt_scores(logits: np.ndarray, targets: np.ndarray, k: int) -> tuple[lis
     log_total = peak[:, 0].astype(np.float64) + np.log(np.exp(logits - peak).sum(-1, dtype=np.float64))
     target = np.take_along_axis(logits, targets[:, None], axis=-1)  # [positions, 1]
     ranks = (logits > target).sum(-1) + 1
-    key = np.where(np.isnan(logits), np.inf, logits)  # a NaN ranks first, as in lax.top_k
+    # lax.top_k's total order (a NaN without its sign bit above +inf, one with it below -inf, -0
+    # below +0): the float's bits as a signed integer, negative ones' magnitude bits flipped.
+    bits = np.ascontiguousarray(logits, np.float32).view(np.int32).astype(np.int64)
+    key = np.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
     if k:
         # The entries above the k-th largest value, then the smallest ids among those equal to it.
         kth = -np.partition(-key, k - 1, axis=-1)[:, k - 1 : k]
@@ -255,6 +258,9 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         return bool(self._tracked)
+
+    def unfinished_ids(self) -> frozenset[str]:
+        return frozenset(self._tracked)
 
     def reset(self, keep_waiting: bool = False) -> list[str]:
         """After a step failed part-way (an exception, Ctrl-C in a notebook): abort every request

@@ -260,6 +260,12 @@ class ModelRunner:
                 lost = True
         if lost:
             logger.warning("the KV cache was consumed or broken by a step that did not complete: allocating it again")
+            for leaf in leaves:  # freed first: the pools fill the memory planned for one cache
+                try:
+                    leaf.delete()
+                except Exception:  # noqa: BLE001 - already gone
+                    pass
+            self.cache = leaves = None
             self.cache = self._new_cache()
 
     def probe(self) -> None:
