@@ -25,7 +25,7 @@ from dsv4_jax.chat import (
     resolve_chat_options,
 )
 from dsv4_jax.engine.request import ForcedTokens
-from serve.choices import ChoiceState, ReasoningSplitter, TokenTexts, chat_logprobs, usage
+from serve.choices import ChoiceState, ReasoningSplitter, TokenTexts, chat_logprobs, chunk_usage, usage
 from serve.generation import Generation, check_capacity, new_request_id
 from serve.prompts import encode_prompts
 from serve.protocol import ChatRequest, OpenAIError, ToolChoice, parse_chat_request
@@ -139,9 +139,7 @@ async def _stream(state: ServingState, plan: _ChatPlan, request_id: str, created
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         if finish_reason is not None:
             choice["stop_reason"] = stop_reason
-        if req.continuous_usage:  # this choice's tokens so far (vLLM)
-            return {**head, "choices": [choice], "usage": usage(len(plan.prompt_ids), totals[index])}
-        return {**head, "choices": [choice], **({"usage": None} if req.include_usage else {})}
+        return {**head, "choices": [choice], **chunk_usage(req, len(plan.prompt_ids), totals[index])}
 
     try:
         for c in choices:

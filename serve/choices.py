@@ -153,6 +153,14 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
+def chunk_usage(req: Any, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    """The `usage` entry of a streamed chunk of request `req` (chat or completion): the choice's
+    usage so far with continuous usage stats (vLLM), null with include_usage only, else none."""
+    if req.continuous_usage:
+        return {"usage": usage(prompt_tokens, completion_tokens)}
+    return {"usage": None} if req.include_usage else {}
+
+
 class ReasoningSplitter:
     """The reasoning parser without tool calls (tool_choice "none", or no --enable-auto-tool-choice):
     text up to the model's `</think>` is reasoning, the rest content, DSML included. Same interface

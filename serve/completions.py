@@ -11,7 +11,7 @@ from typing import Any, AsyncIterator
 
 from dsv4_jax.engine.outputs import Logprob, RequestOutput
 from dsv4_jax.chat.tokens import BOS
-from serve.choices import TextOffsets, TokenTexts, completion_logprobs, prompt_logprobs, usage
+from serve.choices import TextOffsets, TokenTexts, chunk_usage, completion_logprobs, prompt_logprobs, usage
 from serve.generation import Generation, check_capacity, new_request_id
 from serve.prompts import encode_prompts
 from serve.protocol import CompletionRequest, parse_completion_request
@@ -131,10 +131,7 @@ async def _stream(req: CompletionRequest, request_id: str, created: int, generat
                     entry = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": choice.finish_reason}
                     if choice.finish_reason is not None:
                         entry["stop_reason"] = choice.stop_reason
-                    if req.continuous_usage:  # this choice's prompt and tokens so far (vLLM)
-                        yield {**head, "choices": [entry], "usage": usage(choice.prompt_tokens, choice.sent_tokens)}
-                    else:
-                        yield {**head, "choices": [entry], **({"usage": None} if req.include_usage else {})}
+                    yield {**head, "choices": [entry], **chunk_usage(req, choice.prompt_tokens, choice.sent_tokens)}
     finally:
         generation.close()
     if req.include_usage:
