@@ -141,7 +141,6 @@ PROMPT_SCORE_POSITIONS = 1024
 def _head_scores(graphdef, weights_def, weights, streams, targets, *, positions=PROMPT_SCORE_POSITIONS):
     """`prompt_scores` of every position of a step's streams [B, S, hc, hidden] against targets
     [B, S], `positions` at a time: ([B, S], [B, S], [B, S, k], [B, S, k]), k = MAX_LOGPROBS."""
-    model = nnx.merge(graphdef, jax.tree.unflatten(weights_def, weights))
     b, s = targets.shape
     n = b * s
     chunk = min(positions, n)
@@ -152,7 +151,7 @@ def _head_scores(graphdef, weights_def, weights, streams, targets, *, positions=
 
     def score(part):
         part_streams, part_targets = part  # [chunk, hc, hidden], [chunk]: one position per row
-        logits = model.logits_from_streams(part_streams[:, None], model)[:, 0]  # [chunk, vocab] float32
+        logits = _head(graphdef, weights_def, weights, part_streams[:, None])[:, 0]  # [chunk, vocab] float32
         return prompt_scores(logits, part_targets, MAX_LOGPROBS)
 
     scores = jax.lax.map(score, (flat.reshape(passes, chunk, *rest), flat_targets.reshape(passes, chunk)))
@@ -269,12 +268,17 @@ class ModelRunner:
             self.cache = self._new_cache()
 
     def probe(self) -> None:
-        """One step of padding rows (it reads and writes nothing) in the smallest bucket, waited
-        for: raises when the device or the cache can no longer run a step (after a failed step)."""
+        """One step of padding rows in the smallest bucket, waited for: raises when the device or
+        the cache can no longer run a step (after a failed step)."""
         rank_rows, s = min(self.buckets.all, key=lambda bucket: bucket[0] * bucket[1])
-        out = self._step(self.weights, self.cache, *self._put(self.padding_step((rank_rows * self.dp, s))))
+        self._run_padding_step((rank_rows * self.dp, s))
+
+    def _run_padding_step(self, bucket: tuple[int, int]) -> tuple[jax.Array, jax.Array]:
+        """A step of padding rows only (it reads and writes nothing), waited for: (logits, streams)."""
+        out = self._step(self.weights, self.cache, *self._put(self.padding_step(bucket)))
         self.cache = out[2]
         jax.block_until_ready(out)
+        return out[0], out[1]
 
     # ---- host batches -------------------------------------------------------------------------
     def build(self, rows: Sequence[StepRow]) -> tuple[tuple[int, int], np.ndarray, StepSequences]:
@@ -422,12 +426,10 @@ class ModelRunner:
             b = rank_rows * self.dp
             t0 = time.perf_counter()
             before = jax.tree.leaves(self.cache)[0]
-            out = self._step(self.weights, self.cache, *self._put(self.padding_step((b, s))))
-            self.cache = out[2]
-            jax.block_until_ready(out)
-            self.warmup_logits[b] = out[0]  # as steps lay them out: the sampler warms up on these
+            logits, streams = self._run_padding_step((b, s))
+            self.warmup_logits[b] = logits  # as steps lay them out: the sampler warms up on these
             if s > 1:  # prompt logprobs come from prefill steps
-                jax.block_until_ready(self.prompt_scores(out[1], np.zeros((b, s), np.int32)))
+                jax.block_until_ready(self.prompt_scores(streams, np.zeros((b, s), np.int32)))
             if not before.is_deleted():
                 raise RuntimeError("the KV cache was not donated to the step: every step would copy it")
             seconds = time.perf_counter() - t0
