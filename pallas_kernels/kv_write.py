@@ -261,5 +261,16 @@ def write_kv_reference(
     target = jnp.where(
         (slots >= 0) & (slots < per_layer), jnp.asarray(layer, jnp.int32) * per_layer + slots, flat[0].shape[0]
     )
-    new = [f.at[target].set(v, mode="drop").reshape(p.shape) for f, v, p in zip(flat, values, planes)]
+    new = [_set_rows(f, target, v).reshape(p.shape) for f, v, p in zip(flat, values, planes)]
     return jax.tree.unflatten(structure, new)
+
+
+def _set_rows(flat: jax.Array, target: jax.Array, values: jax.Array) -> jax.Array:
+    """`flat.at[target].set(values, mode="drop")`; a float8 plane is scattered as its bytes (the
+    same bits): XLA:CPU scatters float8 by converting the whole plane to float16 and back, two
+    passes over every layer's pool for each layer's write."""
+    if flat.dtype.itemsize == 1 and jnp.issubdtype(flat.dtype, jnp.floating):
+        as_bytes = jax.lax.bitcast_convert_type(flat, jnp.uint8)
+        written = as_bytes.at[target].set(jax.lax.bitcast_convert_type(values.astype(flat.dtype), jnp.uint8), mode="drop")
+        return jax.lax.bitcast_convert_type(written, flat.dtype)
+    return flat.at[target].set(values, mode="drop")

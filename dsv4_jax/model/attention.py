@@ -163,6 +163,10 @@ class Attention(nnx.Module):
                 q, sliding, seqs.sliding_table, seqs.start, seqs.lens, sinks, pool, table, picks,
                 place.sliding, place.compressed, stored_kv,
             ), sinks_at=5, head_axis=2)
+            # The ring is written only once the kernel has read it: without this ordering (the
+            # write does not depend on `out`) XLA copied the whole sliding pool, every layer's
+            # together, once per layer of each prefill step to keep the old one readable.
+            out, sliding = jax.lax.optimization_barrier((out, sliding))
             slots = window_slots(seqs, layout.block_size, self.window)
             sliding = backend.write_kv(sliding, stored_kv.reshape(-1, self.head_dim), slots, place.sliding)
         cache = dataclasses.replace(cache, sliding=dataclasses.replace(cache.sliding, kv=sliding))
