@@ -53,7 +53,7 @@ COMPILE_COUNT_CAP = int(os.environ.get("DSV4_COMPILE_COUNT_CAP", "1688"))
 # the compile count stays exact. `-n 0` runs one process, as before.
 LANES = ("engine", "model")
 ENGINE_LANE = frozenset({
-    "test_async_engine.py", "test_benchmarks_runner.py", "test_chat_encoder.py", "test_chat_layout.py",
+    "test_activations.py", "test_async_engine.py", "test_benchmarks_runner.py", "test_chat_encoder.py", "test_chat_layout.py",
     "test_chat_page.py", "test_chat_parser.py", "test_chat_request.py", "test_deployment.py",
     "test_detokenizer.py", "test_engine.py", "test_grafana_dashboard.py", "test_host_memory.py",
     "test_imports.py", "test_kernels_lowering.py", "test_kv_paged.py", "test_multihost.py", "test_notebook.py",

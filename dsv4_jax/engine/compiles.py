@@ -1,5 +1,5 @@
 """Counting XLA compiles through `jax.monitoring`, so the runner can prove that a warmed-up
-server never compiles again.
+server never compiles again; and what a compiled program needs on the device (`ProgramMemory`).
 
 JAX reports every executable it builds as the duration event
 `/jax/core/compile/backend_compile_duration`, including one read from the persistent compilation
@@ -11,6 +11,7 @@ totals that `CompileCounter` snapshots.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 import jax
@@ -79,3 +80,26 @@ class CompileCounter:
     def seconds(self) -> float:
         with _lock:
             return _total["seconds"] - self._start["seconds"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ProgramMemory:
+    """Device bytes a compiled program needs beyond its arguments, per device (XLA's buffer
+    assignment, `Compiled.memory_analysis()`): its scratch, and the outputs it does not write in
+    place of a donated argument (the KV cache a step is donated is not counted again)."""
+
+    temp: int
+    outputs: int
+
+    @property
+    def total(self) -> int:
+        return self.temp + self.outputs
+
+    @classmethod
+    def of(cls, compiled: jax.stages.Compiled) -> ProgramMemory:
+        """From a compiled program's buffer assignment (`jitted.lower(...).compile()`, for arrays or
+        `jax.ShapeDtypeStruct`s: nothing runs). RuntimeError where the backend reports none."""
+        stats = compiled.memory_analysis()
+        if stats is None:
+            raise RuntimeError(f"the {jax.default_backend()} backend reports no memory analysis of compiled programs")
+        return cls(int(stats.temp_size_in_bytes), int(stats.output_size_in_bytes - stats.alias_size_in_bytes))

@@ -549,7 +549,7 @@ class LLMEngine:
         penalised = SamplingParams(repetition_penalty=1.1, logprobs=1)
         widths = self.sampler_config.penalty_widths(min(vocab + 1, self.max_model_len))
         kinds = [(SamplingParams(temperature=1.0, logprobs=1), [0]), (SamplingParams(min_tokens=1, logprobs=1), [0])]
-        kinds += [(penalised, list(range(w // 2 + 1 if i else 1))) for i, w in enumerate(widths)]
+        kinds += [(penalised, self.sampler_config.prompt_of_width(w)) for w in widths]
         for b, logits in sorted(self.runner.warmup_logits.items()):
             for params, prompt in kinds:
                 batch = build_sampling_batch([SamplingRow(params, 0, prompt, [])], b, vocab_size=vocab,

@@ -6,8 +6,9 @@
     outs[0].outputs[0].text, outs[0].outputs[0].token_ids, outs[0].outputs[0].finish_reason
     llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=32))
 
-Pools: on a GPU they are sized from `gpu_memory_utilization` of the device's memory minus what the
-weights take (the capacity planner, as vLLM does); on CPU, where JAX reports no memory, from
+Pools: on a GPU they are sized from `gpu_memory_utilization` of the device's memory (JAX's
+`bytes_limit`) minus what the weights and the activations take (the capacity planner, as vLLM
+does; `activations.py` measures the latter); on CPU, where JAX reports no memory, from
 `max_num_seqs` x `max_model_len`. `num_gpu_blocks_override` sets the compressed block count.
 """
 
@@ -33,6 +34,14 @@ DTYPES = ("auto", "float32", "bfloat16")
 DEFAULT_MAX_MODEL_LEN = 4096
 # Tokens per row of the short-prompt prefill bucket at least (default_buckets).
 SHORT_PREFILL_MIN = 16
+
+
+def device_memory(device) -> int | None:
+    """The memory the pools are sized from: JAX's usable memory of a GPU (`bytes_limit`); None on
+    CPU, where the pools are sized from max_num_seqs x max_model_len instead."""
+    from dsv4_jax.kv_cache.planner import live_device_memory
+
+    return live_device_memory(device) if device.platform == "gpu" else None
 
 
 def _positive_int(name: str, value: Any, allow_none: bool = False) -> None:
@@ -163,7 +172,7 @@ class LLM:
         self.spec = self.model.kv_cache_spec
         self.tokenizer = load_tokenizer(tokenizer or path)
         self.plan, self.layout = self._size_pools(max_model_len, max_num_seqs, block_size,
-                                                  gpu_memory_utilization, num_gpu_blocks_override)
+                                                  gpu_memory_utilization, num_gpu_blocks_override, buckets)
         if channel is not None:  # the leader's pools are every node's (device memory may differ)
             if self.distributed.is_leader:
                 channel.send(self.layout)
@@ -302,24 +311,37 @@ class LLM:
             )
         check_model_splits(DeepseekV4Config.from_json(path), parallel)
 
-    def _size_pools(self, max_model_len, max_num_seqs, block_size, gpu_memory_utilization, num_gpu_blocks_override):
+    def _size_pools(self, max_model_len, max_num_seqs, block_size, gpu_memory_utilization, num_gpu_blocks_override,
+                    buckets):
         import jax
 
+        from dsv4_jax.engine.activations import measure_activations
         from dsv4_jax.kv_cache.paged import PagedCacheLayout
-        from dsv4_jax.kv_cache.planner import MeshShape, live_device_memory, plan_capacity
+        from dsv4_jax.kv_cache.planner import MeshShape, plan_capacity
 
         device = jax.local_devices()[0]  # this process's (across nodes, node 0's plan is used)
-        memory = live_device_memory(device) if device.platform == "gpu" else None
+        memory = device_memory(device)
         # What the first device holds (every device holds the same share).
         weight_bytes = sum(s.data.nbytes for x in jax.tree.leaves(self.model.state)
                            for s in x.addressable_shards if s.device == device)
         p = self.parallel
+        sizes = dict(max_model_len=max_model_len, block_size=block_size,
+                     mesh=MeshShape(p.tensor_parallel_size, p.data_parallel_size, p.expert_parallel_size))
+        reserved = 0
+        if memory is not None:  # the programs' own memory first, measured on the smallest pools
+            pools = plan_capacity(self.config, self.spec, max_num_seqs=1, **sizes)
+            start = time.perf_counter()
+            activations = measure_activations(self.model, PagedCacheLayout.from_plan(self.config, pools),
+                                              buckets=buckets, attention_backend=self.spec.attention_backend,
+                                              max_model_len=max_model_len)
+            reserved = activations.reserved_bytes
+            logger.info("activations: %s, measured in %.1fs; the KV cache gets what remains of "
+                        "--gpu-memory-utilization %s of %.2f GiB after them and %.2f GiB of weights",
+                        activations.describe(), time.perf_counter() - start, gpu_memory_utilization,
+                        memory / 2**30, weight_bytes / 2**30)
         plan = plan_capacity(
-            self.config, self.spec, max_model_len=max_model_len, device_memory_bytes=memory,
-            gpu_memory_utilization=gpu_memory_utilization, weight_bytes=weight_bytes, block_size=block_size,
-            max_num_seqs=max_num_seqs,
-            mesh=MeshShape(p.tensor_parallel_size, p.data_parallel_size, p.expert_parallel_size),
-        )
+            self.config, self.spec, device_memory_bytes=memory, gpu_memory_utilization=gpu_memory_utilization,
+            weight_bytes=weight_bytes, max_num_seqs=max_num_seqs, reserved_bytes=reserved, **sizes)
         layout = PagedCacheLayout.from_plan(self.config, plan)
         if num_gpu_blocks_override is not None:
             need = math.ceil(max_model_len / block_size)

@@ -33,7 +33,7 @@ import functools
 import itertools
 import logging
 import time
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -43,7 +43,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from dsv4_jax.engine.compiles import CompileCounter
+from dsv4_jax.engine.compiles import CompileCounter, ProgramMemory
 from dsv4_jax.engine.host_memory import keep_freed_buffers
 from dsv4_jax.engine.sampler import prompt_scores
 from dsv4_jax.engine.sampling_params import MAX_LOGPROBS
@@ -117,6 +117,14 @@ class StepOutput:
     streams: jax.Array  # [B, S, hc_mult, hidden] before hc_head, for prompt logprobs and MTP
     rows: int  # real rows (`ModelRunner.row_positions` says where)
     bucket: tuple[int, int]  # (B, S) of the whole step: data-parallel ranks x the rank's bucket rows
+
+
+class BucketMemory(NamedTuple):
+    """What one bucket's programs need on a device besides the weights and the cache."""
+
+    step: ProgramMemory  # the step: its scratch, its logits and streams
+    scores: ProgramMemory | None  # prompt scoring of its streams (prefill buckets)
+    logits: jax.ShapeDtypeStruct  # the step's logits [B, vocab], as the sampler gets them
 
 
 def _step(graphdef, weights_def, options, ctx, weights, cache, token_ids, seqs):
@@ -414,6 +422,24 @@ class ModelRunner:
     def gather(self, x: jax.Array) -> jax.Array:
         """`x` whole on every device of the mesh (itself without a mesh)."""
         return x if self.mesh is None else self._gather(x)
+
+    def program_memory(self) -> dict[tuple[int, int], BucketMemory]:
+        """Per bucket (a rank's rows, S), what its step and, for prefill buckets, its prompt
+        scoring need on a device besides the weights and the cache: compiled for this runner's
+        cache, never run. The sizes do not depend on the pools' lengths (a step gathers from
+        them through block tables sized by max_model_len and writes them in place), so a runner
+        on the smallest pools measures them for any."""
+        out = {}
+        for rank_rows, s in self.buckets.all:
+            b = rank_rows * self.dp
+            step = self._step.lower(self.weights, self.cache, *self._put(self.padding_step((b, s)))).compile()
+            logits, streams = step.out_info[:2]  # as a step lays them out
+            scores = None
+            if s > 1:
+                targets = jax.ShapeDtypeStruct((b, s), jnp.int32)
+                scores = ProgramMemory.of(self._head_scores.lower(self.weights, streams, targets).compile())
+            out[(rank_rows, s)] = BucketMemory(ProgramMemory.of(step), scores, logits)
+        return out
 
     def warmup(self, progress: Callable[[int, int, tuple[int, int], float], None] | None = None) -> int:
         """Compile every bucket (steps of padding rows only: they change nothing). Returns the

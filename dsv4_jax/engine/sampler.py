@@ -71,6 +71,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dsv4_jax.engine.compiles import ProgramMemory
 from dsv4_jax.engine.request import PLACEHOLDER
 from dsv4_jax.engine.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
 
@@ -108,6 +109,11 @@ class SamplerConfig:
         while widths[-1] < max_distinct:
             widths.append(2 * widths[-1])
         return tuple(widths)
+
+    def prompt_of_width(self, width: int) -> list[int]:
+        """Prompt token ids whose penalised row makes its batch take history width `width` (one of
+        `penalty_widths`): more distinct ids than the next narrower width holds."""
+        return [0] if width <= self.penalty_history else list(range(width // 2 + 1))
 
 
 @jax.tree_util.register_dataclass
@@ -633,6 +639,17 @@ class Sampler:
             num_logprobs=np.full(np.shape(batch.num_logprobs), -1, np.int32))
         sampled = self._draw(edited, self._put(draw_batch), config=self.config)
         return self._logprobs(logits, sampled) if wants_logprobs else sampled
+
+    def program_memory(self, logits: jax.ShapeDtypeStruct, penalised: SamplingBatch) -> int:
+        """The most that sampling a step's logits ([B, V] float32, as the step lays them out) needs
+        on a device besides them, in bytes: a batch that edits the logits (`penalised`: the
+        widest penalty history a batch can have) holds the edited copy through the draw.
+        Compiled, never run."""
+        rows = max(logits.shape[0], self.config.pad_rows)
+        edit = ProgramMemory.of(self._edit[None].lower(logits, self._put(penalised), np.zeros(rows, np.int32)).compile())
+        plain = dataclasses.replace(penalised, penalties=None)
+        draw = ProgramMemory.of(self._draw.lower(logits, self._put(plain), config=self.config).compile())
+        return edit.outputs + max(edit.temp, draw.total)
 
     def _put(self, batch: SamplingBatch) -> SamplingBatch:
         """Without a mesh the jit moves numpy arrays faster itself."""

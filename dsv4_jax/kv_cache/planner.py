@@ -375,9 +375,11 @@ def _does_not_fit(
         + ", ".join(f"{p.name} {p.bytes_per_seq / GiB:.3f}" for p in pools)
         + f" GiB), but each device has {budget / GiB:.2f} GiB left ({device_memory_bytes / GiB:.2f} GiB x "
         f"{gpu_memory_utilization} - {weight_bytes / GiB:.2f} GiB weights - {reserved_bytes / GiB:.2f} GiB "
-        f"reserved). Pass --max-model-len {fits} or less"
+        f"reserved for activations). Pass --max-model-len {fits} or less"
         + (", " if fits else " (nothing fits), ")
-        + "raise --gpu-memory-utilization, or spread the weights over more devices"
+        + "raise --gpu-memory-utilization, "
+        + ("lower --max-num-batched-tokens (a step's activations grow with its tokens), " if reserved_bytes else "")
+        + "or spread the weights over more devices"
         + ("" if spec.kv_cache_dtype == "fp8_ds_mla" else ", or use --kv-cache-dtype fp8 where the GPU has fp8")
     )
 

@@ -1,0 +1,73 @@
+"""What a serving engine holds on a device besides its weights and its KV cache, measured before the
+pools are sized (vLLM runs a profiling forward pass for this; here XLA's buffer assignment of the
+compiled programs says it exactly, without running them).
+
+The pools are sized from what is left of `gpu_memory_utilization` of a device's memory once the
+weights and these activations are counted. Without them the pools took all of it, and the first
+long prefill (its scratch grows with the step's tokens) or prompt-logprobs pass could run out of
+memory while serving. The programs are compiled for a runner on the smallest pools (one sequence
+slot, one compressed block), whose compiles do not depend on the device's memory, so the
+persistent compilation cache serves them from the second start on.
+
+What may be live at once, counted generously: the largest step (its scratch and its outputs),
+the previous step's outputs (async scheduling launches a step while the last one's logits and
+streams are still held), and the larger of prompt scoring and sampling, which run between steps
+on those outputs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from dsv4_jax.engine.runner import ModelRunner, StepBuckets
+from dsv4_jax.engine.sampler import Sampler, SamplerConfig, SamplingRow, build_sampling_batch
+from dsv4_jax.engine.sampling_params import SamplingParams
+from dsv4_jax.kv_cache.paged import PagedCacheLayout
+
+MiB = 2**20
+
+
+@dataclasses.dataclass(frozen=True)
+class ActivationMemory:
+    """Bytes per device; each figure the largest over the buckets."""
+
+    step: int  # a step's scratch and outputs (logits, streams)
+    step_outputs: int  # a step's outputs alone (the previous step's, held while the next runs)
+    scores: int  # a prompt-scoring pass over a prefill step's streams (0: no prefill bucket)
+    sampler: int  # sampling a step's logits, edited by the widest penalised batch
+
+    @property
+    def reserved_bytes(self) -> int:
+        return self.step + self.step_outputs + max(self.scores, self.sampler)
+
+    def describe(self) -> str:
+        return (f"{self.reserved_bytes / MiB:.1f} MiB per device (a step {self.step / MiB:.1f} MiB, the previous "
+                f"step's outputs {self.step_outputs / MiB:.1f} MiB, prompt scoring {self.scores / MiB:.1f} MiB, "
+                f"sampling {self.sampler / MiB:.1f} MiB)")
+
+
+def smallest_pools(layout: PagedCacheLayout) -> PagedCacheLayout:
+    """`layout` with one sequence slot and one compressed block: the same step programs, whose
+    memory beyond the cache is the same."""
+    return dataclasses.replace(layout, num_seq_slots=1, num_sliding_blocks=layout.sliding_ring, num_compressed_blocks=1)
+
+
+def measure_activations(model, layout: PagedCacheLayout, *, buckets: StepBuckets, attention_backend: str,
+                        max_model_len: int, sampler_config: SamplerConfig = SamplerConfig()) -> ActivationMemory:
+    """The `ActivationMemory` of an engine serving `model` (dsv4_jax.loading.CausalLM) with these
+    buckets: its programs compiled on the smallest pools of `layout`, none run."""
+    runner = ModelRunner(model, smallest_pools(layout), attention_backend=attention_backend, buckets=buckets)
+    programs = runner.program_memory()
+    vocab = model.config.vocab_size
+    widest = max(programs.values(), key=lambda bucket: bucket.logits.shape[0])
+    config = dataclasses.replace(sampler_config, pad_rows=widest.logits.shape[0])  # as the engine pads them
+    width = config.penalty_widths(min(vocab + 1, max_model_len))[-1]
+    penalised = build_sampling_batch(
+        [SamplingRow(SamplingParams(repetition_penalty=1.1, logprobs=1), 0, config.prompt_of_width(width), [])],
+        widest.logits.shape[0], vocab_size=vocab, config=config)
+    return ActivationMemory(
+        step=max(p.step.total for p in programs.values()),
+        step_outputs=max(p.step.outputs for p in programs.values()),
+        scores=max((p.scores.total for p in programs.values() if p.scores is not None), default=0),
+        sampler=Sampler(config, runner.mesh).program_memory(widest.logits, penalised),
+    )
