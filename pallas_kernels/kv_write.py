@@ -267,8 +267,8 @@ def write_kv_reference(
 
 def _set_rows(flat: jax.Array, target: jax.Array, values: jax.Array) -> jax.Array:
     """`flat.at[target].set(values, mode="drop")`; a float8 plane is scattered as its bytes (the
-    same bits): XLA:CPU scatters float8 by converting the whole plane to float16 and back, two
-    passes over every layer's pool for each layer's write."""
+    same bits): XLA:CPU scatters float8 by converting the whole plane to float16 and back, each
+    layer's write; as bytes the copy is half as large (XLA:CPU still does not convert in place)."""
     if flat.dtype.itemsize == 1 and jnp.issubdtype(flat.dtype, jnp.floating):
         as_bytes = jax.lax.bitcast_convert_type(flat, jnp.uint8)
         written = as_bytes.at[target].set(jax.lax.bitcast_convert_type(values.astype(flat.dtype), jnp.uint8), mode="drop")

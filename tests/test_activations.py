@@ -1,8 +1,8 @@
-"""The activation memory the KV pools leave room for (dsv4_jax/engine/activations.py): measured from
-the compiled programs on the smallest pools, equal to what the programs on the real pools need,
-and subtracted from the device's memory before the pools are sized (on a GPU; the GPU's memory is
-simulated here). The engine's layout is tests/test_engine.py's, so its programs come from this
-lane's persistent cache."""
+"""The activation memory the KV pools leave room for (dsv4_jax/engine/activations.py), and steps that
+update the pools in place. On a GPU the engine compiles its programs for the largest pools the
+memory could hold and reserves what XLA's buffer assignment says they need before it sizes the
+pools; the GPU's memory is simulated here. The engine's layout is tests/test_engine.py's, so its
+programs come from this lane's persistent cache."""
 
 from __future__ import annotations
 
@@ -10,12 +10,13 @@ import dataclasses
 import functools
 import math
 
+import jax
 import pytest
 
 import dsv4_jax
 from dsv4_jax import LLM
 from dsv4_jax.engine import llm as llm_module
-from dsv4_jax.engine.activations import measure_activations, smallest_pools
+from dsv4_jax.engine.activations import measure_activations
 from dsv4_jax.engine.runner import ModelRunner
 from dsv4_jax.kv_cache.paged import PagedCacheLayout
 from dsv4_jax.kv_cache.planner import plan_capacity
@@ -27,6 +28,9 @@ from conftest import TINY_ENGINE_LAYERS, tiny_engine_args  # tests/ is on sys.pa
 CONFIG = get_config("dsv4-tiny-test").replace(**TINY_ENGINE_LAYERS)
 ARGS = tiny_engine_args()
 UTILIZATION = 0.9
+# XLA's buffer assignment of the same program for other pool sizes differs by a few KB of packing
+# (at most 6 KB seen); a pool copied whole is far more (the HCA pool: 6144 bytes per block).
+PACKING_NOISE = 16 * 1024
 
 
 @pytest.fixture(scope="module")
@@ -55,33 +59,56 @@ def activations(model, engine_layout):
                                max_model_len=ARGS["max_model_len"])
 
 
-def test_step_memory_does_not_grow_with_the_pools(model, engine_layout, gpu_llm):
-    """A step gathers from the pools and writes them in place: what it needs beyond them is the
-    same for one slot and one compressed block as for the engine's pools. (Prefill steps used to
-    copy the whole sliding pool once per layer: their scratch grew by 55% from the smallest pools
-    to pools of 8 sequences.)"""
+def _weight_bytes(model) -> int:
+    return sum(leaf.nbytes for leaf in jax.tree.leaves(model.state))
+
+
+def test_steps_update_the_pools_in_place(model, engine_layout):
+    """A step's scratch is the same for one sequence slot and one compressed block as for 64
+    slots and 400 blocks (pools given as shapes only): no step copies a pool. Prefill steps used
+    to copy the whole HCA pool (XLA forwarded its write into the attention's gather), and on the
+    built-in dsv4-tiny the whole sliding pool once per layer (the ring write did not wait for the
+    attention's read). A float8 cache still copies its planes on XLA:CPU (docs/kv_cache.md)."""
     backend = model.kv_cache_spec.attention_backend
-    small = ModelRunner(model, smallest_pools(engine_layout), attention_backend=backend, buckets=ARGS["buckets"])
-    large = gpu_llm.engine.runner  # the engine's pools; its programs are compiled already
-    assert large.layout == engine_layout
-    assert large.layout.num_compressed_blocks >= 10 * small.layout.num_compressed_blocks
-    assert large.layout.num_seq_slots >= 4 * small.layout.num_seq_slots
-    small_memory, large_memory = small.program_memory(), large.program_memory()
-    assert small_memory.keys() == large_memory.keys() == set(small.buckets.all)
+    smallest = dataclasses.replace(engine_layout, num_seq_slots=1, num_sliding_blocks=engine_layout.sliding_ring,
+                                   num_compressed_blocks=1)
+    largest = dataclasses.replace(engine_layout, num_seq_slots=64, num_sliding_blocks=64 * engine_layout.sliding_ring,
+                                  num_compressed_blocks=400)
+    small, large = (ModelRunner(model, layout, attention_backend=backend, buckets=ARGS["buckets"],
+                                allocate_cache=False).program_memory(scoring=False)
+                    for layout in (smallest, largest))
+    assert small.keys() == large.keys() and len(small) == 3
     hidden, hc = model.config.hidden_size, model.config.hc_mult
-    for (rows, s), measured in small_memory.items():
-        other = large_memory[rows, s]
-        assert measured.step.temp > 0
-        assert abs(measured.step.temp - other.step.temp) <= 0.02 * measured.step.temp, (rows, s)
+    for (rows, s), measured in small.items():
+        other = large[rows, s].step
+        assert 0 < measured.step.temp and other.temp <= measured.step.temp + PACKING_NOISE, (rows, s)
         # Outputs besides the donated cache: the logits [B, vocab] and streams [B, S, hc, hidden],
         # float32, and the output tuple's table of buffer pointers (8 bytes per output).
         outputs = 4 * rows * (CONFIG.vocab_size + s * hc * hidden)
-        assert measured.step.outputs == other.step.outputs
+        assert measured.step.outputs == other.outputs
         assert 0 <= measured.step.outputs - outputs <= 8 * 16, (measured.step.outputs, outputs)
-        assert measured.logits.shape == (rows, CONFIG.vocab_size)
-        assert (measured.scores is None) == (s == 1)
-        if s > 1:
-            assert measured.scores == other.scores and measured.scores.temp > 0
+        assert measured.logits.shape == (rows, CONFIG.vocab_size) and measured.scores is None
+
+
+def test_prefill_writes_the_sliding_ring_in_place():
+    """The built-in dsv4-tiny (real vocabulary, window 8): a prefill step's scratch does not grow
+    from one slot to 32. Before its ring write waited for the attention's read, XLA copied the
+    whole sliding pool once per layer: 5.4 MB with one slot, 8.2 MB with 8."""
+    from dsv4_jax.builtin import builtin_model_dir
+    from dsv4_jax.engine.runner import StepBuckets
+
+    tiny = dsv4_jax.load_model(builtin_model_dir(), dtype="float32", kv_cache_dtype="float32")
+    plan = plan_capacity(tiny.config, tiny.kv_cache_spec, max_model_len=512, max_num_seqs=32, block_size=128)
+    layout = PagedCacheLayout.from_plan(tiny.config, plan)
+    smallest = dataclasses.replace(layout, num_seq_slots=1, num_sliding_blocks=layout.sliding_ring,
+                                   num_compressed_blocks=1)
+    buckets = StepBuckets(prefill=((2, 32),), decode=(2,))
+    small, large = (ModelRunner(tiny, lay, attention_backend=tiny.kv_cache_spec.attention_backend, buckets=buckets,
+                                allocate_cache=False).program_memory(scoring=False)[2, 32].step.temp
+                    for lay in (smallest, layout))
+    sliding_pool = layout.num_sliding_blocks * layout.block_size * layout.head_dim * 4 * len(layout.sliding_layers)
+    assert sliding_pool > 40 * PACKING_NOISE  # a copy of it would show
+    assert large <= small + PACKING_NOISE, (small, large)
 
 
 def test_reserved_bytes_cover_what_may_be_live_at_once(activations):
@@ -102,19 +129,13 @@ def _memory_for(model, activations, layout: PagedCacheLayout) -> int:
     """Device memory whose `UTILIZATION` share holds the weights, the activations and `layout`'s
     pools with half a compressed block to spare: each sequence slot costs its sliding ring and
     compressor state, each compressed block its CSA, indexer and HCA entries (the planner's rule)."""
-    weights = sum(leaf.nbytes for leaf in _leaves(model.state))
     pools = plan_capacity(model.config, model.kv_cache_spec, max_model_len=ARGS["max_model_len"],
                           max_num_seqs=1, block_size=ARGS["block_size"]).pools
     per_slot = sum(p.bytes_per_seq for p in pools if p.name in ("sliding", "csa_state", "hca_state"))
     per_block = sum(p.bytes_per_block for p in pools if p.name in ("csa", "indexer", "hca"))
+    assert per_block // 2 > PACKING_NOISE  # the half block to spare absorbs the measurements' packing
     kv = layout.num_seq_slots * per_slot + layout.num_compressed_blocks * per_block
-    return math.ceil((weights + activations.reserved_bytes + kv + per_block // 2) / UTILIZATION)
-
-
-def _leaves(state):
-    import jax
-
-    return jax.tree.leaves(state)
+    return math.ceil((_weight_bytes(model) + activations.reserved_bytes + kv + per_block // 2) / UTILIZATION)
 
 
 @pytest.fixture(scope="module")
@@ -133,12 +154,13 @@ def gpu_llm(checkpoint, gpu_memory):
 
 def test_pools_are_sized_after_the_activations(gpu_llm, gpu_memory, activations, engine_layout):
     """On a GPU the pools get what remains of gpu_memory_utilization x memory after the weights and
-    the activations: the engine's layout exactly, for memory sized to hold it."""
+    the activations (measured by the engine on the larger pools it could have had without them):
+    the engine's layout exactly, for memory sized to hold it."""
     assert gpu_llm.plan.sized_from == "memory"
-    assert gpu_llm.plan.reserved_bytes == activations.reserved_bytes
+    assert abs(gpu_llm.plan.reserved_bytes - activations.reserved_bytes) <= PACKING_NOISE
     assert gpu_llm.layout == engine_layout
-    weights = sum(leaf.nbytes for leaf in _leaves(gpu_llm.model.state))
-    assert weights + activations.reserved_bytes + gpu_llm.cache_bytes <= UTILIZATION * gpu_memory
+    reserved = gpu_llm.plan.reserved_bytes
+    assert _weight_bytes(gpu_llm.model) + reserved + gpu_llm.cache_bytes <= UTILIZATION * gpu_memory
     out = gpu_llm.generate([{"prompt_token_ids": [0, 5, 6, 7]}],
                            dsv4_jax.SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 3
@@ -149,10 +171,9 @@ def test_activations_that_leave_no_room_are_refused(model, engine_layout, activa
     naming the flags (the planner raises it before any pool is allocated)."""
     one_seq = dataclasses.replace(engine_layout, num_seq_slots=1, num_compressed_blocks=2)
     memory = _memory_for(model, activations, one_seq) - math.ceil(activations.reserved_bytes / UTILIZATION)
-    weights = sum(leaf.nbytes for leaf in _leaves(model.state))
     plan = functools.partial(plan_capacity, model.config, model.kv_cache_spec, max_model_len=ARGS["max_model_len"],
-                             device_memory_bytes=memory, gpu_memory_utilization=UTILIZATION, weight_bytes=weights,
-                             block_size=ARGS["block_size"], max_num_seqs=1)
+                             device_memory_bytes=memory, gpu_memory_utilization=UTILIZATION,
+                             weight_bytes=_weight_bytes(model), block_size=ARGS["block_size"], max_num_seqs=1)
     assert plan(reserved_bytes=0).num_seq_slots == 1
     with pytest.raises(ValueError, match=r"reserved for activations.*--max-num-batched-tokens"):
         plan(reserved_bytes=activations.reserved_bytes)

@@ -1,18 +1,21 @@
 """What a serving engine holds on a device besides its weights and its KV cache, measured before the
-pools are sized (vLLM runs a profiling forward pass for this; here XLA's buffer assignment of the
-compiled programs says it exactly, without running them).
+pools are allocated (vLLM runs a profiling forward pass for this; here XLA's buffer assignment of
+the compiled programs gives it without running them).
 
 The pools are sized from what is left of `gpu_memory_utilization` of a device's memory once the
 weights and these activations are counted. Without them the pools took all of it, and the first
 long prefill (its scratch grows with the step's tokens) or prompt-logprobs pass could run out of
-memory while serving. The programs are compiled for a runner on the smallest pools (one sequence
-slot, one compressed block), whose compiles do not depend on the device's memory, so the
-persistent compilation cache serves them from the second start on.
+memory while serving. The programs are compiled for the largest pools the memory could hold
+before the reservation, as shapes only (nothing is allocated): where a step's scratch grows with
+the pools (XLA copying a pool it cannot update in place) that counts it at its most, and the
+pools finally allocated are smaller. Those shapes depend only on the device's memory, the
+weights and the flags, so the persistent compilation cache serves them on the next start.
 
 What may be live at once, counted generously: the largest step (its scratch and its outputs),
 the previous step's outputs (async scheduling launches a step while the last one's logits and
 streams are still held), and the larger of prompt scoring and sampling, which run between steps
-on those outputs.
+on those outputs. Not in XLA's figures: allocator fragmentation, collective (NCCL) buffers and
+library workspaces, which the rest of `gpu_memory_utilization`'s margin has to hold.
 """
 
 from __future__ import annotations
@@ -46,17 +49,12 @@ class ActivationMemory:
                 f"sampling {self.sampler / MiB:.1f} MiB)")
 
 
-def smallest_pools(layout: PagedCacheLayout) -> PagedCacheLayout:
-    """`layout` with one sequence slot and one compressed block: the same step programs, whose
-    memory beyond the cache is the same."""
-    return dataclasses.replace(layout, num_seq_slots=1, num_sliding_blocks=layout.sliding_ring, num_compressed_blocks=1)
-
-
 def measure_activations(model, layout: PagedCacheLayout, *, buckets: StepBuckets, attention_backend: str,
                         max_model_len: int, sampler_config: SamplerConfig = SamplerConfig()) -> ActivationMemory:
     """The `ActivationMemory` of an engine serving `model` (dsv4_jax.loading.CausalLM) with these
-    buckets: its programs compiled on the smallest pools of `layout`, none run."""
-    runner = ModelRunner(model, smallest_pools(layout), attention_backend=attention_backend, buckets=buckets)
+    buckets on pools of `layout` or smaller: its programs compiled for those pools' shapes, none
+    run and no pool allocated."""
+    runner = ModelRunner(model, layout, attention_backend=attention_backend, buckets=buckets, allocate_cache=False)
     programs = runner.program_memory()
     vocab = model.config.vocab_size
     widest = max(programs.values(), key=lambda bucket: bucket.logits.shape[0])

@@ -171,8 +171,10 @@ class LLM:
         self.config = self.model.config
         self.spec = self.model.kv_cache_spec
         self.tokenizer = load_tokenizer(tokenizer or path)
-        self.plan, self.layout = self._size_pools(max_model_len, max_num_seqs, block_size,
-                                                  gpu_memory_utilization, num_gpu_blocks_override, buckets)
+        # A follower node takes the leader's pools (below): it measures no activations of its own.
+        self.plan, self.layout = self._size_pools(max_model_len, max_num_seqs, block_size, gpu_memory_utilization,
+                                                  num_gpu_blocks_override, buckets,
+                                                  measure=channel is None or self.distributed.is_leader)
         if channel is not None:  # the leader's pools are every node's (device memory may differ)
             if self.distributed.is_leader:
                 channel.send(self.layout)
@@ -312,11 +314,10 @@ class LLM:
         check_model_splits(DeepseekV4Config.from_json(path), parallel)
 
     def _size_pools(self, max_model_len, max_num_seqs, block_size, gpu_memory_utilization, num_gpu_blocks_override,
-                    buckets):
+                    buckets, measure: bool = True):
         import jax
 
         from dsv4_jax.engine.activations import measure_activations
-        from dsv4_jax.kv_cache.paged import PagedCacheLayout
         from dsv4_jax.kv_cache.planner import MeshShape, plan_capacity
 
         device = jax.local_devices()[0]  # this process's (across nodes, node 0's plan is used)
@@ -325,23 +326,32 @@ class LLM:
         weight_bytes = sum(s.data.nbytes for x in jax.tree.leaves(self.model.state)
                            for s in x.addressable_shards if s.device == device)
         p = self.parallel
-        sizes = dict(max_model_len=max_model_len, block_size=block_size,
-                     mesh=MeshShape(p.tensor_parallel_size, p.data_parallel_size, p.expert_parallel_size))
-        reserved = 0
-        if memory is not None:  # the programs' own memory first, measured on the smallest pools
-            pools = plan_capacity(self.config, self.spec, max_num_seqs=1, **sizes)
-            start = time.perf_counter()
-            activations = measure_activations(self.model, PagedCacheLayout.from_plan(self.config, pools),
-                                              buckets=buckets, attention_backend=self.spec.attention_backend,
-                                              max_model_len=max_model_len)
-            reserved = activations.reserved_bytes
-            logger.info("activations: %s, measured in %.1fs; the KV cache gets what remains of "
-                        "--gpu-memory-utilization %s of %.2f GiB after them and %.2f GiB of weights",
-                        activations.describe(), time.perf_counter() - start, gpu_memory_utilization,
-                        memory / 2**30, weight_bytes / 2**30)
-        plan = plan_capacity(
-            self.config, self.spec, device_memory_bytes=memory, gpu_memory_utilization=gpu_memory_utilization,
-            weight_bytes=weight_bytes, max_num_seqs=max_num_seqs, reserved_bytes=reserved, **sizes)
+
+        def plan(reserved_bytes: int):
+            plan = plan_capacity(
+                self.config, self.spec, max_model_len=max_model_len, device_memory_bytes=memory,
+                gpu_memory_utilization=gpu_memory_utilization, weight_bytes=weight_bytes, block_size=block_size,
+                max_num_seqs=max_num_seqs, reserved_bytes=reserved_bytes,
+                mesh=MeshShape(p.tensor_parallel_size, p.data_parallel_size, p.expert_parallel_size),
+            )
+            return plan, self._layout(plan, max_model_len, block_size, num_gpu_blocks_override)
+
+        plan0, layout = plan(0)
+        if memory is None or not measure:
+            return plan0, layout
+        # The activations of the largest pools the memory could hold (shapes only), then the pools.
+        start = time.perf_counter()
+        activations = measure_activations(self.model, layout, buckets=buckets,
+                                          attention_backend=self.spec.attention_backend, max_model_len=max_model_len)
+        logger.info("activations: %s, measured in %.1fs; the KV cache gets what remains of "
+                    "--gpu-memory-utilization %s of %.2f GiB after them and %.2f GiB of weights",
+                    activations.describe(), time.perf_counter() - start, gpu_memory_utilization,
+                    memory / 2**30, weight_bytes / 2**30)
+        return plan(activations.reserved_bytes)
+
+    def _layout(self, plan, max_model_len, block_size, num_gpu_blocks_override):
+        from dsv4_jax.kv_cache.paged import PagedCacheLayout
+
         layout = PagedCacheLayout.from_plan(self.config, plan)
         if num_gpu_blocks_override is not None:
             need = math.ceil(max_model_len / block_size)
@@ -349,7 +359,7 @@ class LLM:
                 raise ValueError(f"num_gpu_blocks_override ({num_gpu_blocks_override}) holds less than one sequence "
                                  f"of max_model_len {max_model_len} ({need} blocks of {block_size})")
             layout = dataclasses.replace(layout, num_compressed_blocks=num_gpu_blocks_override)
-        return plan, layout
+        return layout
 
     @property
     def cache_bytes(self) -> int:

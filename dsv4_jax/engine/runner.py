@@ -197,7 +197,10 @@ class ModelRunner:
         *,
         attention_backend: str = XLA,
         buckets: StepBuckets = StepBuckets(),
+        allocate_cache: bool = True,
     ):
+        """`allocate_cache=False`: the cache is only its shapes and shardings, for `program_memory`
+        of pools that need not fit beside the ones in use (such a runner cannot run steps)."""
         self.config = model.config
         self.layout = layout
         on_cpu = jax.default_backend() == "cpu"
@@ -218,7 +221,7 @@ class ModelRunner:
         self.ctx = CacheStep(layout, self.backend)
         self.warm = False
         step = functools.partial(_step, self.graphdef, weights_def, model.options, self.ctx)
-        self.cache: PagedKVCache = self._new_cache()
+        self.cache: PagedKVCache = self._new_cache() if allocate_cache else jax.eval_shape(self._new_cache)
         if self.mesh is not None:  # every rank's pools side by side, split over the data axis
             cache_specs = partition_specs(self._whole_layout(), DATA)
             rows = P(DATA)
@@ -423,19 +426,17 @@ class ModelRunner:
         """`x` whole on every device of the mesh (itself without a mesh)."""
         return x if self.mesh is None else self._gather(x)
 
-    def program_memory(self) -> dict[tuple[int, int], BucketMemory]:
-        """Per bucket (a rank's rows, S), what its step and, for prefill buckets, its prompt
-        scoring need on a device besides the weights and the cache: compiled for this runner's
-        cache, never run. The sizes do not depend on the pools' lengths (a step gathers from
-        them through block tables sized by max_model_len and writes them in place), so a runner
-        on the smallest pools measures them for any."""
+    def program_memory(self, scoring: bool = True) -> dict[tuple[int, int], BucketMemory]:
+        """Per bucket (a rank's rows, S), what its step and, for prefill buckets with `scoring`,
+        its prompt scoring need on a device besides the weights and the cache: compiled for this
+        runner's cache (or its shapes), never run."""
         out = {}
         for rank_rows, s in self.buckets.all:
             b = rank_rows * self.dp
             step = self._step.lower(self.weights, self.cache, *self._put(self.padding_step((b, s)))).compile()
             logits, streams = step.out_info[:2]  # as a step lays them out
             scores = None
-            if s > 1:
+            if s > 1 and scoring:
                 targets = jax.ShapeDtypeStruct((b, s), jnp.int32)
                 scores = ProgramMemory.of(self._head_scores.lower(self.weights, streams, targets).compile())
             out[(rank_rows, s)] = BucketMemory(ProgramMemory.of(step), scores, logits)

@@ -615,9 +615,7 @@ class Sampler:
         # The edited logits are placed as the step's logits are (a jit output without
         # out_shardings is committed exactly when its inputs are), so the draw reads them with the
         # executable it already has.
-        sharding = None if self._whole is None else logits.sharding
-        if sharding not in self._edit:
-            self._edit[sharding] = jax.jit(process_logits, out_shardings=sharding)
+        edit = self._edit_for(logits)
         edit_args = (logits, self._put(batch))
         if batch.penalties is not None:
             if previous_token_ids is None:
@@ -631,7 +629,7 @@ class Sampler:
                 if previous_token_ids is None or previous_token_ids.shape != (rows,):
                     previous_token_ids = np.zeros(rows, np.int32)
             edit_args += (previous_token_ids,)
-        edited = self._edit[sharding](*edit_args)
+        edited = edit(*edit_args)
         wants_logprobs = bool(np.any(np.asarray(batch.num_logprobs) >= 0))
         draw_batch = dataclasses.replace(  # what process_logits applied, and logprobs read below
             batch, penalties=None, bias_ids=np.full(np.shape(batch.bias_ids), PAD_ID, np.int32),
@@ -640,16 +638,26 @@ class Sampler:
         sampled = self._draw(edited, self._put(draw_batch), config=self.config)
         return self._logprobs(logits, sampled) if wants_logprobs else sampled
 
+    def _edit_for(self, logits):
+        """The jitted `process_logits` for logits placed as these are (on a mesh, one per sharding)."""
+        sharding = None if self._whole is None else logits.sharding
+        if sharding not in self._edit:
+            self._edit[sharding] = jax.jit(process_logits, out_shardings=sharding)
+        return self._edit[sharding]
+
     def program_memory(self, logits: jax.ShapeDtypeStruct, penalised: SamplingBatch) -> int:
         """The most that sampling a step's logits ([B, V] float32, as the step lays them out) needs
         on a device besides them, in bytes: a batch that edits the logits (`penalised`: the
-        widest penalty history a batch can have) holds the edited copy through the draw.
-        Compiled, never run."""
+        widest penalty history a batch can have) holds the edited copy through the draw and the
+        logprobs of the raw logits after it. Compiled, never run."""
         rows = max(logits.shape[0], self.config.pad_rows)
-        edit = ProgramMemory.of(self._edit[None].lower(logits, self._put(penalised), np.zeros(rows, np.int32)).compile())
+        edit = ProgramMemory.of(
+            self._edit_for(logits).lower(logits, self._put(penalised), np.zeros(rows, np.int32)).compile())
         plain = dataclasses.replace(penalised, penalties=None)
-        draw = ProgramMemory.of(self._draw.lower(logits, self._put(plain), config=self.config).compile())
-        return edit.outputs + max(edit.temp, draw.total)
+        compiled = self._draw.lower(logits, self._put(plain), config=self.config).compile()
+        draw = ProgramMemory.of(compiled)
+        logprobs = ProgramMemory.of(self._logprobs.lower(logits, compiled.out_info).compile())
+        return edit.outputs + max(edit.temp, draw.total, draw.outputs + logprobs.total)
 
     def _put(self, batch: SamplingBatch) -> SamplingBatch:
         """Without a mesh the jit moves numpy arrays faster itself."""

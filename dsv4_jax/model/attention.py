@@ -136,6 +136,10 @@ class Attention(nnx.Module):
             entries, windows, cache = self._compress(self.compressor, f"{name}_state", x, inv_freq, cache, seqs, place)
             slots = entry_slots(seqs.compressed_table, windows, units)
             pool = backend.write_kv(getattr(cache.compressed, name), entries.reshape(-1, self.head_dim), slots, place.compressed)
+            # Reads see the written pool as a whole: XLA otherwise forwarded the write into the
+            # kernel's gather (reading the old pool beside the new entries), so the old pool had
+            # to stay readable and was copied whole (HCA, prefill steps; 6144 bytes per block here).
+            pool = jax.lax.optimization_barrier(pool)
             cache = _replace_pool(cache, name, pool)
             table = seqs.compressed_table
         if self.layer_type == CSA:
