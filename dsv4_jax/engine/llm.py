@@ -171,10 +171,10 @@ class LLM:
         self.config = self.model.config
         self.spec = self.model.kv_cache_spec
         self.tokenizer = load_tokenizer(tokenizer or path)
-        # A follower node takes the leader's pools (below): it measures no activations of its own.
+        # Every node measures its activations (the measurement puts small arrays on the whole mesh:
+        # a call every process must join), then takes the leader's pools (below).
         self.plan, self.layout = self._size_pools(max_model_len, max_num_seqs, block_size, gpu_memory_utilization,
-                                                  num_gpu_blocks_override, buckets,
-                                                  measure=channel is None or self.distributed.is_leader)
+                                                  num_gpu_blocks_override, buckets)
         if channel is not None:  # the leader's pools are every node's (device memory may differ)
             if self.distributed.is_leader:
                 channel.send(self.layout)
@@ -314,7 +314,7 @@ class LLM:
         check_model_splits(DeepseekV4Config.from_json(path), parallel)
 
     def _size_pools(self, max_model_len, max_num_seqs, block_size, gpu_memory_utilization, num_gpu_blocks_override,
-                    buckets, measure: bool = True):
+                    buckets):
         import jax
 
         from dsv4_jax.engine.activations import measure_activations
@@ -337,7 +337,7 @@ class LLM:
             return plan, self._layout(plan, max_model_len, block_size, num_gpu_blocks_override)
 
         plan0, layout = plan(0)
-        if memory is None or not measure:
+        if memory is None:
             return plan0, layout
         # The activations of the largest pools the memory could hold (shapes only), then the pools.
         start = time.perf_counter()

@@ -199,8 +199,9 @@ class ModelRunner:
         buckets: StepBuckets = StepBuckets(),
         allocate_cache: bool = True,
     ):
-        """`allocate_cache=False`: the cache is only its shapes and shardings, for `program_memory`
-        of pools that need not fit beside the ones in use (such a runner cannot run steps)."""
+        """`allocate_cache=False`: the cache is only its shapes (the step's shard_map places it), for
+        `program_memory` of pools that need not fit beside the ones in use; such a runner is for
+        that alone (it cannot run steps)."""
         self.config = model.config
         self.layout = layout
         on_cpu = jax.default_backend() == "cpu"
