@@ -15,6 +15,7 @@ import pytest
 
 import dsv4_jax
 from dsv4_jax import LLM
+from dsv4_jax.engine import activations as activations_module
 from dsv4_jax.engine import llm as llm_module
 from dsv4_jax.engine.activations import measure_activations
 from dsv4_jax.engine.runner import ModelRunner
@@ -145,17 +146,33 @@ def gpu_memory(model, activations, engine_layout) -> int:
 
 @pytest.fixture(scope="module")
 def gpu_llm(checkpoint, gpu_memory):
-    """tests/test_engine.py's engine, its pools sized from a simulated GPU's memory (no override)."""
+    """tests/test_engine.py's engine, its pools sized from a simulated GPU's memory (no override);
+    with the layouts its activations were measured on."""
     args = {k: v for k, v in ARGS.items() if k != "num_gpu_blocks_override"}
+    measured_on = []
+
+    def measure(model, layout, **kwargs):
+        measured_on.append(layout)
+        return measure_activations(model, layout, **kwargs)
+
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(llm_module, "device_memory", lambda device: gpu_memory)
-        return LLM(str(checkpoint), **args, gpu_memory_utilization=UTILIZATION)
+        patch.setattr(activations_module, "measure_activations", measure)
+        return LLM(str(checkpoint), **args, gpu_memory_utilization=UTILIZATION), measured_on
 
 
-def test_pools_are_sized_after_the_activations(gpu_llm, gpu_memory, activations, engine_layout):
+def test_pools_are_sized_after_the_activations(gpu_llm, gpu_memory, activations, engine_layout, model):
     """On a GPU the pools get what remains of gpu_memory_utilization x memory after the weights and
     the activations (measured by the engine on the larger pools it could have had without them):
     the engine's layout exactly, for memory sized to hold it."""
+    gpu_llm, measured_on = gpu_llm
+    # Measured once, on the pools the whole budget would hold (where a copied pool costs the most).
+    unreserved = plan_capacity(model.config, model.kv_cache_spec, max_model_len=ARGS["max_model_len"],
+                               device_memory_bytes=gpu_memory, gpu_memory_utilization=UTILIZATION,
+                               weight_bytes=_weight_bytes(model), block_size=ARGS["block_size"],
+                               max_num_seqs=ARGS["max_num_seqs"])
+    assert measured_on == [PagedCacheLayout.from_plan(model.config, unreserved)]
+    assert measured_on[0].num_compressed_blocks > engine_layout.num_compressed_blocks
     assert gpu_llm.plan.sized_from == "memory"
     assert abs(gpu_llm.plan.reserved_bytes - activations.reserved_bytes) <= PACKING_NOISE
     assert gpu_llm.layout == engine_layout
