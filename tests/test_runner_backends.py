@@ -8,6 +8,7 @@ the cache.
    round probabilities to bf16 for the P @ V dot; the references do not). Each step's jaxpr
    launches a named `pallas_call` for every kernel the backend promises, once per use: no
    silent fallback to a reference.
+   A kernel that fails at start-up names the way around it (`--attention-backend xla`).
 2. The lightning indexer through the cache: the entries a CSA layer's indexer picks chunk by
    chunk (compressor advanced from its kept rows, keys written to a paged float32 pool, the
    backend's `indexer_topk`) are the full-sequence indexer's picks wherever the k-th and
@@ -165,6 +166,30 @@ def test_every_step_runs_the_backends_kernels(runs, phase, tokens):
     jaxpr = runner._step.trace(runner.weights, runner.cache, ids, seqs).jaxpr.jaxpr  # traced, not compiled
     assert collections.Counter(_pallas_call_names(jaxpr)) == _promised_kernels(runner.backend.name, phase)
 
+
+
+def test_a_kernel_that_fails_at_start_up_names_the_xla_backend(model, monkeypatch):
+    """A Pallas kernel that cannot be built on the device (as Triton refuses a kernel that needs
+    more shared memory than the GPU has) fails the start-up with an error naming the backend and
+    `--attention-backend xla`, the original error chained; the xla backend's own errors pass as
+    they are."""
+    from dsv4_jax.engine import runner as runner_module
+
+    refusal = "out of resource: shared memory, required: 262144, hardware limit: 232448"
+
+    def refuse(*args, **kwargs):
+        raise ValueError(refusal)
+
+    def failing(name):
+        backend = get_backend(name)
+        return dataclasses.replace(backend, decode=refuse, prefill=refuse)
+
+    monkeypatch.setattr(runner_module, "get_backend", failing)
+    with pytest.raises(RuntimeError, match=r"pallas_bf16 attention backend.*--attention-backend xla") as caught:
+        _runner(model, "bfloat16", PALLAS_BF16).warmup()
+    assert isinstance(caught.value.__cause__, ValueError) and refusal in str(caught.value)
+    with pytest.raises(ValueError, match="out of resource"):
+        _runner(model, "bfloat16", XLA).warmup()
 
 # ---- 2. the indexer's picks through the cache ------------------------------------------------
 SEQ = 96

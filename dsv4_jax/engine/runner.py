@@ -28,6 +28,7 @@ Imports: only what the GPU machine has (jax, flax, numpy and this repository).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import itertools
@@ -434,7 +435,8 @@ class ModelRunner:
         out = {}
         for rank_rows, s in self.buckets.all:
             b = rank_rows * self.dp
-            step = self._step.lower(self.weights, self.cache, *self._put(self.padding_step((b, s)))).compile()
+            with self._naming_the_backend((rank_rows, s)):
+                step = self._step.lower(self.weights, self.cache, *self._put(self.padding_step((b, s)))).compile()
             logits, streams = step.out_info[:2]  # as a step lays them out
             scores = None
             if s > 1 and scoring:
@@ -454,7 +456,8 @@ class ModelRunner:
             b = rank_rows * self.dp
             t0 = time.perf_counter()
             before = jax.tree.leaves(self.cache)[0]
-            logits, streams = self._run_padding_step((b, s))
+            with self._naming_the_backend((rank_rows, s)):
+                logits, streams = self._run_padding_step((b, s))
             self.warmup_logits[b] = logits  # as steps lay them out: the sampler warms up on these
             if s > 1:  # prompt logprobs come from prefill steps
                 jax.block_until_ready(self.prompt_scores(streams, np.zeros((b, s), np.int32)))
@@ -468,6 +471,24 @@ class ModelRunner:
         compiled = self.compiles.compiles
         self.compiles.reset()  # from here on, `compiles.compiles` counts what steps compile: 0
         return compiled
+
+    @contextlib.contextmanager
+    def _naming_the_backend(self, bucket: tuple[int, int]):
+        """A step that fails to build or run on a Pallas backend (its first compile, at start-up)
+        says so and names the way around it: the kernels are lowered for each GPU kind in CI but
+        compiled only on the device itself, where a kernel can still fail (shared memory, registers)."""
+        try:
+            yield
+        except Exception as err:
+            if self.backend.name == XLA:
+                raise
+            device = jax.devices()[0].device_kind
+            raise RuntimeError(
+                f"the step of bucket {bucket[0]} x {bucket[1]} failed to build or run on {device} with the "
+                f"{self.backend.name} attention backend (Pallas kernels). If the error comes from a kernel, "
+                "--attention-backend xla (LLM(attention_backend=\"xla\")) serves the same model with XLA's "
+                f"attention. The error: {type(err).__name__}: {err}"
+            ) from err
 
     def _touch_interpreter(self) -> None:
         """Interpret-mode Pallas changes JAX's trace context the first time its interpreter is
