@@ -6,7 +6,8 @@ Two engines, module-scoped and shared by every test (compiles dominate CI):
 * `llm`: the runner tests' config (vocabulary 512, every boundary within a few hundred tokens),
   float32 weights and a float32 KV cache (exact), 2 prefill + 1 decode buckets, 4 sequences of up
   to 256 tokens in blocks of 128. `usable_blocks_cap=4` lets four short requests run but forces
-  preemption when long ones (two blocks each) share the pool; one request alone always fits, so
+  preemption when long ones (a second block each as they decode past 128) share the pool; one
+  request alone always fits, so
   "alone" runs never preempt. `num_gpu_blocks_override=10` (the plan wants 12) is checked too.
 * `chat_llm` (tests/conftest.py, shared with the server tests): a one-layer model with the real
   vocabulary (the V4 chat format's special tokens are ids above 128,000), 8 sequences.
@@ -192,12 +193,13 @@ def test_prompt_logprobs_of_a_one_token_tail_chunk_compile_nothing(llm):
 
 # ---- 2. alone against a 64-request mix with aborts and preemption -------------------------------
 def _mix_requests(rng: np.random.Generator) -> list[tuple[str, list[int], SamplingParams, str]]:
-    """(id, prompt, params, kind): a third of the prompts long enough to need two blocks."""
+    """(id, prompt, params, kind): a third of the prompts long enough to need a second block as they
+    decode (a prompt is admitted only when its own blocks are free, so growth is what preempts)."""
     requests = []
     for i in range(64):
         long = rng.random() < 0.35
-        length = int(rng.integers(130, 200) if long else rng.integers(2, 40))
-        max_tokens = int(rng.integers(6, 11))
+        length = int(rng.integers(110, 128) if long else rng.integers(2, 40))
+        max_tokens = int(rng.integers(20, 31) if long else rng.integers(6, 11))
         kind = ("greedy", "greedy", "seeded", "unseeded")[i % 4]
         if kind == "greedy":
             params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=2)

@@ -335,6 +335,32 @@ def test_preemption_frees_the_newest_and_it_recomputes_prompt_and_output():
     assert new.output_token_ids == [sampled_token("new", k) for k in range(20)] and new.num_preemptions >= 1
 
 
+
+def test_a_prompt_is_admitted_only_when_all_its_blocks_fit():
+    """Four 780-token prompts (4 blocks of 256 each, for all 980 positions too) in 10 blocks, chunks
+    of 256: two run at once, and the other two wait until the first two finish. Admitted on its
+    first chunk's blocks alone, the third preempted itself at its second chunk and was admitted
+    again, 202 times over (the server thrashed: its prefill redone each time)."""
+    config = SchedulerConfig(max_num_seqs=8, max_model_len=1024, num_seq_slots=8, num_compressed_blocks=10,
+                             block_size=256, max_blocks_per_seq=4, max_prefill_rows=8, max_prefill_tokens=256,
+                             max_decode_rows=8)
+    scheduler, runner = Scheduler(config), FakeRunner(config)
+    for i in range(4):
+        scheduler.add(new_request(f"r{i}", 780, 200))
+    computed = {f"r{i}": 0 for i in range(4)}
+    first_token_step = {}
+    for step in range(1000):
+        if not scheduler.has_unfinished():
+            break
+        for row in run_step(scheduler, runner).rows:
+            computed[row.request.request_id] += len(row.token_ids)
+            if row.is_sampling:
+                first_token_step.setdefault(row.request.request_id, step)
+    assert not scheduler.has_unfinished() and scheduler.num_preemptions == 0
+    assert computed == {f"r{i}": 780 + 199 for i in range(4)}  # each position once; the last token is not fed
+    assert first_token_step["r1"] < 10 < 200 < first_token_step["r2"]  # two at once, then the other two
+    scheduler.block_managers[0].check_invariants()
+
 def test_decodes_filling_a_prefill_step_alternate_with_prefill_steps():
     config = SchedulerConfig(**{**vars(CONFIG), "max_prefill_rows": 2, "max_num_seqs": 6})
     scheduler, runner = Scheduler(config), FakeRunner(config)

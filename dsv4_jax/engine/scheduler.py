@@ -22,7 +22,10 @@ Policy, per rank:
   blocks run out for a running request, the newest running request is preempted by recompute:
   its slot and blocks are freed and it goes back to the front of the waiting queue, to recompute
   its prompt and output so far. The oldest running request therefore always progresses (it fits
-  alone, `add` makes sure of that). Admission never preempts: the head of the queue waits.
+  alone, `add` makes sure of that). Admission never preempts: the head of the queue waits until
+  the blocks of its whole prompt (and output, after a preemption) are free beside those the
+  running prefills will still take, so an admitted prefill is not preempted by its own next
+  chunk (only by the growth of older requests).
 * With `enable_chunked_prefill=False` a prompt is never split (prompts longer than one row are
   refused); the recompute of a preempted request is still split, as it must be.
 * `update` finishes a request that reached max_tokens ("length", checked before any stop
@@ -351,14 +354,24 @@ class Scheduler:
                 n = min(request.num_tokens - request.num_computed_tokens, c.max_prefill_tokens, plan.budget_left)
                 self._add_running(rank, plan, request, n, preempted)
         bm = self.block_managers[rank]
+        # Blocks the running prefills will still take for the rest of what they compute.
+        promised = sum(bm.blocks_for(r.num_tokens) - len(r.compressed_blocks)
+                       for r in running if r.num_tokens - r.num_computed_tokens > 1)
         while waiting and not plan.full and len(running) < c.max_num_seqs and bm.num_free_slots:
             request = waiting[0]
             if request.num_output_tokens >= request.max_tokens:  # preempted with its last token pending
                 return
             n = min(request.num_tokens, c.max_prefill_tokens, plan.budget_left)
             unsplit_prompt = not c.enable_chunked_prefill and not request.output_token_ids
-            if (unsplit_prompt and n < request.num_tokens) or not bm.allocate_blocks(request, n):
+            # Admitted when the blocks of all it has to compute (its prompt; after a preemption, its
+            # prompt and output) are free beside those promised: on its first chunk's blocks alone, a
+            # long prompt admitted into a nearly full pool preempted itself at its next chunk, and
+            # was admitted again, step after step (its prefill redone, the queue behind it starved).
+            whole = bm.blocks_for(request.num_tokens)
+            if (unsplit_prompt and n < request.num_tokens) or whole > bm.num_free_blocks - promised \
+                    or not bm.allocate_blocks(request, n):
                 return  # first come, first served: the head waits for room
+            promised += whole - len(request.compressed_blocks)
             waiting.popleft()
             bm.allocate_slot(request)
             request.status = RequestStatus.RUNNING
