@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from typing import TYPE_CHECKING, AsyncIterator, Sequence
+from typing import TYPE_CHECKING, AsyncIterator, Mapping, Sequence
 
 from dsv4_jax.engine.async_engine import StepFailedError
 from dsv4_jax.engine.outputs import RequestOutput
@@ -42,7 +42,9 @@ class Generation:
     """The children of one request; iterate `outputs()` once, to the end or until cancelled."""
 
     def __init__(self, state: ServingState, request_id: str, prompts: Sequence[list[int]], params: SamplingParams,
-                 forced: ForcedTokens | None = None):
+                 forced: ForcedTokens | None = None, fields: Mapping[str, str] | None = None):
+        """`fields`: the request's names of the engine's fields (a chat request's prompt is its
+        `messages`), for the `param` and the message of an error."""
         self.state = state
         self.prompts = list(prompts)
         self.n = params.n
@@ -60,7 +62,11 @@ class Generation:
                     state.metrics.request_started(rid, len(prompt_ids))
         except ValueError as error:  # the engine's numbers: prompt + max_tokens beyond max_model_len, ...
             self.close()
-            raise OpenAIError(str(error), param=getattr(error, "param", None)) from None
+            param, message = getattr(error, "param", None), str(error)
+            renamed = (fields or {}).get(param, param)
+            if param == "max_tokens":  # the message names the limit as the request gave it
+                message = message.replace(param, renamed)
+            raise OpenAIError(message, param=renamed) from None
         except BaseException:
             self.close()
             raise

@@ -155,6 +155,12 @@ class ChatRequest:
     return_tokens_as_token_ids: bool
     parallel_tool_calls: bool
     ignored_fields: tuple[str, ...]  # unknown top-level fields, for one warning
+    max_tokens_field: str = "max_tokens"  # or max_completion_tokens: the field the limit came from
+
+    @property
+    def fields(self) -> dict[str, str]:
+        """The engine's names of request fields (`RequestRejected.param`) -> this request's."""
+        return {"prompt": "messages", "max_tokens": self.max_tokens_field}
 
 
 @dataclass(frozen=True)
@@ -687,6 +693,7 @@ def parse_chat_request(body: Any, limits: ServerLimits) -> ChatRequest:
         ),
         parallel_tool_calls=_as_bool(body.get("parallel_tool_calls"), "parallel_tool_calls", True),
         ignored_fields=_ignored(body, CHAT_FIELDS),
+        max_tokens_field=max_tokens_param,
     )
 
 

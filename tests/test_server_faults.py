@@ -402,21 +402,27 @@ def test_prompts_over_max_model_len_are_400s_with_the_numbers(chat_server, load,
     def ids(n: int) -> list[int]:
         return [0, *rng.integers(1000, 90000, size=n - 1).tolist()]
 
-    over = [  # (path, body, the numbers the message must hold)
-        ("/v1/completions", {"prompt": ids(MAX_MODEL_LEN), "max_tokens": 1}, ("512",)),
-        ("/v1/completions", {"prompt": ids(MAX_MODEL_LEN + 40), "max_tokens": 1}, ("552", "512")),
-        ("/v1/completions", {"prompt": ids(400), "max_tokens": 200}, ("400", "200", "512")),
-        ("/v1/completions", {"prompt": "word " * 600, "max_tokens": 1}, ("512",)),
-        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "word " * 600}], "max_tokens": 1},
-         ("512",)),
-        ("/v1/completions", {"prompt": [ids(10), ids(MAX_MODEL_LEN)], "max_tokens": 1}, ("512",)),
+    def words(n: int) -> list[dict]:
+        return [{"role": "user", "content": "word " * n}]
+
+    over = [  # (path, body, the numbers the message must hold, the field to change: OpenAI's param)
+        ("/v1/completions", {"prompt": ids(MAX_MODEL_LEN), "max_tokens": 1}, ("512",), "max_tokens"),
+        ("/v1/completions", {"prompt": ids(MAX_MODEL_LEN + 40), "max_tokens": 1}, ("552", "512"), "max_tokens"),
+        ("/v1/completions", {"prompt": ids(400), "max_tokens": 200}, ("400", "200", "512"), "max_tokens"),
+        ("/v1/completions", {"prompt": "word " * 600, "max_tokens": 1}, ("512",), "max_tokens"),
+        ("/v1/chat/completions", {"messages": words(600), "max_tokens": 1}, ("512",), "max_tokens"),
+        # A chat prompt is its messages, and the limit is named as the request gave it.
+        ("/v1/chat/completions", {"messages": words(600)}, ("512",), "messages"),
+        ("/v1/chat/completions", {"messages": words(300), "max_completion_tokens": 300, "max_tokens": 1},
+         ("max_completion_tokens (300)", "512"), "max_completion_tokens"),
+        ("/v1/completions", {"prompt": [ids(10), ids(MAX_MODEL_LEN)], "max_tokens": 1}, ("512",), "max_tokens"),
     ]
     with harmless(server, load, bystander_reference), httpx.Client(base_url=server["base"],
                                                                    headers=_headers(server), timeout=120) as http:
-        for path, body, numbers in over:
+        for path, body, numbers, param in over:
             status, error = _error(http.post(path, json={"model": server["name"], **body}))
             assert status == 400 and all(n in error["message"] for n in numbers), (path, error)
-            assert error["param"] == "max_tokens", (path, error)  # the field to lower (the engine's RequestRejected)
+            assert error["param"] == param, (path, error)  # the engine's RequestRejected, in the request's names
         fits = http.post("/v1/completions", json={"model": server["name"], "prompt": ids(MAX_MODEL_LEN - 2),
                                                   "max_tokens": 2, "ignore_eos": True})
         assert fits.status_code == 200 and fits.json()["usage"]["completion_tokens"] == 2, fits.text
