@@ -225,7 +225,8 @@ class ChoiceState:
                 events += self.parser.finish()
         if completion.finish_reason is not None:
             self.finish_reason, self.stop_reason = completion.finish_reason, completion.stop_reason
-            if self.tool_calls and completion.finish_reason == "stop":
+            # A stop string that cut a call off (the parser's `cut_off`) leaves "stop": not a whole call.
+            if self.tool_calls and completion.finish_reason == "stop" and not getattr(self.parser, "cut_off", False):
                 self.finish_reason = "tool_calls"
         return self._delta(events), new_tokens, entries
 

@@ -230,6 +230,21 @@ def test_choice_tool_calls_keep_a_length_finish_reason():
     assert state.finish_reason == "length" and len(state.message(True)["tool_calls"]) == 2
 
 
+
+@pytest.mark.parametrize("finish_reason", ["stop", "length"])
+def test_choice_with_a_call_cut_off_keeps_its_finish_reason_and_leaks_no_markup(finish_reason):
+    """A stop string (or max_tokens) inside the second call's `unit` value: the first call whole,
+    the second's arguments unclosed, no DSML as content, and "stop" stays "stop" (not
+    "tool_calls": the model did not finish its calls)."""
+    text = TOOL_TEXT[: TOOL_TEXT.index("°C") + 1]
+    state = ChoiceState(0, ChatStreamParser("thinking"))
+    deltas = stream(state, engine_outputs(random_chunks(text, random.Random(11), 7), finish_reason))
+    calls = streamed_tool_calls(deltas)
+    whole = json.dumps(CALLS[0]["function"]["arguments"], ensure_ascii=False)
+    assert [c["function"]["arguments"] for c in calls.values()] == [whole, '{"values": [1.5, {"a": null}], "unit": "°']
+    assert joined(deltas, "content") == CONTENT and state.message(True)["content"] == CONTENT
+    assert state.finish_reason == finish_reason
+
 def test_choice_with_splitter_flushes_held_tail_at_finish():
     state = ChoiceState(0, ReasoningSplitter())
     deltas = stream(state, engine_outputs(["thinking about ", "</th"], "length"))

@@ -10,12 +10,16 @@ started / argument fragment / finished). A completion looks like
 (the reasoning part only in thinking mode, whose prompt already ends with `<think>`).
 
 Lenient mode (the server) never raises: malformed DSML degrades to plain content with a logged
-warning. Strict mode (`parse_completion`) raises ValueError on any deviation from the format: all
+warning. Text that stops inside a tool-call block (or inside its opening tag) was cut off by
+max_tokens or a stop string, which is not malformed: its markup is dropped, never content; a call
+already reported keeps the arguments written so far, unclosed (a truncated JSON string, as OpenAI
+returns with finish_reason "length", so that no client runs a call the model never finished);
+`cut_off` says so. Strict mode (`parse_completion`) raises ValueError on any deviation from the format: all
 that the official parser rejects, and also truncated blocks, empty blocks, duplicate parameters and
 non-JSON `string="false"` values, which the official parser lets through.
 The argument fragments of a call concatenate to its final `arguments` JSON string, which has the
 official parser's layout: `{"k": v, "k2": v2}` with `ensure_ascii=False`, and is always strict JSON
-(no NaN / Infinity, no duplicate keys).
+(no NaN / Infinity, no duplicate keys), except in a call cut off (above).
 A call is reported (ToolCallStarted) only once its invoke tag and its first parameter tag (or the
 `</｜DSML｜invoke>` of a call without parameters) are well formed, so a block that is malformed before
 that point yields no tool call at all, only content.
@@ -164,6 +168,7 @@ class ChatStreamParser:
         # Raw DSML consumed since the last event: on a lenient failure it becomes content again.
         self._uncommitted = ""
         self._warned_after_eos = False
+        self.cut_off = False  # the text stopped inside a tool-call block (lenient mode; module doc)
 
     # ---- public API -----------------------------------------------------------------------------
 
@@ -179,12 +184,34 @@ class ChatStreamParser:
         if self._finished:
             return []
         self._finished = True
+        if not self._strict:
+            self._cut_off_block()
         self._drain(final=True)
         if self._state is _State.REASONING and self._strict:
             raise ValueError("invalid completion: reasoning without </think>")
         if self._state is _State.CONTENT and self._strict:
             raise ValueError("invalid completion: missing end-of-sentence token")
         return self._take_events()
+
+    def _cut_off_block(self) -> None:
+        """At the end of the text (lenient): a tool-call block the text stops inside is cut off."""
+        if self._state in (_State.REASONING, _State.CONTENT):
+            held = _held_suffix_len(self._buf, (BLOCK_SEPARATOR + TOOL_CALLS_START, TOOL_CALLS_START))
+            if "<" + DSML[0] not in self._buf[len(self._buf) - held:]:
+                return  # no opening tag begun: the held text ("\n\n", "<") is text
+            self._buf = self._buf[: len(self._buf) - held]
+        elif self._state in (_State.DEGRADED, _State.AFTER_BLOCK, _State.DONE):
+            return
+        else:
+            if self._state is _State.PARAM_VALUE and self._call_open:
+                # The value so far (what follows may be the start of its closing tag) stays in.
+                self._take_value(self._consume(len(self._buf) - _held_suffix_len(self._buf, _VALUE_HOLD)))
+                if not self._param_is_string and not self._skip_value:
+                    self._emit_args(self._next_key_prefix() + self._raw_value)
+            self._buf, self._uncommitted, self._state = "", "", _State.DONE
+        self.cut_off = True
+        logger.info("the output stops inside a tool call (max_tokens or a stop string): %s",
+                    "its arguments end where the text does" if self._call_open else "no call reported")
 
     # ---- event helpers --------------------------------------------------------------------------
 
