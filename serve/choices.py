@@ -225,8 +225,11 @@ class ChoiceState:
                 events += self.parser.finish()
         if completion.finish_reason is not None:
             self.finish_reason, self.stop_reason = completion.finish_reason, completion.stop_reason
-            # A stop string that cut a call off (the parser's `cut_off`) leaves "stop": not a whole call.
-            if self.tool_calls and completion.finish_reason == "stop" and not getattr(self.parser, "cut_off", False):
+            # A stop that cut a call off (the parser's `cut_off_call`, if this choice shows that call)
+            # stays "stop": the model did not finish it.
+            cut = getattr(self.parser, "cut_off_call", None)
+            shown_cut = cut is not None and (self.max_tool_calls is None or cut < self.max_tool_calls)
+            if self.tool_calls and completion.finish_reason == "stop" and not shown_cut:
                 self.finish_reason = "tool_calls"
         return self._delta(events), new_tokens, entries
 

@@ -188,7 +188,6 @@ MALFORMED = {
         f'Hi{BLOCK}{INVOKE_F}<{D}parameter name="a" string="maybe">x</{D}parameter>\n{END}',
         [],
     ),
-    "eos_inside_value": (f'Hi{BLOCK}{INVOKE_F}<{D}parameter name="a" string="true">x{EOS}', "Hi", ['{"a": "x"}']),
     "unknown_dsml_tag": (f"Hi\n\n<{D}function_calls>\n{EOS}", f"Hi\n\n<{D}function_calls>\n", []),
     "text_after_block": (f"Hi{WEATHER_CALL}\nmore{EOS}", "Hi\nmore", ['{"city": "Paris"}']),
 }
@@ -357,7 +356,15 @@ CUT_OFF = {
                            f'<{D}parameter name="b" string="true">y', "chat", "", "",
                            [("f", '{"a": "x"}'), ("g", '{"b": "y')]),
     "after_the_reasoning": (f"hmm</think>\n\n<{D}tool", "thinking", "hmm", "", []),
+    "closed_calls_without_the_block_end": (f'Hi{BLOCK}{INVOKE_F}{param("a", "x", True)}\n</{D}invoke>\n', "chat",
+                                           "", "Hi", [("f", '{"a": "x"}')]),
+    "in_an_invoke_name": (f'Hi{BLOCK}<{D}invoke name="get_wea', "chat", "", "Hi", []),
+    "in_a_parameter_tag": (f'Hi{BLOCK}{INVOKE_F}{param("a", "x", True)}\n<{D}parameter name="b" str', "chat", "",
+                           "Hi", [("f", '{"a": "x"')]),
 }
+# In the text the server parses, the end-of-sentence that stopped the output is never there; a
+# decode with special tokens (LLM.chat) has it: cut off just the same wherever the block is open.
+CUT_OFF_AT_EOS = [name for name in CUT_OFF if not name.startswith(("in_the_block_opening", "after_the_reasoning"))]
 
 
 @pytest.mark.parametrize("name", CUT_OFF)
@@ -379,7 +386,19 @@ def test_a_call_cut_off_by_the_end_of_the_text_is_never_content_and_never_closed
         parse_completion(text, mode)
 
 
-@pytest.mark.parametrize("text", ["Hi\n\n", "Hi\n\n<", "a < b", f"Hi{WEATHER_CALL}"])
+
+@pytest.mark.parametrize("name", CUT_OFF_AT_EOS)
+def test_an_end_of_sentence_inside_a_block_cuts_it_off_as_the_end_of_the_text_does(name):
+    text, mode, _, _, _ = CUT_OFF[name]
+    without, _ = run_stream([text], mode)
+    for deltas in every_split(text + EOS + "junk"):
+        parser, builder = ChatStreamParser(mode), MessageBuilder()
+        events = [e for delta in deltas for e in parser.feed(delta)] + parser.finish()
+        builder.add(events)
+        check_event_order(events, cut_off=True)
+        assert builder.message() == without and parser.cut_off
+
+@pytest.mark.parametrize("text", ["Hi\n\n", "Hi\n\n<", "a < b", "a bar <｜", "Hi\n\n<｜", f"Hi{WEATHER_CALL}"])
 def test_text_that_ends_outside_a_block_is_not_cut_off(text):
     parser = ChatStreamParser("chat")
     parser.feed(text)

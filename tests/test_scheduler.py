@@ -361,13 +361,39 @@ def test_a_prompt_is_admitted_only_when_all_its_blocks_fit():
     assert first_token_step["r1"] < 10 < 200 < first_token_step["r2"]  # two at once, then the other two
     scheduler.block_managers[0].check_invariants()
 
+
+def decoding(config: SchedulerConfig, count: int, prompt_len: int, max_tokens: int) -> tuple[Scheduler, FakeRunner]:
+    """A scheduler whose requests d0, d1, ... (`count`) have all been admitted and are decoding."""
+    scheduler, runner = Scheduler(config), FakeRunner(config)
+    for i in range(count):
+        scheduler.add(new_request(f"d{i}", prompt_len, max_tokens))
+    while scheduler.num_waiting or any(r.num_output_tokens == 0 for r in scheduler._running[0]):
+        run_step(scheduler, runner)
+    return scheduler, runner
+
+
+def test_decodes_keep_every_row_while_the_queue_head_waits_for_blocks():
+    """Four decoding requests hold 16 of 24 blocks; a 300-token prompt (19 blocks) must wait until
+    they finish. Meanwhile every step is a decode step with all four: a prefill step for a head
+    that cannot be admitted would hold only max_prefill_rows = 2 of them."""
+    config = SchedulerConfig(**{**vars(CONFIG), "max_prefill_rows": 2, "usable_blocks_cap": 24})
+    scheduler, runner = decoding(config, 4, 60, 30)
+    scheduler.add(new_request("long", 300, 2))
+    steps = 0
+    while scheduler.num_waiting:
+        running = sorted(r.request_id for r in scheduler._running[0])
+        served = sorted(row.request.request_id for row in run_step(scheduler, runner).rows)
+        assert [rid for rid in served if rid != "long"] == running
+        steps += 1
+    assert steps > 20
+    while scheduler.has_unfinished():
+        run_step(scheduler, runner)
+    assert scheduler.num_preemptions == 0
+
+
 def test_decodes_filling_a_prefill_step_alternate_with_prefill_steps():
     config = SchedulerConfig(**{**vars(CONFIG), "max_prefill_rows": 2, "max_num_seqs": 6})
-    scheduler, runner = Scheduler(config), FakeRunner(config)
-    for i in range(5):
-        scheduler.add(new_request(f"d{i}", 3, 60))
-    while any(r.num_output_tokens == 0 for r in scheduler._running[0]) or scheduler.num_waiting:
-        run_step(scheduler, runner)
+    scheduler, runner = decoding(config, 5, 3, 60)
     scheduler.add(new_request("late", 200, 2))
     served = [{row.request.request_id for row in run_step(scheduler, runner).rows} for _ in range(8)]
     late_steps = [i for i, ids in enumerate(served) if "late" in ids]
@@ -378,11 +404,7 @@ def test_decodes_filling_a_prefill_step_alternate_with_prefill_steps():
 
 def test_decodes_beyond_a_steps_rows_take_turns():
     config = SchedulerConfig(**{**vars(CONFIG), "max_decode_rows": 2, "max_prefill_rows": 2})
-    scheduler, runner = Scheduler(config), FakeRunner(config)
-    for i in range(5):
-        scheduler.add(new_request(f"d{i}", 3, 40))
-    while scheduler.num_waiting or any(r.num_output_tokens == 0 for r in scheduler._running[0]):
-        run_step(scheduler, runner)
+    scheduler, runner = decoding(config, 5, 3, 40)
     served = [{row.request.request_id for row in run_step(scheduler, runner).rows} for _ in range(9)]
     assert all(len(ids) == 2 for ids in served)
     for s in range(7):  # the least recently served go first: everyone within 3 steps

@@ -244,6 +244,12 @@ def test_choice_with_a_call_cut_off_keeps_its_finish_reason_and_leaks_no_markup(
     assert [c["function"]["arguments"] for c in calls.values()] == [whole, '{"values": [1.5, {"a": null}], "unit": "°']
     assert joined(deltas, "content") == CONTENT and state.message(True)["content"] == CONTENT
     assert state.finish_reason == finish_reason
+    # With parallel_tool_calls=false the cut call is not shown: the first, whole, makes it "tool_calls";
+    # and so do whole calls whose block's closing tag was cut off.
+    for cut_text, max_calls in ((text, 1), (TOOL_TEXT[: TOOL_TEXT.rindex("</")], None)):
+        state = ChoiceState(0, ChatStreamParser("thinking"), max_tool_calls=max_calls)
+        stream(state, engine_outputs(random_chunks(cut_text, random.Random(12), 7), "stop"))
+        assert state.finish_reason == "tool_calls" and len(state.tool_calls) == (max_calls or 2)
 
 def test_choice_with_splitter_flushes_held_tail_at_finish():
     state = ChoiceState(0, ReasoningSplitter())

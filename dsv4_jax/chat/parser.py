@@ -10,11 +10,11 @@ started / argument fragment / finished). A completion looks like
 (the reasoning part only in thinking mode, whose prompt already ends with `<think>`).
 
 Lenient mode (the server) never raises: malformed DSML degrades to plain content with a logged
-warning. Text that stops inside a tool-call block (or inside its opening tag) was cut off by
-max_tokens or a stop string, which is not malformed: its markup is dropped, never content; a call
-already reported keeps the arguments written so far, unclosed (a truncated JSON string, as OpenAI
-returns with finish_reason "length", so that no client runs a call the model never finished);
-`cut_off` says so. Strict mode (`parse_completion`) raises ValueError on any deviation from the format: all
+warning. Text that stops inside a tool-call block (or inside its opening tag) was cut off (by
+max_tokens, a stop string or token, or an end-of-sentence the model wrote there), which is not
+malformed: its markup is dropped, never content; a call already reported keeps the arguments
+written so far, unclosed (a truncated JSON string, as OpenAI returns with finish_reason "length",
+so that no client runs a call the model never finished); `cut_off` and `cut_off_call` say so. Strict mode (`parse_completion`) raises ValueError on any deviation from the format: all
 that the official parser rejects, and also truncated blocks, empty blocks, duplicate parameters and
 non-JSON `string="false"` values, which the official parser lets through.
 The argument fragments of a call concatenate to its final `arguments` JSON string, which has the
@@ -97,6 +97,8 @@ class _State(enum.Enum):
 
 
 _TEXT_STATES = (_State.REASONING, _State.CONTENT, _State.DEGRADED)
+# Inside a tool-call block, before its closing tag.
+_BLOCK_STATES = tuple(s for s in _State if s not in (*_TEXT_STATES, _State.AFTER_BLOCK, _State.DONE))
 # Tokens that end or interrupt free text; `｜DSML｜` alone so a stray one is noticed too.
 _TEXT_MARKERS = (EOS, BOS, THINK_START, THINK_END, DSML)
 # Text that may be the start of one of these is held back until decided.
@@ -105,6 +107,8 @@ _TEXT_HOLD = (EOS, BOS, THINK_START, THINK_END, DSML, BLOCK_SEPARATOR + TOOL_CAL
 _VALUE_END = f"/{DSML}parameter"
 _VALUE_MARKERS = (_VALUE_END, EOS)
 _VALUE_HOLD = ("<" + _VALUE_END, _VALUE_END, EOS)
+# ... and the start of a closing tag cut off by an end-of-sentence, held back just the same.
+_VALUE_HOLD_AT_EOS = (*_VALUE_HOLD, *(_VALUE_HOLD[0][:k] + EOS for k in range(1, len(_VALUE_HOLD[0]))))
 _FIRST_PARAM_OR_END = (PARAMETER_START, "\n" + INVOKE_END, INVOKE_END)
 _NEXT_PARAM_OR_END = (PARAMETER_START, INVOKE_END)
 _STRING_FLAGS = ('" string="true">', '" string="false">')
@@ -119,6 +123,19 @@ def _held_suffix_len(text: str, markers: tuple[str, ...]) -> int:
                 longest = size
                 break
     return longest
+
+
+def _may_become(text: str, literals: tuple[str, ...]) -> bool:
+    """`text` may still become one of `literals` as more arrives, or one of them cut off by an
+    end-of-sentence (the start of a literal, then the start of EOS): undecided either way."""
+    if any(literal.startswith(text) for literal in literals):
+        return True
+    cut = text.rfind(EOS[0])
+    while cut >= 0:
+        if EOS.startswith(text[cut:]) and any(literal.startswith(text[:cut]) for literal in literals):
+            return True
+        cut = text.rfind(EOS[0], 0, cut)
+    return False
 
 
 def _first_marker(text: str, markers: tuple[str, ...]) -> tuple[int, str] | None:
@@ -169,6 +186,7 @@ class ChatStreamParser:
         self._uncommitted = ""
         self._warned_after_eos = False
         self.cut_off = False  # the text stopped inside a tool-call block (lenient mode; module doc)
+        self.cut_off_call: int | None = None  # the index of the call it left open, if any
 
     # ---- public API -----------------------------------------------------------------------------
 
@@ -194,24 +212,45 @@ class ChatStreamParser:
         return self._take_events()
 
     def _cut_off_block(self) -> None:
-        """At the end of the text (lenient): a tool-call block the text stops inside is cut off."""
+        """At the end of the text (lenient): a tool-call block, or its opening tag, that the text
+        stops inside is cut off."""
         if self._state in (_State.REASONING, _State.CONTENT):
             held = _held_suffix_len(self._buf, (BLOCK_SEPARATOR + TOOL_CALLS_START, TOOL_CALLS_START))
-            if "<" + DSML[0] not in self._buf[len(self._buf) - held:]:
-                return  # no opening tag begun: the held text ("\n\n", "<") is text
+            if TOOL_CALLS_START[:3] not in self._buf[len(self._buf) - held:]:
+                return  # no opening tag begun: the held text ("\n\n", "<", "<｜") is text
             self._buf = self._buf[: len(self._buf) - held]
-        elif self._state in (_State.DEGRADED, _State.AFTER_BLOCK, _State.DONE):
-            return
-        else:
-            if self._state is _State.PARAM_VALUE and self._call_open:
-                # The value so far (what follows may be the start of its closing tag) stays in.
-                self._take_value(self._consume(len(self._buf) - _held_suffix_len(self._buf, _VALUE_HOLD)))
-                if not self._param_is_string and not self._skip_value:
-                    self._emit_args(self._next_key_prefix() + self._raw_value)
-            self._buf, self._uncommitted, self._state = "", "", _State.DONE
+            self.cut_off = True
+            logger.info("the output stops inside a tool-call tag: no call reported")
+        elif self._state in _BLOCK_STATES:
+            self._cut_off_here()
+
+    def _cut_off_here(self) -> None:
+        """The text ends inside a tool-call block (at its end, or at an end-of-sentence): a value
+        so far stays in its call's arguments, which stay unclosed; the rest of the markup goes."""
+        if self._state is _State.PARAM_VALUE and self._call_open:
+            # What follows the value may be the start of its closing tag: that is not the value.
+            self._take_value(self._consume(len(self._buf) - _held_suffix_len(self._buf, _VALUE_HOLD)))
+            if not self._param_is_string and not self._skip_value:
+                self._emit_args(self._next_key_prefix() + self._raw_value)
         self.cut_off = True
-        logger.info("the output stops inside a tool call (max_tokens or a stop string): %s",
-                    "its arguments end where the text does" if self._call_open else "no call reported")
+        if self._call_open:
+            self.cut_off_call = self._num_calls - 1
+        logger.info("the output stops inside a tool call: %s", "its arguments end where the text does"
+                    if self._call_open else "no call left open")
+        self._buf, self._uncommitted, self._state = "", "", _State.DONE
+
+    def _end_block_at_eos(self) -> None:
+        """An end-of-sentence in the text ahead while inside a block (lenient): what comes before it
+        is parsed, and if the block is still open there, it is cut off (as when the text ends:
+        the server's text never holds the EOS that stopped it, a decode with special tokens does)."""
+        at = self._buf.index(EOS)
+        ahead, self._buf = self._buf[at:], self._buf[:at]
+        while self._state in _BLOCK_STATES and self._step(False):
+            pass
+        if self._state in _BLOCK_STATES:
+            self._cut_off_here()
+            ahead = ahead[len(EOS):]  # DONE: anything after the EOS is dropped (with a warning)
+        self._buf += ahead
 
     # ---- event helpers --------------------------------------------------------------------------
 
@@ -273,8 +312,11 @@ class ChatStreamParser:
     # ---- the state machine ----------------------------------------------------------------------
 
     def _drain(self, final: bool) -> None:
-        while self._step(final):
-            pass
+        while True:
+            if not self._strict and self._state in _BLOCK_STATES and EOS in self._buf:
+                self._end_block_at_eos()
+            if not self._step(final):
+                return
 
     def _step(self, final: bool) -> bool:
         """Advance once; True when input was consumed or the state changed."""
@@ -303,7 +345,7 @@ class ChatStreamParser:
             if self._buf.startswith(literal):
                 self._uncommitted += self._consume(len(literal))
                 return literal
-        if not final and any(literal.startswith(self._buf) for literal in alternatives):
+        if not final and _may_become(self._buf, alternatives):
             return None
         shown = self._buf[:40] if self._buf else "end of text"
         self._malformed(f"expected one of {list(alternatives)!r}, got {shown!r}")
@@ -415,7 +457,7 @@ class ChatStreamParser:
         rest = self._buf[len(name) :]
         closing = '">\n'
         if not rest.startswith(closing):
-            if closing.startswith(rest) and not final:
+            if _may_become(rest, (closing,)) and not final:
                 return False
             self._malformed(f"bad invoke tag ending {rest[:20]!r}")
             return True
@@ -432,7 +474,7 @@ class ChatStreamParser:
         rest = self._buf[len(key) :]
         flag = next((f for f in _STRING_FLAGS if rest.startswith(f)), None)
         if flag is None:
-            if any(f.startswith(rest) for f in _STRING_FLAGS) and not final:
+            if _may_become(rest, _STRING_FLAGS) and not final:
                 return False
             self._malformed(f"bad parameter tag ending {rest[:20]!r}")
             return True
@@ -465,7 +507,7 @@ class ChatStreamParser:
     def _step_param_value(self, final: bool) -> bool:
         hit = _first_marker(self._buf, _VALUE_MARKERS)
         if hit is None:
-            hold = 0 if final else _held_suffix_len(self._buf, _VALUE_HOLD)
+            hold = 0 if final else _held_suffix_len(self._buf, _VALUE_HOLD_AT_EOS)
             self._take_value(self._consume(len(self._buf) - hold))
             if final:
                 self._malformed("text ends inside a parameter value")

@@ -311,7 +311,7 @@ class Scheduler:
         running, decodes = self._running_decodes(rank)
         partial = any(r.num_tokens - r.num_computed_tokens > 1 for r in running)
         admissible = (bool(self._waiting[rank]) and len(running) < c.max_num_seqs
-                      and self.block_managers[rank].num_free_slots > 0)
+                      and self.block_managers[rank].num_free_slots > 0 and self._head_fits(rank))
         if not (partial or admissible):
             return "decode"
         if len(decodes) < min(c.max_prefill_rows, c.max_num_batched_tokens):  # room for every decode and a prefill row
@@ -354,9 +354,7 @@ class Scheduler:
                 n = min(request.num_tokens - request.num_computed_tokens, c.max_prefill_tokens, plan.budget_left)
                 self._add_running(rank, plan, request, n, preempted)
         bm = self.block_managers[rank]
-        # Blocks the running prefills will still take for the rest of what they compute.
-        promised = sum(bm.blocks_for(r.num_tokens) - len(r.compressed_blocks)
-                       for r in running if r.num_tokens - r.num_computed_tokens > 1)
+        promised = self._promised_blocks(rank)
         while waiting and not plan.full and len(running) < c.max_num_seqs and bm.num_free_slots:
             request = waiting[0]
             if request.num_output_tokens >= request.max_tokens:  # preempted with its last token pending
@@ -377,6 +375,18 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             running.append(request)
             plan.add(request, n)
+
+    def _promised_blocks(self, rank: int) -> int:
+        """Blocks the rank's running prefills will still take for the rest of what they compute."""
+        bm = self.block_managers[rank]
+        return sum(bm.blocks_for(r.num_tokens) - len(r.compressed_blocks)
+                   for r in self._running[rank] if r.num_tokens - r.num_computed_tokens > 1)
+
+    def _head_fits(self, rank: int) -> bool:
+        """The head of the rank's queue could be admitted now (`_add_prefills`' rule): otherwise a
+        step waiting for it would only take rows from the decodes."""
+        bm = self.block_managers[rank]
+        return bm.blocks_for(self._waiting[rank][0].num_tokens) <= bm.num_free_blocks - self._promised_blocks(rank)
 
     def _add_running(self, rank: int, plan: _StepPlan, request: Request, n: int, preempted: list[str]) -> None:
         """Add a chunk of a running request, preempting the newest running requests (maybe this
