@@ -223,6 +223,7 @@ class ChoiceState:
             events += self.parser.feed(new_text) if new_text else []
             if completion.finish_reason is not None:
                 events += self.parser.finish()
+        delta = self._delta(events)  # first: the calls it records decide the finish reason
         if completion.finish_reason is not None:
             self.finish_reason, self.stop_reason = completion.finish_reason, completion.stop_reason
             # A stop that cut a call off (the parser's `cut_off_call`, if this choice shows that call)
@@ -231,7 +232,7 @@ class ChoiceState:
             shown_cut = cut is not None and (self.max_tool_calls is None or cut < self.max_tool_calls)
             if self.tool_calls and completion.finish_reason == "stop" and not shown_cut:
                 self.finish_reason = "tool_calls"
-        return self._delta(events), new_tokens, entries
+        return delta, new_tokens, entries
 
     def _delta(self, events: list[ParseEvent]) -> dict[str, Any]:
         delta: dict[str, Any] = {}

@@ -344,6 +344,7 @@ def test_malformed_call_is_never_reported(name, caplog):
 # (completion, thinking mode, expected reasoning, content, and names and arguments of the calls).
 CUT_OFF = {
     "in_the_block_opening": (f"Hi\n\n<{D}tool_c", "chat", "", "Hi", []),
+    "in_its_dsml_token": (f"Hi\n\n<｜DS", "chat", "", "Hi", []),
     "after_the_block_opening": (f"Hi{BLOCK}", "chat", "", "Hi", []),
     "after_the_invoke_tag": (f"Hi{BLOCK}{INVOKE_F}", "chat", "", "Hi", []),
     "in_a_string_value": (f'Hi{BLOCK}{INVOKE_F}<{D}parameter name="a" string="true">Par', "chat", "", "Hi",
@@ -364,7 +365,6 @@ CUT_OFF = {
 }
 # In the text the server parses, the end-of-sentence that stopped the output is never there; a
 # decode with special tokens (LLM.chat) has it: cut off just the same wherever the block is open.
-CUT_OFF_AT_EOS = [name for name in CUT_OFF if not name.startswith(("in_the_block_opening", "after_the_reasoning"))]
 
 
 @pytest.mark.parametrize("name", CUT_OFF)
@@ -387,7 +387,7 @@ def test_a_call_cut_off_by_the_end_of_the_text_is_never_content_and_never_closed
 
 
 
-@pytest.mark.parametrize("name", CUT_OFF_AT_EOS)
+@pytest.mark.parametrize("name", CUT_OFF)
 def test_an_end_of_sentence_inside_a_block_cuts_it_off_as_the_end_of_the_text_does(name):
     text, mode, _, _, _ = CUT_OFF[name]
     without, _ = run_stream([text], mode)
@@ -400,10 +400,14 @@ def test_an_end_of_sentence_inside_a_block_cuts_it_off_as_the_end_of_the_text_do
 
 @pytest.mark.parametrize("text", ["Hi\n\n", "Hi\n\n<", "a < b", "a bar <｜", "Hi\n\n<｜", f"Hi{WEATHER_CALL}"])
 def test_text_that_ends_outside_a_block_is_not_cut_off(text):
-    parser = ChatStreamParser("chat")
-    parser.feed(text)
-    parser.finish()
-    assert not parser.cut_off
+    for whole in (text, text + EOS):
+        for deltas in every_split(whole):
+            parser = ChatStreamParser("chat")
+            for delta in deltas:
+                parser.feed(delta)
+            parser.finish()
+            assert not parser.cut_off, deltas
+
 
 def test_a_call_is_reported_once_its_first_parameter_tag_is_read():
     parser = ChatStreamParser("chat")
@@ -419,7 +423,6 @@ def test_a_call_is_reported_once_its_first_parameter_tag_is_read():
     [
         (f"a{D}b{EOS}", "chat", ("a" + D + "b", "")),
         (f"a <{D}b{EOS}", "chat", (f"a <{D}b", "")),
-        (f"a\n\n<{D}tool{EOS}", "chat", (f"a\n\n<{D}tool", "")),
         (f"r{D}x</think>c{EOS}", "thinking", (f"{D}x</think>c", "r")),
     ],
 )

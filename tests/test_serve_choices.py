@@ -224,6 +224,14 @@ def test_choice_with_max_one_tool_call_drops_later_calls_everywhere(chunk_index)
     assert state.finish_reason == "tool_calls"
 
 
+def test_calls_in_the_last_output_alone_still_make_the_finish_reason_tool_calls():
+    """A slow reader gets only the newest output (cumulative): every call may arrive with the stop."""
+    for chunks in ([TOOL_TEXT], [TOOL_TEXT[:5], TOOL_TEXT[5:]]):
+        state = ChoiceState(0, ChatStreamParser("thinking"))
+        stream(state, engine_outputs(chunks, "stop"))
+        assert state.finish_reason == "tool_calls" and len(state.tool_calls) == 2
+
+
 def test_choice_tool_calls_keep_a_length_finish_reason():
     state = ChoiceState(0, ChatStreamParser("thinking"))
     stream(state, engine_outputs(random_chunks(TOOL_TEXT, random.Random(5), 8), "length"))

@@ -108,7 +108,6 @@ _VALUE_END = f"/{DSML}parameter"
 _VALUE_MARKERS = (_VALUE_END, EOS)
 _VALUE_HOLD = ("<" + _VALUE_END, _VALUE_END, EOS)
 # ... and the start of a closing tag cut off by an end-of-sentence, held back just the same.
-_VALUE_HOLD_AT_EOS = (*_VALUE_HOLD, *(_VALUE_HOLD[0][:k] + EOS for k in range(1, len(_VALUE_HOLD[0]))))
 _FIRST_PARAM_OR_END = (PARAMETER_START, "\n" + INVOKE_END, INVOKE_END)
 _NEXT_PARAM_OR_END = (PARAMETER_START, INVOKE_END)
 _STRING_FLAGS = ('" string="true">', '" string="false">')
@@ -125,17 +124,35 @@ def _held_suffix_len(text: str, markers: tuple[str, ...]) -> int:
     return longest
 
 
+def _held_len(text: str, markers: tuple[str, ...]) -> int:
+    """`_held_suffix_len(text, markers)`, or, when `text` ends with the start of EOS, that start and
+    what would be held before it (so an EOS completing it, which may cut a tag off, changes nothing)."""
+    held = _held_suffix_len(text, markers)
+    cut = text.rfind(EOS[0], max(0, len(text) - len(EOS)))
+    if cut >= 0 and EOS.startswith(text[cut:]):
+        held = max(held, len(text) - cut + _held_suffix_len(text[:cut], markers))
+    return held
+
+
+def _cut_opening_len(text: str) -> int:
+    """Length of the end of `text` that is a tool-call block's opening tag begun and not finished
+    (0 for a held "\n\n", "<" or "<｜", which may be text)."""
+    held = _held_suffix_len(text, (BLOCK_SEPARATOR + TOOL_CALLS_START, TOOL_CALLS_START))
+    return held if TOOL_CALLS_START[:3] in text[len(text) - held:] else 0
+
+
 def _may_become(text: str, literals: tuple[str, ...]) -> bool:
     """`text` may still become one of `literals` as more arrives, or one of them cut off by an
-    end-of-sentence (the start of a literal, then the start of EOS): undecided either way."""
-    if any(literal.startswith(text) for literal in literals):
-        return True
-    cut = text.rfind(EOS[0])
-    while cut >= 0:
-        if EOS.startswith(text[cut:]) and any(literal.startswith(text[:cut]) for literal in literals):
+    end-of-sentence (the start of a literal, then starts of EOS): undecided either way."""
+    end = len(text)
+    while True:
+        head = text[:end]
+        if any(literal.startswith(head) for literal in literals):
             return True
-        cut = text.rfind(EOS[0], 0, cut)
-    return False
+        cut = text.rfind(EOS[0], max(0, end - len(EOS)), end)
+        if cut < 0 or not EOS.startswith(text[cut:end]):
+            return False
+        end = cut
 
 
 def _first_marker(text: str, markers: tuple[str, ...]) -> tuple[int, str] | None:
@@ -215,14 +232,16 @@ class ChatStreamParser:
         """At the end of the text (lenient): a tool-call block, or its opening tag, that the text
         stops inside is cut off."""
         if self._state in (_State.REASONING, _State.CONTENT):
-            held = _held_suffix_len(self._buf, (BLOCK_SEPARATOR + TOOL_CALLS_START, TOOL_CALLS_START))
-            if TOOL_CALLS_START[:3] not in self._buf[len(self._buf) - held:]:
-                return  # no opening tag begun: the held text ("\n\n", "<", "<｜") is text
-            self._buf = self._buf[: len(self._buf) - held]
-            self.cut_off = True
-            logger.info("the output stops inside a tool-call tag: no call reported")
+            cut = _cut_opening_len(self._buf)
+            if cut:
+                self._buf = self._buf[: len(self._buf) - cut]
+                self._cut_opening()
         elif self._state in _BLOCK_STATES:
             self._cut_off_here()
+
+    def _cut_opening(self) -> None:
+        self.cut_off = True
+        logger.info("the output stops inside a tool-call block's opening tag: no call reported")
 
     def _cut_off_here(self) -> None:
         """The text ends inside a tool-call block (at its end, or at an end-of-sentence): a value
@@ -355,13 +374,17 @@ class ChatStreamParser:
         markers = (EOS,) if self._state is _State.DEGRADED else _TEXT_MARKERS
         hit = _first_marker(self._buf, markers)
         if hit is None:
-            hold = 0 if final else _held_suffix_len(self._buf, _TEXT_HOLD)
+            hold = 0 if final else _held_len(self._buf, _TEXT_HOLD)
             self._emit_text(self._consume(len(self._buf) - hold))
             return False
         pos, marker = hit
         if marker == DSML:
             return self._at_dsml(pos, final)
-        self._emit_text(self._consume(pos))
+        cut = _cut_opening_len(self._buf[:pos]) if marker == EOS and not self._strict else 0
+        self._emit_text(self._consume(pos - cut))
+        if cut:  # an end-of-sentence cut a block's opening tag off (the text ending there would)
+            self._consume(cut)
+            self._cut_opening()
         self._consume(len(marker))
         if marker == EOS:
             if self._state is _State.REASONING:
@@ -380,7 +403,15 @@ class ChatStreamParser:
         rest = self._buf[pos + len(DSML) :]
         tail = TOOL_CALLS_START[1 + len(DSML) :]  # "tool_calls>"
         is_block = start < pos and rest.startswith(tail)
-        if start < pos and not is_block and tail.startswith(rest) and not final:
+        eos = rest.find(EOS)
+        if start < pos and not is_block and eos >= 0 and tail.startswith(rest[:eos]) and not self._strict:
+            # An end-of-sentence inside the opening tag: cut off, as if the text ended there.
+            cut_from = start - 2 if self._buf[:start].endswith(BLOCK_SEPARATOR) else start
+            self._emit_text(self._consume(cut_from))
+            self._consume(pos + len(DSML) + eos - cut_from)  # the EOS stays: it ends the text next
+            self._cut_opening()
+            return True
+        if start < pos and not is_block and _may_become(rest, (tail,)) and not final:
             # Undecided: emit the text before, except a blank line that may be the separator.
             before = self._buf[:start]
             self._emit_text(self._consume(start - 2 if before.endswith(BLOCK_SEPARATOR) else start))
@@ -507,7 +538,7 @@ class ChatStreamParser:
     def _step_param_value(self, final: bool) -> bool:
         hit = _first_marker(self._buf, _VALUE_MARKERS)
         if hit is None:
-            hold = 0 if final else _held_suffix_len(self._buf, _VALUE_HOLD_AT_EOS)
+            hold = 0 if final else _held_len(self._buf, _VALUE_HOLD)
             self._take_value(self._consume(len(self._buf) - hold))
             if final:
                 self._malformed("text ends inside a parameter value")
