@@ -14,7 +14,8 @@ warning. Text that stops inside a tool-call block (or inside its opening tag) wa
 max_tokens, a stop string or token, or an end-of-sentence the model wrote there), which is not
 malformed: its markup is dropped, never content; a call already reported keeps the arguments
 written so far, unclosed (a truncated JSON string, as OpenAI returns with finish_reason "length",
-so that no client runs a call the model never finished); `cut_off` and `cut_off_call` say so. Strict mode (`parse_completion`) raises ValueError on any deviation from the format: all
+so that no client runs a call the model never finished); `cut_off` and `cut_off_call` say so.
+Strict mode (`parse_completion`) raises ValueError on any deviation from the format: all
 that the official parser rejects, and also truncated blocks, empty blocks, duplicate parameters and
 non-JSON `string="false"` values, which the official parser lets through.
 The argument fragments of a call concatenate to its final `arguments` JSON string, which has the
@@ -107,7 +108,6 @@ _TEXT_HOLD = (EOS, BOS, THINK_START, THINK_END, DSML, BLOCK_SEPARATOR + TOOL_CAL
 _VALUE_END = f"/{DSML}parameter"
 _VALUE_MARKERS = (_VALUE_END, EOS)
 _VALUE_HOLD = ("<" + _VALUE_END, _VALUE_END, EOS)
-# ... and the start of a closing tag cut off by an end-of-sentence, held back just the same.
 _FIRST_PARAM_OR_END = (PARAMETER_START, "\n" + INVOKE_END, INVOKE_END)
 _NEXT_PARAM_OR_END = (PARAMETER_START, INVOKE_END)
 _STRING_FLAGS = ('" string="true">', '" string="false">')
