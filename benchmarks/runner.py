@@ -126,6 +126,20 @@ def timed_step(runner: ModelRunner, rows: list[StepRow]) -> StepTiming:
     return StepTiming(build=t1 - t0, device_put=t2 - t1, host=t3 - t2, device=t4 - t3)
 
 
+def head_ms(runner: ModelRunner, batch: int, dtype: str, repeats: int = 21) -> float:
+    """Median ms of the vocabulary head alone (`runner.head`: the hyper-connection collapse, the
+    final norm and the [hidden, vocab] dot) on `batch` decode rows, waited for each time: the part
+    of a decode step that no scheduling can shrink. Compiles its own program first (untimed)."""
+    streams = jax.numpy.zeros((batch, 1, runner.config.hc_mult, runner.config.hidden_size), dtype)
+    jax.block_until_ready(runner.head(streams))
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(runner.head(streams))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
 def pytree_flatten_ms(runner: ModelRunner, repeats: int = 21) -> float:
     """Median ms to flatten the weights and the cache, which every jitted step call does first."""
     times = []
@@ -247,14 +261,19 @@ def bench_model(name: str, args: argparse.Namespace, sink: RowSink) -> dict:
         sink.add(rows[-1])
     rows.append(summarise(name, "prefill", kv, (1, args.chunk), args.chunk, time_prefill(runner, args, rng)))
     sink.add(rows[-1])
+    compiles = runner.compiles.compiles  # before the head's own programs below
+    heads = {b: head_ms(runner, b, args.dtype) for b in args.batch_sizes}
+    for b, row in zip(args.batch_sizes, rows):
+        print(f"# {name}: the vocabulary head alone at {b} rows takes {heads[b]:.2f} ms "
+              f"({heads[b] / row['device_ms']:.0%} of the decode step's device time)", flush=True)
     flatten_ms = pytree_flatten_ms(runner)
     leaves = (len(runner.weights), len(jax.tree.leaves(runner.cache)))
     print(f"# {name}: flattening the step's weights and cache pytrees ({leaves[0]} + {leaves[1]} leaves) takes "
           f"{flatten_ms:.2f} ms of each dispatch", flush=True)
-    if runner.compiles.compiles:
-        print(f"# warning: {name} compiled {runner.compiles.compiles} times after warm-up", flush=True)
-    return {**report, "compiles_after_warmup": runner.compiles.compiles, "flatten_ms": flatten_ms,
-            "weight_leaves": leaves[0], "cache_leaves": leaves[1], "rows": rows}
+    if compiles:
+        print(f"# warning: {name} compiled {compiles} times after warm-up", flush=True)
+    return {**report, "compiles_after_warmup": compiles, "flatten_ms": flatten_ms,
+            "head_ms": heads, "weight_leaves": leaves[0], "cache_leaves": leaves[1], "rows": rows}
 
 
 # ---- command line -------------------------------------------------------------------------------------
