@@ -52,6 +52,21 @@ def test_unknown_reasoning_effort_is_rejected_naming_the_field(effort):
     assert isinstance(error.value, InvalidRequestField) and error.value.field == "reasoning_effort"
 
 
+def test_reasoning_effort_may_come_in_chat_template_kwargs_and_the_request_field_wins():
+    # vLLM's V4 template reads chat_template_kwargs["reasoning_effort"]; the max-effort preamble
+    # is what shows that it reached the prompt.
+    hi = [{"role": "user", "content": "Hi"}]
+    assert resolve_chat_options({"reasoning_effort": "max"}) == ChatOptions("thinking", "max")
+    assert resolve_chat_options({"reasoning_effort": "none"}) == ChatOptions("chat", None)
+    assert resolve_chat_options({"reasoning_effort": "max"}, "high") == ChatOptions("thinking", "high")
+    by_kwargs = build_prompt(hi, chat_template_kwargs={"reasoning_effort": "max"})
+    assert by_kwargs == build_prompt(hi, reasoning_effort="max") != build_prompt(hi)
+    for bad in ("extreme", 3):
+        with pytest.raises(InvalidRequestField) as error:
+            resolve_chat_options({"reasoning_effort": bad})
+        assert error.value.field == "chat_template_kwargs.reasoning_effort"
+
+
 def test_non_boolean_thinking_flag_is_rejected():
     with pytest.raises(InvalidRequestField, match="chat_template_kwargs.thinking"):
         resolve_chat_options({"thinking": "false"})

@@ -35,15 +35,20 @@ def _bool_kwarg(kwargs: dict[str, Any], name: str) -> bool | None:
 def resolve_chat_options(
     chat_template_kwargs: dict[str, Any] | None = None, reasoning_effort: str | None = None
 ) -> ChatOptions:
-    """Thinking mode, effort level and drop_thinking from the request's fields.
+    """Thinking mode, effort level and drop_thinking from the request's fields. The effort is
+    `reasoning_effort`, else `chat_template_kwargs["reasoning_effort"]` (as vLLM's V4 template).
 
     Unsupported values raise InvalidRequestField (a ValueError naming the field).
     """
     if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
         raise InvalidRequestField("chat_template_kwargs", f"expected an object, got {chat_template_kwargs!r}")
-    if reasoning_effort is not None and not isinstance(reasoning_effort, str):
-        raise InvalidRequestField("reasoning_effort", f"expected a string, got {reasoning_effort!r}")
     kwargs = chat_template_kwargs or {}
+    effort_field = "reasoning_effort"
+    if reasoning_effort is None and kwargs.get("reasoning_effort") is not None:
+        # vLLM's V4 template reads it from chat_template_kwargs too; the request's own field wins.
+        reasoning_effort, effort_field = kwargs["reasoning_effort"], "chat_template_kwargs.reasoning_effort"
+    if reasoning_effort is not None and not isinstance(reasoning_effort, str):
+        raise InvalidRequestField(effort_field, f"expected a string, got {reasoning_effort!r}")
     thinking = _bool_kwarg(kwargs, "thinking")
     if thinking is None:
         thinking = _bool_kwarg(kwargs, "enable_thinking")
@@ -58,7 +63,7 @@ def resolve_chat_options(
         if reasoning_effort not in _EFFORT_LEVELS:
             choices = ["none", *_EFFORT_LEVELS]
             message = f"unsupported value {reasoning_effort!r}; use one of {choices}"
-            raise InvalidRequestField("reasoning_effort", message)
+            raise InvalidRequestField(effort_field, message)
         effort = _EFFORT_LEVELS[reasoning_effort]
     return ChatOptions(
         thinking_mode="thinking" if thinking else "chat",
