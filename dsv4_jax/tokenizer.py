@@ -10,7 +10,7 @@ import functools
 import importlib.resources
 from pathlib import Path
 
-from dsv4_jax.chat.tokens import BOS
+from dsv4_jax.chat.tokens import BOS, EOS
 
 
 @functools.lru_cache(maxsize=4)
@@ -48,3 +48,69 @@ def encode_prompt(tokenizer, prompt: str) -> list[int]:
     while start < len(ids) and ids[start] == bos_id:
         start += 1
     return [bos_id, *ids[start:]]
+
+
+@functools.lru_cache(maxsize=1)
+def _byte_level_table() -> dict[str, int]:
+    """GPT-2's byte-level alphabet (the V4 tokenizer's decoder): printable character -> byte."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]  # "!".."~", "¡".."¬", "®".."ÿ"
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+def token_bytes(tokenizer, token_id: int) -> bytes:
+    """The bytes one token stands for (a token may hold part of a UTF-8 character)."""
+    piece = tokenizer.id_to_token(token_id) or ""
+    table = _byte_level_table()
+    if piece and all(c in table for c in piece):
+        return bytes(table[c] for c in piece)
+    return piece.encode("utf-8")  # an added token (`</think>`, `<｜end▁of▁sentence｜>`): its own text
+
+
+def token_text(tokenizer, token_id: int) -> str:
+    """One token's text on its own, as logprobs show it (vLLM's `decoded_token`, OpenAI's `token`):
+    part of a UTF-8 character shows as U+FFFD."""
+    return token_bytes(tokenizer, token_id).decode("utf-8", errors="replace")
+
+
+class NotebookTokenizer:
+    """The V4 tokenizer with the methods notebooks call on vLLM's `LLM.get_tokenizer()` (a
+    Hugging Face tokenizer there): ids as lists, `apply_chat_template` by the V4 encoder."""
+
+    def __init__(self, tokenizer):
+        self.backend = tokenizer  # the `tokenizers.Tokenizer`
+        self.bos_token_id = tokenizer.token_to_id(BOS)
+        self.eos_token_id = tokenizer.token_to_id(EOS)
+
+    def __len__(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`; with `add_special_tokens`, led by exactly one BOS."""
+        if add_special_tokens:
+            return encode_prompt(self.backend, text)
+        return self.backend.encode(text, add_special_tokens=False).ids
+
+    def decode(self, token_ids, skip_special_tokens: bool = False) -> str:
+        return self.backend.decode([int(t) for t in token_ids], skip_special_tokens=skip_special_tokens)
+
+    def convert_ids_to_tokens(self, token_ids) -> list[str | None]:
+        return [self.backend.id_to_token(int(t)) for t in token_ids]
+
+    def apply_chat_template(self, messages, tools=None, tokenize: bool = True, add_generation_prompt: bool = True,
+                            reasoning_effort: str | None = None, **chat_template_kwargs):
+        """The V4 prompt of `messages` (`LLM.chat`'s): ids (one BOS first) or, with
+        `tokenize=False`, the string. `chat_template_kwargs` as in `LLM.chat` (`thinking`, ...).
+        The V4 encoder always ends with the assistant's opening, as vLLM's V4 tokenizer does."""
+        from dsv4_jax.chat import build_prompt
+
+        del add_generation_prompt  # accepted for Hugging Face's signature
+        prompt = build_prompt(messages, tools=tools, chat_template_kwargs=chat_template_kwargs or None,
+                              reasoning_effort=reasoning_effort)
+        return encode_prompt(self.backend, prompt) if tokenize else prompt

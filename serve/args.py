@@ -50,7 +50,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from dsv4_jax.distributed import DistributedConfig
-from dsv4_jax.engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from dsv4_jax.engine.sampling_params import MAX_LOGPROBS
+from dsv4_jax.engine.sampling_params import generation_defaults as sampling_defaults
 from pallas_kernels.cli import OneLineParser, add_debug_flag
 
 PROG = "serve"  # the name in error lines; the entry point passes it to run_main
@@ -71,16 +72,6 @@ REASONING_PARSERS = ("deepseek_v4",)
 UVICORN_LOG_LEVELS = ("debug", "info", "warning", "error", "critical", "trace")
 API_KEY_ENV = "VLLM_API_KEY"
 SIZE_SUFFIXES = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "K": 2**10, "M": 2**20, "G": 2**30}
-GENERATION_CONFIG_FILE = "generation_config.json"
-# generation_config.json key -> SamplingParams field: the keys vLLM takes as request defaults.
-GENERATION_KEYS = {
-    "temperature": "temperature",
-    "top_p": "top_p",
-    "top_k": "top_k",
-    "min_p": "min_p",
-    "repetition_penalty": "repetition_penalty",
-    "max_new_tokens": "max_tokens",
-}
 
 # vLLM flags accepted for its recipes' sake; each changes nothing here. flag -> (takes a value, why).
 IGNORED_FLAGS = {
@@ -443,31 +434,7 @@ def generation_defaults(args: ServerArgs, model_dir: Path) -> dict[str, Any]:
     """vLLM's request defaults from generation_config.json: the SamplingParams values (temperature,
     top_p, top_k, min_p, repetition_penalty, max_tokens from max_new_tokens) that the file sets,
     for requests that leave them unset. `--generation-config vllm` means none."""
-    if args.generation_config == "vllm":
-        return {}
-    if args.generation_config == "auto":
-        path = Path(model_dir) / GENERATION_CONFIG_FILE
-        if not path.is_file():
-            return {}
-    else:
-        path = Path(args.generation_config) / GENERATION_CONFIG_FILE
-        if not path.is_file():
-            raise ValueError(
-                f"--generation-config {args.generation_config!r}: no {GENERATION_CONFIG_FILE} in that directory "
-                f"(allowed: auto, vllm, or a directory holding {GENERATION_CONFIG_FILE})"
-            )
-    try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise ValueError(f"{path}: not valid JSON ({error})") from None
-    if not isinstance(raw, dict):
-        raise ValueError(f"{path}: expected a JSON object, got a {type(raw).__name__}")
-    defaults = {field: raw[key] for key, field in GENERATION_KEYS.items() if raw.get(key) is not None}
-    try:
-        SamplingParams(**defaults)  # the same checks a request's own values get
-    except ValueError as error:
-        raise ValueError(f"{path}: {error}") from None
-    return defaults
+    return sampling_defaults(model_dir, args.generation_config, "--generation-config")
 
 
 def engine_kwargs(args: ServerArgs) -> dict[str, Any]:

@@ -23,20 +23,7 @@ from dsv4_jax.chat import (
     ToolCallStarted,
 )
 from dsv4_jax.engine.outputs import CompletionOutput, Logprob
-
-
-@functools.lru_cache(maxsize=1)
-def _byte_level_table() -> dict[str, int]:
-    """GPT-2's byte-level alphabet (the V4 tokenizer's decoder): printable character -> byte."""
-    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]  # "!".."~", "¡".."¬", "®".."ÿ"
-    chars, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            chars[chr(b)] = b
-        else:
-            chars[chr(256 + extra)] = b
-            extra += 1
-    return chars
+from dsv4_jax.tokenizer import token_bytes, token_text
 
 
 @functools.lru_cache(maxsize=4)
@@ -52,11 +39,7 @@ class TokenTexts:
         self.tokenizer, self.as_token_ids = tokenizer, as_token_ids
 
     def bytes_of(self, token_id: int) -> bytes:
-        piece = self.tokenizer.id_to_token(token_id) or ""
-        table = _byte_level_table()
-        if piece and all(c in table for c in piece):
-            return bytes(table[c] for c in piece)
-        return piece.encode("utf-8")  # an added token (`</think>`, `<｜end▁of▁sentence｜>`): its own text
+        return token_bytes(self.tokenizer, token_id)
 
     def is_special(self, token_id: int) -> bool:
         """Whether skip_special_tokens drops the token's text (BOS, EOS, the chat format's markers)."""
@@ -65,7 +48,7 @@ class TokenTexts:
     def text_of(self, token_id: int) -> str:
         if self.as_token_ids:  # vLLM's return_tokens_as_token_ids
             return f"token_id:{token_id}"
-        return self.bytes_of(token_id).decode("utf-8", errors="replace")
+        return token_text(self.tokenizer, token_id)
 
 
 def chat_logprobs(texts: TokenTexts, token_ids: list[int], entries: list[dict[int, Logprob]], top: int) -> list[dict]:

@@ -20,6 +20,7 @@ a near tie the runs may diverge and nothing after it is compared) and logprobs w
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import numpy as np
 import pytest
@@ -41,6 +42,7 @@ from dsv4_jax.engine import runner as runner_module
 from dsv4_jax.engine.compiles import CompileCounter
 from dsv4_jax.engine.llm import default_buckets
 from dsv4_jax.engine.request import ForcedTokens
+from dsv4_jax.engine.sampling_params import generation_defaults
 from dsv4_jax.presets import get_config
 from dsv4_jax.testing import write_random_checkpoint
 
@@ -149,6 +151,10 @@ def test_greedy_tokens_logprobs_and_prompt_logprobs_follow_the_full_forward(llm)
     counter = CompileCounter()
     outs = _generate(llm, prompts, params)
     assert counter.built == 0  # before the reference forward below
+
+    def alone(token: int) -> str:
+        return llm.tokenizer.decode([token], skip_special_tokens=False)
+
     references = _full_log_softmax(llm, [p + o.outputs[0].token_ids for p, o in zip(prompts, outs)])
     compared = 0
     for prompt, out, ref in zip(prompts, outs, references):
@@ -166,6 +172,7 @@ def test_greedy_tokens_logprobs_and_prompt_logprobs_follow_the_full_forward(llm)
             assert token in entry and len(entry) in (3, 4)  # top 3, plus the sampled token if outside
             for t, lp in entry.items():
                 assert abs(lp.logprob - row[t]) <= LOGPROB_TOL, (i, t)
+                assert lp.decoded_token == alone(t), (i, t)  # vLLM's: the token's text on its own
         total = sum(entry[t].logprob for entry, t in zip(completion.logprobs, tokens))
         assert abs(completion.cumulative_logprob - total) < 1e-6
         # Prompt logprobs: None for the first token, then each token given the ones before it.
@@ -178,6 +185,7 @@ def test_greedy_tokens_logprobs_and_prompt_logprobs_follow_the_full_forward(llm)
             assert {t for t, lp in entry.items() if lp.rank is not None and lp.rank <= 3} == set(best.tolist())
             for t, lp in entry.items():
                 assert abs(lp.logprob - row[t]) <= LOGPROB_TOL, (j, t)
+                assert lp.decoded_token == alone(t), (j, t)
     assert compared >= 36  # the rule skipped at most a few near ties
     _assert_idle(llm)
 
@@ -624,11 +632,16 @@ def test_requests_that_can_never_run_are_refused_with_the_numbers(llm):
         _generate(llm, [[3, VOCAB, 9999]], SamplingParams(max_tokens=2))
     with pytest.raises(ValueError, match=rf"stop_token_ids has token ids \[{VOCAB}\]"):
         _generate(llm, [[3, 4]], SamplingParams(max_tokens=2, stop_token_ids=[VOCAB]))
-    # Without max_tokens the client asked for what is left of max_model_len: a prompt that leaves
-    # nothing is the prompt's fault, and min_tokens beyond what is left cannot be met (vLLM: 400).
-    with pytest.raises(ValueError, match=r"prompt \(256 tokens\) leaves no room .* max_model_len \(256\)") as error:
-        _generate(llm, [[3] * 256], SamplingParams(max_tokens=None))
-    assert error.value.param == "prompt"
+    # A prompt that leaves nothing is the prompt's fault whatever max_tokens says; without
+    # max_tokens the client asked for what is left, and min_tokens beyond it cannot be met (vLLM: 400).
+    for max_tokens in (None, 10):
+        with pytest.raises(ValueError, match=r"prompt \(256 tokens\) leaves no room .* max_model_len \(256\)") as error:
+            _generate(llm, [[3] * 256], SamplingParams(max_tokens=max_tokens))
+        assert error.value.param == "prompt"
+    # Ids that are not integers are refused, not rounded or parsed (numpy integers are integers).
+    for bad in (4.7, "12", True):
+        with pytest.raises(ValueError, match=rf"prompt token ids must be integers; got {re.escape(repr(bad))}"):
+            _generate(llm, [[3, bad]], SamplingParams(max_tokens=2))
     with pytest.raises(ValueError, match=r"min_tokens \(7\) exceeds the 6 tokens") as error:
         _generate(llm, [[3] * 250], SamplingParams(max_tokens=None, min_tokens=7))
     assert error.value.param == "min_tokens"
@@ -800,7 +813,95 @@ def test_chat_builds_the_v4_prompt_and_parses_the_completion(chat_llm, thinking)
     raw = tok.decode(completion.token_ids, skip_special_tokens=False)
     assert THINK_END not in raw and DSML not in raw, raw
     assert completion.tool_calls is None
+    # As in vLLM, `text` is all of it, as generate gives it (special tokens skipped); the parse of
+    # that text comes beside it.
+    plain = tok.decode(completion.token_ids, skip_special_tokens=True)
+    assert completion.text == plain
     if thinking:
-        assert (completion.reasoning, completion.text) == (raw, "")
+        assert (completion.reasoning, completion.content) == (plain, "")
     else:
-        assert (completion.text, completion.reasoning) == (raw, None)
+        assert (completion.content, completion.reasoning) == (plain, None)
+
+
+def test_chat_is_generate_on_the_v4_prompt_then_a_parse_of_its_text(chat_llm):
+    """Stop strings, stop tokens and skip_special_tokens act on chat as on generate (the same
+    text), and the reasoning / content parse splits exactly that text."""
+    messages = [{"role": "user", "content": "Tell me a story."}]
+    base = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    (first,) = chat_llm.chat(messages, base, use_tqdm=False)
+    whole = first.outputs[0]
+    assert len(whole.text) >= 8, whole.text
+    stop_text = whole.text[4:7]
+    for params in (dataclasses.replace(base, stop=[stop_text]),
+                   dataclasses.replace(base, stop_token_ids=[whole.token_ids[5]]),
+                   dataclasses.replace(base, skip_special_tokens=False)):
+        (chat,) = chat_llm.chat(messages, params, use_tqdm=False)
+        (plain,) = chat_llm.generate({"prompt_token_ids": chat.prompt_token_ids}, params, use_tqdm=False)
+        got, expected = chat.outputs[0], plain.outputs[0]
+        assert (got.text, got.token_ids, got.finish_reason, got.stop_reason) == (
+            expected.text, expected.token_ids, expected.finish_reason, expected.stop_reason)
+        # thinking mode (the default): the random model writes no </think>, so all is reasoning
+        assert (got.reasoning, got.content, got.tool_calls) == (got.text, "", None)
+    assert stop_text not in chat_llm.chat(messages, dataclasses.replace(base, stop=[stop_text]),
+                                          use_tqdm=False)[0].outputs[0].text
+
+
+def test_generate_takes_vllms_prompt_forms_and_counts_prompts_in_its_bar(chat_llm):
+    tok = chat_llm.tokenizer
+    params = SamplingParams(temperature=0.0, max_tokens=1)
+    by_text, by_dict = chat_llm.generate(["Hello", {"prompt": "Hello"}], params, use_tqdm=False)
+    assert by_text.prompt == by_dict.prompt == "Hello"
+    assert by_text.prompt_token_ids == by_dict.prompt_token_ids == [tok.token_to_id(BOS), *tok.encode(
+        "Hello", add_special_tokens=False).ids]
+    with pytest.raises(ValueError, match=r"prompts\[0\] must be a string, \{'prompt': str\}"):
+        chat_llm.generate([{"prompt": 3}], params, use_tqdm=False)
+
+    bars = []
+
+    class Bar:  # a tqdm stand-in (vLLM's use_tqdm may be a tqdm class)
+        def __init__(self, total, **kwargs):
+            self.total, self.n, self.closed = total, 0, False
+            bars.append(self)
+
+        def update(self, n):
+            self.n += n
+
+        def set_postfix_str(self, text):
+            pass
+
+        def close(self):
+            self.closed = True
+
+    chat_llm.generate(["Hello", "Bye"], dataclasses.replace(params, n=2, seed=1), use_tqdm=Bar)
+    assert (bars[-1].total, bars[-1].n, bars[-1].closed) == (2, 2, True)  # prompts, not sequences
+    # A step that raises (Ctrl-C in a notebook) closes the bar and leaves the engine as new.
+    def interrupted():
+        raise KeyboardInterrupt
+
+    chat_llm.engine.step = interrupted  # an instance attribute shadows the method
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            chat_llm.generate(["Hello"], params, use_tqdm=Bar)
+    finally:
+        del chat_llm.engine.step
+    assert bars[-1].closed and not chat_llm.engine.has_unfinished()
+
+
+def test_get_tokenizer_encodes_and_templates_as_the_engine_does(chat_llm, tmp_path):
+    tok = chat_llm.get_tokenizer()
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    (out,) = chat_llm.chat(messages, SamplingParams(max_tokens=1), use_tqdm=False, tools=TOOLS,
+                           chat_template_kwargs={"thinking": False})
+    assert tok.apply_chat_template(messages, tools=TOOLS, tokenize=False, thinking=False) == out.prompt
+    assert tok.apply_chat_template(messages, tools=TOOLS, thinking=False) == out.prompt_token_ids
+    (hello,) = chat_llm.generate("Hello", SamplingParams(max_tokens=1), use_tqdm=False)
+    assert tok.encode("Hello") == hello.prompt_token_ids and tok.decode(tok.encode("Hello")) == BOS + "Hello"
+    assert (tok.bos_token_id, tok.eos_token_id) == (hello.prompt_token_ids[0], CONFIG.eos_token_id)
+    # Sampling defaults: the model directory's generation_config.json (vLLM's keys), or none.
+    assert chat_llm.get_default_sampling_params() == SamplingParams()
+    (tmp_path / "generation_config.json").write_text('{"temperature": 0.6, "top_p": 0.95, "max_new_tokens": 64, '
+                                                     '"do_sample": true}')
+    assert generation_defaults(tmp_path) == {"temperature": 0.6, "top_p": 0.95, "max_tokens": 64}
+    assert generation_defaults(tmp_path, "vllm") == {}
+    with pytest.raises(ValueError, match="generation_config .*no generation_config.json"):
+        generation_defaults(tmp_path, str(tmp_path / "elsewhere"))

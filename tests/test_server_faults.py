@@ -406,16 +406,17 @@ def test_prompts_over_max_model_len_are_400s_with_the_numbers(chat_server, load,
         return [{"role": "user", "content": "word " * n}]
 
     over = [  # (path, body, the numbers the message must hold, the field to change: OpenAI's param)
-        ("/v1/completions", {"prompt": ids(MAX_MODEL_LEN), "max_tokens": 1}, ("512",), "max_tokens"),
-        ("/v1/completions", {"prompt": ids(MAX_MODEL_LEN + 40), "max_tokens": 1}, ("552", "512"), "max_tokens"),
+        # A prompt that alone fills max_model_len is the prompt's fault (OpenAI names the messages).
+        ("/v1/completions", {"prompt": ids(MAX_MODEL_LEN), "max_tokens": 1}, ("512",), "prompt"),
+        ("/v1/completions", {"prompt": ids(MAX_MODEL_LEN + 40), "max_tokens": 1}, ("552", "512"), "prompt"),
         ("/v1/completions", {"prompt": ids(400), "max_tokens": 200}, ("400", "200", "512"), "max_tokens"),
-        ("/v1/completions", {"prompt": "word " * 600, "max_tokens": 1}, ("512",), "max_tokens"),
-        ("/v1/chat/completions", {"messages": words(600), "max_tokens": 1}, ("512",), "max_tokens"),
+        ("/v1/completions", {"prompt": "word " * 600, "max_tokens": 1}, ("512",), "prompt"),
         # A chat prompt is its messages, and the limit is named as the request gave it.
+        ("/v1/chat/completions", {"messages": words(600), "max_tokens": 1}, ("512",), "messages"),
         ("/v1/chat/completions", {"messages": words(600)}, ("512",), "messages"),
         ("/v1/chat/completions", {"messages": words(300), "max_completion_tokens": 300, "max_tokens": 1},
          ("max_completion_tokens (300)", "512"), "max_completion_tokens"),
-        ("/v1/completions", {"prompt": [ids(10), ids(MAX_MODEL_LEN)], "max_tokens": 1}, ("512",), "max_tokens"),
+        ("/v1/completions", {"prompt": [ids(10), ids(MAX_MODEL_LEN)], "max_tokens": 1}, ("512",), "prompt"),
     ]
     with harmless(server, load, bystander_reference), httpx.Client(base_url=server["base"],
                                                                    headers=_headers(server), timeout=120) as http:

@@ -18,6 +18,7 @@ import collections
 import dataclasses
 import itertools
 import logging
+import numbers
 from typing import Any, Sequence
 
 import jax
@@ -42,6 +43,7 @@ from dsv4_jax.engine.sampler import (
 from dsv4_jax.engine.sampling_params import SamplingParams
 from dsv4_jax.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from dsv4_jax.kv_cache.paged import PagedCacheLayout
+from dsv4_jax.tokenizer import token_text
 
 logger = logging.getLogger(__name__)
 
@@ -163,6 +165,7 @@ class LLMEngine:
     ):
         self.config = model.config
         self.tokenizer = tokenizer
+        self._token_texts: dict[int, str] = {}  # token id -> its text, for logprobs (`_logprob`)
         self.max_model_len = max_model_len
         self.seed = seed
         self.runner = ModelRunner(model, layout, attention_backend=attention_backend, buckets=buckets)
@@ -203,6 +206,9 @@ class LLMEngine:
         emitted in place of sampled ones (a forced tool call; request.ForcedTokens)."""
         if request_id in self._tracked:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in prompt_token_ids):
+            bad = next(t for t in prompt_token_ids if not isinstance(t, numbers.Integral) or isinstance(t, bool))
+            raise RequestRejected(f"prompt token ids must be integers; got {bad!r}", "prompt")
         ids = [int(t) for t in prompt_token_ids]
         vocab = self.config.vocab_size
         bad = sorted({t for t in ids if not 0 <= t < vocab})
@@ -219,12 +225,12 @@ class LLMEngine:
         if forced is not None and not all(0 <= t < vocab for t in forced.token_ids):
             raise ValueError(f"forced token ids must be in [0, {vocab}) (the model's vocabulary)")
         room = self.max_model_len - len(ids)
-        if params.max_tokens is None and room < 1:  # the client named no max_tokens: do not blame it
+        if room < 1:  # the prompt alone is too long, whatever max_tokens says
             raise RequestRejected(
                 f"the prompt ({len(ids)} tokens) leaves no room for a generated token within max_model_len "
                 f"({self.max_model_len}); shorten the prompt", "prompt")
         max_tokens = params.max_tokens if params.max_tokens is not None else room
-        if room < 1 or max_tokens > room:
+        if max_tokens > room:
             raise RequestRejected(
                 f"the prompt ({len(ids)} tokens) plus max_tokens ({max_tokens}) exceeds max_model_len "
                 f"({self.max_model_len})", "max_tokens")
@@ -468,9 +474,10 @@ class LLMEngine:
             logp = logits - logits.max()
             logp -= np.log(np.exp(logp).sum())
             logprob, rank = float(logp[token]), int((logp > logp[token]).sum()) + 1
-        entry = {token: Logprob(logprob, rank)}
+        entry = {token: self._logprob(token, logprob, rank)}
         for top_rank, (t, lp) in enumerate(zip(top_ids[i][: tracked.params.logprobs], top_lps[i]), start=1):
-            entry.setdefault(int(t), Logprob(float(lp), top_rank))
+            if int(t) not in entry:
+                entry[int(t)] = self._logprob(int(t), float(lp), top_rank)
         tracked.logprobs.append(entry)
         tracked.cumulative_logprob += logprob
 
@@ -508,10 +515,18 @@ class LLMEngine:
                                top_logprobs[i, at, :k].tolist()))
         for (_, tracked, _, targets), scores in zip(wanted, scored):
             for target, logprob, rank, top, top_logprobs in zip(targets, *scores):
-                entry = {target: Logprob(logprob, rank)}
+                entry = {target: self._logprob(target, logprob, rank)}
                 for top_rank, (t, lp) in enumerate(zip(top, top_logprobs), start=1):
-                    entry.setdefault(t, Logprob(lp, top_rank))
+                    if t not in entry:
+                        entry[t] = self._logprob(t, lp, top_rank)
                 tracked.prompt_logprobs.append(entry)
+
+    def _logprob(self, token: int, logprob: float, rank: int) -> Logprob:
+        """A Logprob with the token's own text (vLLM's `decoded_token`), each id decoded once."""
+        text = self._token_texts.get(token)
+        if text is None:
+            text = self._token_texts[token] = token_text(self.tokenizer, token)
+        return Logprob(logprob, rank, text)
 
     def _host_logits(self, logits: jax.Array) -> np.ndarray:
         """A step's logits on the host. With several processes each holds only its devices' part:

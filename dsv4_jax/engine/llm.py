@@ -14,16 +14,17 @@ does; `activations.py` measures the latter); on CPU, where JAX reports no memory
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import math
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from dsv4_jax.engine.outputs import RequestOutput
 from dsv4_jax.engine.runner import StepBuckets
-from dsv4_jax.engine.sampling_params import SamplingParams
+from dsv4_jax.engine.sampling_params import SamplingParams, generation_defaults
 
 logger = logging.getLogger(__name__)
 
@@ -106,7 +107,17 @@ class LLM:
         node_rank: int = 0,
         master_addr: str = "127.0.0.1",
         master_port: int = 29500,
+        generation_config: str = "auto",
+        # vLLM's arguments that change nothing here, accepted so its notebooks run as written.
+        trust_remote_code: bool = False,  # nothing from the model directory is ever run
+        enforce_eager: bool = False,  # there are no CUDA graphs: steps are compiled for fixed shapes
+        tokenizer_mode: str = "auto",  # always the model's tokenizer.json with the V4 chat encoder
+        disable_log_stats: bool = True,  # logging goes through the `logging` module
+        enable_prefix_caching: bool | None = None,  # not built: only off (False or None) is accepted
     ):
+        if enable_prefix_caching:
+            raise ValueError("enable_prefix_caching: prefix caching is not built yet in dsv4-jax; "
+                             "leave it unset or pass False")
         import dsv4_jax
         from dsv4_jax.distributed import DistributedConfig, StepChannel, initialize
 
@@ -135,6 +146,7 @@ class LLM:
                                     data_parallel_size=data_parallel_size,
                                     enable_expert_parallel=enable_expert_parallel, load_format=load_format,
                                     seed=seed, block_size=block_size, tokenizer=tokenizer)
+        self._default_sampling = generation_defaults(path, generation_config)
         max_model_len = self.resolve_max_model_len(path, max_model_len)
         compute = checkpoint_dtype(path) if dtype == "auto" else dtype
         self.parallel = ParallelConfig(tensor_parallel_size, data_parallel_size, enable_expert_parallel)
@@ -246,6 +258,18 @@ class LLM:
         if tokenizer is not None and not Path(tokenizer).exists():
             raise FileNotFoundError(f"tokenizer {tokenizer}: no such file or directory")
         return path
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` and `chat` sample with when given no SamplingParams: the model's
+        generation_config.json defaults (vLLM's), else SamplingParams()."""
+        return SamplingParams(**self._default_sampling)
+
+    def get_tokenizer(self):
+        """The tokenizer with the methods notebooks call on vLLM's (`encode`, `decode`,
+        `apply_chat_template` with the V4 encoder, `eos_token_id`); `llm.tokenizer` is the raw one."""
+        from dsv4_jax.tokenizer import NotebookTokenizer
+
+        return NotebookTokenizer(self.tokenizer)
 
     @staticmethod
     def resolve_max_model_len(path: Path, max_model_len: int | None) -> int:
@@ -375,19 +399,23 @@ class LLM:
             prompts = [prompts]
         out = []
         for i, p in enumerate(prompts):
-            if isinstance(p, str):
-                out.append((p, encode_prompt(self.tokenizer, p)))  # exactly one BOS
-            elif isinstance(p, dict) and "prompt_token_ids" in p:
-                out.append((None, [int(t) for t in p["prompt_token_ids"]]))
-            else:
-                raise ValueError(f"prompts[{i}] must be a string or {{'prompt_token_ids': [...]}}, got {type(p).__name__}")
+            if isinstance(p, dict) and "prompt_token_ids" in p:  # vLLM's TokensPrompt
+                # As given: the engine refuses ids that are not integers rather than rounding them.
+                out.append((p.get("prompt"), list(p["prompt_token_ids"])))
+                continue
+            if isinstance(p, dict) and isinstance(p.get("prompt"), str):  # vLLM's TextPrompt
+                p = p["prompt"]
+            if not isinstance(p, str):
+                raise ValueError(f"prompts[{i}] must be a string, {{'prompt': str}} or {{'prompt_token_ids': [...]}}, "
+                                 f"got {type(p).__name__}")
+            out.append((p, encode_prompt(self.tokenizer, p)))  # exactly one BOS
         return out
 
     def generate(
         self,
         prompts: str | dict | Sequence[str | dict],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: bool | Callable[..., Any] = True,
     ) -> list[RequestOutput]:
         """One RequestOutput per prompt (with `n` completions each), in the prompts' order."""
         if self._channel is not None:
@@ -395,7 +423,7 @@ class LLM:
                              "(follow()); generate on node 0")
         items = self._prompts(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         params_list = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(items)
         if len(params_list) != len(items):
             raise ValueError(f"sampling_params has {len(params_list)} entries for {len(items)} prompts")
@@ -413,7 +441,7 @@ class LLM:
                     self.engine.add_request(rid, ids, child, prompt=text)
                     children.append(rid)
                 groups.append((base, text, ids, children))
-            finished = self._run(sum(len(g[3]) for g in groups), use_tqdm)
+            finished = self._run({rid: base for base, _, _, children in groups for rid in children}, use_tqdm)
         except BaseException:
             # Whatever stopped it (Ctrl-C in a notebook, a bad argument, a failed step): the next
             # call must find the engine as new, with nothing of this one scheduled or in flight.
@@ -429,38 +457,48 @@ class LLM:
             results.append(RequestOutput(base, text, ids, outs[0].prompt_logprobs, completions, True))
         return results
 
-    def _run(self, total: int, use_tqdm: bool) -> dict[str, RequestOutput]:
+    def _run(self, parents: dict[str, str], use_tqdm) -> dict[str, RequestOutput]:
+        """Step until every request of `parents` (request id -> its prompt's id) finished; the
+        progress bar counts prompts, each done when all its `n` completions are."""
         finished: dict[str, RequestOutput] = {}
+        left = collections.Counter(parents.values())
         bar = None
         if use_tqdm:
             from tqdm.auto import tqdm
 
-            bar = tqdm(total=total, desc="Processed prompts", unit="req", dynamic_ncols=True)
+            make_bar = use_tqdm if callable(use_tqdm) else tqdm  # vLLM also takes a tqdm class
+            bar = make_bar(total=len(left), desc="Processed prompts", unit="req", dynamic_ncols=True)
         start, generated = time.perf_counter(), 0
-        while self.engine.has_unfinished():
-            for out in self.engine.step():
-                generated += 1
-                if out.finished:
-                    finished[out.request_id] = out
-                    if bar is not None:
-                        bar.update(1)
-                        bar.set_postfix_str(f"{generated / (time.perf_counter() - start):.1f} tok/s")
-        if bar is not None:
-            bar.close()
+        try:
+            while self.engine.has_unfinished():
+                for out in self.engine.step():
+                    generated += 1
+                    if out.finished:
+                        finished[out.request_id] = out
+                        left[parents[out.request_id]] -= 1
+                        if bar is not None and left[parents[out.request_id]] == 0:
+                            bar.update(1)
+                            bar.set_postfix_str(f"{generated / (time.perf_counter() - start):.1f} tok/s")
+        finally:
+            if bar is not None:
+                bar.close()
         return finished
 
     def chat(
         self,
         messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
         sampling_params: SamplingParams | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: bool | Callable[..., Any] = True,
         *,
         tools: list[dict[str, Any]] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
         reasoning_effort: str | None = None,
     ) -> list[RequestOutput]:
         """Chat completions: the V4 encoder builds the prompt (the chat mapping decides thinking
-        defaults); each completion also carries the parsed reasoning and tool calls."""
+        defaults). As in vLLM, a completion's `text` is all it generated (in thinking mode the
+        reasoning, `</think>`, then the answer), cut by stop strings and without special tokens as
+        `generate` gives it; each also carries the parse of that text, as the server makes it:
+        `reasoning` (thinking mode, else None), `content` and `tool_calls` (None if none)."""
         from dsv4_jax.chat import ChatStreamParser, MessageBuilder, build_prompt, resolve_chat_options
 
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
@@ -472,12 +510,11 @@ class LLM:
         for prompt, out in zip(prompts, outputs):
             out.prompt = prompt
             for completion in out.outputs:
-                raw = self.tokenizer.decode(completion.token_ids, skip_special_tokens=False)
                 parser, builder = ChatStreamParser(mode, strict=False), MessageBuilder()  # lenient: never raises
-                builder.add(parser.feed(raw))
+                builder.add(parser.feed(completion.text))
                 builder.add(parser.finish())
                 message = builder.message()
-                completion.text = message.get("content") or ""
+                completion.content = message.get("content") or ""
                 # None for "there is none", as OpenAI omits them: no reasoning outside thinking
                 # mode, no tool calls unless the model wrote some.
                 completion.reasoning = message["reasoning_content"] if mode == "thinking" else None

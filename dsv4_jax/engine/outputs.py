@@ -56,9 +56,10 @@ class CompletionOutput:
     logprobs: list[dict[int, Logprob]] | None  # one dict per generated token, when asked for
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None  # the stop token id or stop string, None for EOS / length
-    # Chat outputs only (`LLM.chat`): the parsed message.
+    # Chat outputs only (`LLM.chat`): the parse of `text`.
     reasoning: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
+    content: str | None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None

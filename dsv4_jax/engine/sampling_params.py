@@ -9,8 +9,11 @@ are checked against the vocabulary later (`check_token_ids`), once the model is 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import numbers
+from pathlib import Path
+from typing import Any
 
 from dsv4_jax.engine.request import RequestRejected
 
@@ -27,6 +30,16 @@ MAX_STOP_STRINGS = 128
 # would become inf (a temperature of inf, or a bias of inf minus inf, is no distribution).
 _FLOAT32_MAX = 3.4028234663852886e38
 _INT64 = (-(2**63), 2**63 - 1)  # OpenAI's seed range
+GENERATION_CONFIG_FILE = "generation_config.json"
+# generation_config.json key -> SamplingParams field: the keys vLLM takes as request defaults.
+GENERATION_KEYS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
+}
 
 
 def _is_int(value: object) -> bool:
@@ -179,3 +192,32 @@ class SamplingParams:
             if outside:
                 raise RequestRejected(
                     f"SamplingParams.{name} has token ids {outside[:8]} outside the vocabulary [0, {vocab_size})", name)
+
+
+def generation_defaults(model_dir: str | Path, generation_config: str | Path = "auto",
+                        name: str = "generation_config") -> dict[str, Any]:
+    """vLLM's sampling defaults from generation_config.json: the SamplingParams values
+    (temperature, top_p, top_k, min_p, repetition_penalty, max_tokens from max_new_tokens) it sets.
+    `generation_config` as vLLM's: "auto" reads `model_dir`'s file if there is one, "vllm" uses
+    none, a directory reads its own. A ValueError names `name` (the argument or flag) for a
+    directory without the file, and the file if it is not JSON or a value is out of range."""
+    if generation_config == "vllm":
+        return {}
+    path = Path(model_dir if generation_config == "auto" else generation_config) / GENERATION_CONFIG_FILE
+    if not path.is_file():
+        if generation_config == "auto":
+            return {}
+        raise ValueError(f"{name} {str(generation_config)!r}: no {GENERATION_CONFIG_FILE} in that directory "
+                         f"(allowed: auto, vllm, or a directory holding {GENERATION_CONFIG_FILE})")
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ValueError(f"{path}: not valid JSON ({error})") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: expected a JSON object, got a {type(raw).__name__}")
+    defaults = {field: raw[key] for key, field in GENERATION_KEYS.items() if raw.get(key) is not None}
+    try:
+        SamplingParams(**defaults)  # the same checks a request's own values get
+    except ValueError as error:
+        raise ValueError(f"{path}: {error}") from None
+    return defaults
