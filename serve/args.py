@@ -455,6 +455,7 @@ def engine_kwargs(args: ServerArgs) -> dict[str, Any]:
         "load_format": args.load_format,
         "seed": args.seed,
         "tokenizer": args.tokenizer,
+        "generation_config": args.generation_config,
         "block_size": args.block_size,
         "async_scheduling": args.async_scheduling,
         "nnodes": args.distributed.nnodes,

@@ -21,11 +21,13 @@ from dsv4_jax.chat import (
     TOOL_CALLS_START,
     ChatStreamParser,
     InvalidRequestField,
+    ReasoningSplitter,
     build_prompt,
+    chat_parser,
     resolve_chat_options,
 )
 from dsv4_jax.engine.request import ForcedTokens
-from serve.choices import ChoiceState, ReasoningSplitter, TokenTexts, chat_logprobs, chunk_usage, usage
+from serve.choices import ChoiceState, TokenTexts, chat_logprobs, chunk_usage, usage
 from serve.generation import Generation, check_capacity, new_request_id
 from serve.prompts import encode_prompts
 from serve.protocol import ChatRequest, OpenAIError, ToolChoice, parse_chat_request
@@ -88,9 +90,7 @@ class _ChatPlan:
         (self.prompt_ids,) = await encode_prompts(state, [self.prompt], "messages")
 
     def parser(self) -> ChatStreamParser | ReasoningSplitter | None:
-        if self.tools_active:
-            return ChatStreamParser("thinking" if self.split_reasoning else "chat", strict=False)
-        return ReasoningSplitter() if self.split_reasoning else None
+        return chat_parser(self.tools_active, self.split_reasoning)
 
 
 

@@ -14,11 +14,11 @@ import uuid
 from typing import Any, Callable
 
 from dsv4_jax.chat import (
-    THINK_END,
     ChatStreamParser,
     ContentDelta,
     ParseEvent,
     ReasoningDelta,
+    ReasoningSplitter,
     ToolCallArguments,
     ToolCallStarted,
 )
@@ -142,33 +142,6 @@ def chunk_usage(req: Any, prompt_tokens: int, completion_tokens: int) -> dict[st
     if req.continuous_usage:
         return {"usage": usage(prompt_tokens, completion_tokens)}
     return {"usage": None} if req.include_usage else {}
-
-
-class ReasoningSplitter:
-    """The reasoning parser without tool calls (tool_choice "none", or no --enable-auto-tool-choice):
-    text up to the model's `</think>` is reasoning, the rest content, DSML included. Same interface
-    as ChatStreamParser; a tail that may be the start of `</think>` is held back."""
-
-    def __init__(self) -> None:
-        self._in_reasoning, self._held = True, ""
-
-    def feed(self, delta: str) -> list[ParseEvent]:
-        if not self._in_reasoning:
-            return [ContentDelta(delta)] if delta else []
-        text = self._held + delta
-        end = text.find(THINK_END)
-        if end >= 0:
-            self._in_reasoning, self._held = False, ""
-            rest = text[end + len(THINK_END):]
-            return [e for e in (ReasoningDelta(text[:end]), ContentDelta(rest)) if e.text]
-        keep = next((k for k in range(min(len(THINK_END) - 1, len(text)), 0, -1) if THINK_END.startswith(text[-k:])), 0)
-        self._held = text[len(text) - keep:]
-        out = text[: len(text) - keep]
-        return [ReasoningDelta(out)] if out else []
-
-    def finish(self) -> list[ParseEvent]:
-        held, self._held = self._held, ""
-        return [ReasoningDelta(held)] if held else []
 
 
 class ChoiceState:

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dsv4_jax.chat import InvalidRequestField, check_messages, check_tools, resolve_chat_options
-from dsv4_jax.engine.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
+from dsv4_jax.engine.sampling_params import GENERATION_KEYS, MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
 
 _INT64 = (-(2**63), 2**63 - 1)  # integer fields beyond this would overflow the engine's arrays
 _LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range for a logit_bias value; vLLM clamps to it
@@ -50,7 +50,7 @@ _COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/compl
 _TOOL_CHOICES = ("none", "auto", "required")
 _RESPONSE_FORMATS = ("text", "json_object", "json_schema")
 # generation_config.json defaults the server may apply (vLLM's get_diff_sampling_param keys).
-_DEFAULT_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens")
+_DEFAULT_SAMPLING_KEYS = tuple(GENERATION_KEYS.values())
 _HARMLESS = ("user", "store", "metadata", "service_tier", "request_id")  # accepted, not used
 
 _ERROR_TYPES = {

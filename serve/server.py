@@ -17,7 +17,6 @@ import os
 import signal
 import sys
 import threading
-from pathlib import Path
 from typing import Sequence
 
 import uvicorn
@@ -48,7 +47,7 @@ def _enable_compilation_cache() -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     _configure_logging()
-    from serve.args import engine_kwargs, parse_args
+    from serve.args import engine_kwargs, generation_defaults, parse_args
 
     args = parse_args(argv)
     _enable_compilation_cache()
@@ -63,6 +62,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.model_is_builtin:
         logger.info("no model given: serving the built-in %s (random weights, the real V4 tokenizer)", args.model)
     model_dir = LLM.check_arguments(**kwargs)  # every check that needs no weights, before the port opens
+    generation_defaults(args, model_dir)  # a bad generation_config.json fails here too, naming the flag
     if args.max_model_len is None:  # the model's own limit (at most 4096), reported as the server's
         args = dataclasses.replace(args, max_model_len=LLM.resolve_max_model_len(model_dir, None))
         kwargs["max_model_len"] = args.max_model_len
@@ -75,7 +75,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     server = _Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                                     lifespan="on", timeout_graceful_shutdown=int(SHUTDOWN_GRACE_SECONDS) + 5),
                      state)
-    app.router.lifespan_context = _lifespan(state, server, kwargs, model_dir)
+    app.router.lifespan_context = _lifespan(state, server, kwargs)
     scope = "this machine only" if args.host in ("127.0.0.1", "localhost", "::1") else "the network"
     logger.info("listening on http://%s:%d (%s; vllm serve binds all interfaces by default, "
                 "pass --host 0.0.0.0 for that)", args.host, args.port, scope)
@@ -125,7 +125,7 @@ class _Server(uvicorn.Server):
         self.should_exit = True
 
 
-def _lifespan(state, server, kwargs: dict, model_dir: Path):
+def _lifespan(state, server, kwargs: dict):
     @contextlib.asynccontextmanager
     async def lifespan(app):
         from dsv4_jax.engine.async_engine import AsyncLLMEngine
@@ -154,7 +154,7 @@ def _lifespan(state, server, kwargs: dict, model_dir: Path):
             loop.call_soon_threadsafe(_set, loaded, llm)
 
         threading.Thread(target=load, name="dsv4-load", daemon=True).start()
-        waiter = asyncio.create_task(_become_ready(state, server, loaded, model_dir, AsyncLLMEngine))
+        waiter = asyncio.create_task(_become_ready(state, server, loaded, AsyncLLMEngine))
         try:
             yield
         finally:
@@ -173,8 +173,7 @@ def _set(future: asyncio.Future, value) -> None:
         future.set_result(value)
 
 
-async def _become_ready(state, server, loaded: asyncio.Future, model_dir: Path, engine_class) -> None:
-    from serve.args import generation_defaults
+async def _become_ready(state, server, loaded: asyncio.Future, engine_class) -> None:
     from serve.protocol import ServerLimits
 
     result = await loaded
@@ -184,12 +183,7 @@ async def _become_ready(state, server, loaded: asyncio.Future, model_dir: Path, 
         server.should_exit = True
         return
     llm, args = result, state.args
-    try:
-        defaults = generation_defaults(args, model_dir)
-    except (ValueError, OSError) as error:
-        state.load_error = one_line(error)
-        server.should_exit = True
-        return
+    defaults = llm.sampling_defaults  # read by LLM under --generation-config (checked before loading)
     if defaults:
         logger.info("default sampling parameters from generation_config.json: %s", defaults)
     state.limits = ServerLimits(

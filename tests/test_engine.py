@@ -42,7 +42,6 @@ from dsv4_jax.engine import runner as runner_module
 from dsv4_jax.engine.compiles import CompileCounter
 from dsv4_jax.engine.llm import default_buckets
 from dsv4_jax.engine.request import ForcedTokens
-from dsv4_jax.engine.sampling_params import generation_defaults
 from dsv4_jax.presets import get_config
 from dsv4_jax.testing import write_random_checkpoint
 
@@ -846,15 +845,18 @@ def test_chat_is_generate_on_the_v4_prompt_then_a_parse_of_its_text(chat_llm):
                                           use_tqdm=False)[0].outputs[0].text
 
 
-def test_generate_takes_vllms_prompt_forms_and_counts_prompts_in_its_bar(chat_llm):
+def test_generate_takes_vllms_prompt_forms_and_closes_its_bar(chat_llm):
     tok = chat_llm.tokenizer
     params = SamplingParams(temperature=0.0, max_tokens=1)
-    by_text, by_dict = chat_llm.generate(["Hello", {"prompt": "Hello"}], params, use_tqdm=False)
-    assert by_text.prompt == by_dict.prompt == "Hello"
-    assert by_text.prompt_token_ids == by_dict.prompt_token_ids == [tok.token_to_id(BOS), *tok.encode(
-        "Hello", add_special_tokens=False).ids]
-    with pytest.raises(ValueError, match=r"prompts\[0\] must be a string, \{'prompt': str\}"):
-        chat_llm.generate([{"prompt": 3}], params, use_tqdm=False)
+    hello = [tok.token_to_id(BOS), *tok.encode("Hello", add_special_tokens=False).ids]
+    by_text, by_dict, by_ids = chat_llm.generate(
+        ["Hello", {"prompt": "Hello"}, {"prompt": "Hi", "prompt_token_ids": np.array(hello)}], params, use_tqdm=False)
+    assert (by_text.prompt, by_dict.prompt, by_ids.prompt) == ("Hello", "Hello", "Hi")  # a TokensPrompt's text as given
+    assert by_text.prompt_token_ids == by_dict.prompt_token_ids == by_ids.prompt_token_ids == hello
+    assert {type(t) for t in by_ids.prompt_token_ids} == {int}  # numpy ids come back as Python ints
+    for bad in ({"prompt": 3}, {"text": "Hello"}, 3):
+        with pytest.raises(ValueError, match=r"prompts\[0\] must be a string, \{'prompt': str\}"):
+            chat_llm.generate([bad], params, use_tqdm=False)
 
     bars = []
 
@@ -873,7 +875,7 @@ def test_generate_takes_vllms_prompt_forms_and_counts_prompts_in_its_bar(chat_ll
             self.closed = True
 
     chat_llm.generate(["Hello", "Bye"], dataclasses.replace(params, n=2, seed=1), use_tqdm=Bar)
-    assert (bars[-1].total, bars[-1].n, bars[-1].closed) == (2, 2, True)  # prompts, not sequences
+    assert (bars[-1].total, bars[-1].n, bars[-1].closed) == (4, 4, True)  # completions, as vLLM's bar
     # A step that raises (Ctrl-C in a notebook) closes the bar and leaves the engine as new.
     def interrupted():
         raise KeyboardInterrupt
@@ -887,7 +889,26 @@ def test_generate_takes_vllms_prompt_forms_and_counts_prompts_in_its_bar(chat_ll
     assert bars[-1].closed and not chat_llm.engine.has_unfinished()
 
 
-def test_get_tokenizer_encodes_and_templates_as_the_engine_does(chat_llm, tmp_path):
+def test_without_sampling_params_generate_takes_the_generation_config_capped_to_the_room(chat_llm, monkeypatch):
+    """vLLM's get_default_sampling_params: the model's generation_config.json values; a default
+    max_tokens the prompt leaves no room for is capped, not refused (the caller asked for none)."""
+    assert chat_llm.get_default_sampling_params() == SamplingParams()  # the test model has no file
+    seen = []
+    add = chat_llm.engine.add_request
+
+    def spy(request_id, prompt_token_ids, params, **kwargs):
+        seen.append(params)
+        add(request_id, prompt_token_ids, params, **kwargs)
+
+    monkeypatch.setattr(chat_llm.engine, "add_request", spy)
+    monkeypatch.setattr(chat_llm, "sampling_defaults", {"temperature": 0.0, "max_tokens": 4})
+    long_prompt = [0, *range(5, 5 + chat_llm.engine.max_model_len - 4)]  # leaves 3 tokens
+    outs = chat_llm.generate([{"prompt_token_ids": [0, 5, 6]}, {"prompt_token_ids": long_prompt}], use_tqdm=False)
+    assert [(p.temperature, p.max_tokens) for p in seen] == [(0.0, 4), (0.0, 3)]
+    assert [len(o.outputs[0].token_ids) <= n for o, n in zip(outs, (4, 3))] == [True, True]
+
+
+def test_get_tokenizer_encodes_and_templates_as_the_engine_does(chat_llm):
     tok = chat_llm.get_tokenizer()
     messages = [{"role": "user", "content": "What is the weather in Paris?"}]
     (out,) = chat_llm.chat(messages, SamplingParams(max_tokens=1), use_tqdm=False, tools=TOOLS,
@@ -897,11 +918,3 @@ def test_get_tokenizer_encodes_and_templates_as_the_engine_does(chat_llm, tmp_pa
     (hello,) = chat_llm.generate("Hello", SamplingParams(max_tokens=1), use_tqdm=False)
     assert tok.encode("Hello") == hello.prompt_token_ids and tok.decode(tok.encode("Hello")) == BOS + "Hello"
     assert (tok.bos_token_id, tok.eos_token_id) == (hello.prompt_token_ids[0], CONFIG.eos_token_id)
-    # Sampling defaults: the model directory's generation_config.json (vLLM's keys), or none.
-    assert chat_llm.get_default_sampling_params() == SamplingParams()
-    (tmp_path / "generation_config.json").write_text('{"temperature": 0.6, "top_p": 0.95, "max_new_tokens": 64, '
-                                                     '"do_sample": true}')
-    assert generation_defaults(tmp_path) == {"temperature": 0.6, "top_p": 0.95, "max_tokens": 64}
-    assert generation_defaults(tmp_path, "vllm") == {}
-    with pytest.raises(ValueError, match="generation_config .*no generation_config.json"):
-        generation_defaults(tmp_path, str(tmp_path / "elsewhere"))

@@ -20,6 +20,9 @@ from dsv4_jax.chat import (
     ChatStreamParser,
     ContentDelta,
     ReasoningDelta,
+    ReasoningSplitter,
+    chat_message,
+    chat_parser,
     parse_completion,
     render_tool_calls,
 )
@@ -28,7 +31,6 @@ from dsv4_jax.engine.sampling_params import SamplingParams
 from dsv4_jax.tokenizer import encode_prompt, load_tokenizer
 from serve.choices import (
     ChoiceState,
-    ReasoningSplitter,
     TextOffsets,
     TokenTexts,
     chat_logprobs,
@@ -258,6 +260,23 @@ def test_choice_with_a_call_cut_off_keeps_its_finish_reason_and_leaks_no_markup(
         state = ChoiceState(0, ChatStreamParser("thinking"), max_tool_calls=max_calls)
         stream(state, engine_outputs(random_chunks(cut_text, random.Random(12), 7), "stop"))
         assert state.finish_reason == "tool_calls" and len(state.tool_calls) == (max_calls or 2)
+
+@pytest.mark.parametrize("tools_active", [True, False])
+@pytest.mark.parametrize("split_reasoning", [True, False])
+def test_llm_chat_parse_is_the_servers_for_the_same_text(tools_active, split_reasoning):
+    """`LLM.chat` folds a whole text with `chat_message`; the server streams the same text through
+    a ChoiceState: one parser choice (`chat_parser`), so the same reasoning, content and calls."""
+    cut = TOOL_TEXT[: TOOL_TEXT.index("Île") + 4]  # a call cut off inside its arguments
+    for text in (TOOL_TEXT, SPLIT_TEXT, cut, CONTENT + THINK_END + CONTENT, REASONING + EOS, ""):
+        whole = chat_message(text, chat_parser(tools_active, split_reasoning))
+        state = ChoiceState(0, chat_parser(tools_active, split_reasoning))
+        stream(state, engine_outputs(random_chunks(text, random.Random(5), 6) if len(text) > 6 else [text], "stop"))
+        served = state.message(with_reasoning=split_reasoning)
+        assert (whole["content"], whole["reasoning_content"] if split_reasoning else None) == (
+            served["content"] or "", served["reasoning_content"]), text
+        assert [c["function"] for c in whole["tool_calls"]] == [c["function"] for c in served["tool_calls"]], text
+        assert bool(whole["tool_calls"]) == (tools_active and text in (TOOL_TEXT, cut))
+
 
 def test_choice_with_splitter_flushes_held_tail_at_finish():
     state = ChoiceState(0, ReasoningSplitter())

@@ -27,9 +27,12 @@ from dsv4_jax.chat.parser import (
     MessageBuilder,
     ParseEvent,
     ReasoningDelta,
+    ReasoningSplitter,
     ToolCallArguments,
     ToolCallFinished,
     ToolCallStarted,
+    chat_message,
+    chat_parser,
     parse_completion,
 )
 from dsv4_jax.chat.request import (
@@ -94,9 +97,12 @@ __all__ = [
     "MessageBuilder",
     "ParseEvent",
     "ReasoningDelta",
+    "ReasoningSplitter",
     "ToolCallArguments",
     "ToolCallFinished",
     "ToolCallStarted",
+    "chat_message",
+    "chat_parser",
     "parse_completion",
     # request
     "ChatOptions",

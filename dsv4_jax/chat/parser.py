@@ -604,6 +604,44 @@ class ChatStreamParser:
         return False
 
 
+class ReasoningSplitter:
+    """The reasoning split without tool calls (a server's tool_choice "none", or no
+    --enable-auto-tool-choice): text up to the model's `</think>` is reasoning, the rest content,
+    DSML included. Same interface as ChatStreamParser; a tail that may be the start of `</think>`
+    is held back."""
+
+    def __init__(self) -> None:
+        self._in_reasoning, self._held = True, ""
+
+    def feed(self, delta: str) -> list[ParseEvent]:
+        if not self._in_reasoning:
+            return [ContentDelta(delta)] if delta else []
+        text = self._held + delta
+        end = text.find(THINK_END)
+        if end >= 0:
+            self._in_reasoning, self._held = False, ""
+            rest = text[end + len(THINK_END):]
+            return [e for e in (ReasoningDelta(text[:end]), ContentDelta(rest)) if e.text]
+        keep = next((k for k in range(min(len(THINK_END) - 1, len(text)), 0, -1) if THINK_END.startswith(text[-k:])), 0)
+        self._held = text[len(text) - keep:]
+        out = text[: len(text) - keep]
+        return [ReasoningDelta(out)] if out else []
+
+    def finish(self) -> list[ParseEvent]:
+        held, self._held = self._held, ""
+        return [ReasoningDelta(held)] if held else []
+
+
+def chat_parser(tools_active: bool, split_reasoning: bool) -> ChatStreamParser | ReasoningSplitter | None:
+    """The parser one chat completion's text goes through, the one choice for the server and
+    `LLM.chat`: tool calls are parsed only when the request may make them (`tools_active`), the
+    reasoning split only in thinking mode with a reasoning parser (`split_reasoning`); None when
+    neither applies (all text is content, as vLLM without its parsers)."""
+    if tools_active:
+        return ChatStreamParser("thinking" if split_reasoning else "chat", strict=False)
+    return ReasoningSplitter() if split_reasoning else None
+
+
 class MessageBuilder:
     """Folds parser events into an OpenAI-style assistant message (tool calls without ids)."""
 
@@ -636,6 +674,18 @@ class MessageBuilder:
                 for name, parts in self._calls
             ],
         }
+
+
+def chat_message(text: str, parser: ChatStreamParser | ReasoningSplitter | None) -> dict:
+    """The message of one whole completion `text` through `parser` (`chat_parser`'s; None: all
+    content), as MessageBuilder folds it: what the server's response makes of the same text."""
+    builder = MessageBuilder()
+    if parser is None:
+        builder.add([ContentDelta(text)] if text else [])
+    else:
+        builder.add(parser.feed(text))
+        builder.add(parser.finish())
+    return builder.message()
 
 
 def parse_completion(text: str, thinking_mode: str = "chat") -> dict:

@@ -18,7 +18,6 @@ import collections
 import dataclasses
 import itertools
 import logging
-import numbers
 from typing import Any, Sequence
 
 import jax
@@ -28,7 +27,14 @@ import numpy as np
 from dsv4_jax.distributed import StepChannel
 from dsv4_jax.engine.detokenizer import IncrementalDetokenizer
 from dsv4_jax.engine.outputs import CompletionOutput, Logprob, RequestOutput, TokenIdsSoFar
-from dsv4_jax.engine.request import PLACEHOLDER, ForcedTokens, Request, RequestRejected, RequestStatus
+from dsv4_jax.engine.request import (
+    PLACEHOLDER,
+    ForcedTokens,
+    Request,
+    RequestRejected,
+    RequestStatus,
+    integer_token_ids,
+)
 from dsv4_jax.engine.runner import ModelRunner, StepBuckets, StepOutput
 from dsv4_jax.engine.lockstep import Lockstep
 from dsv4_jax.engine.sampler import (
@@ -206,10 +212,7 @@ class LLMEngine:
         emitted in place of sampled ones (a forced tool call; request.ForcedTokens)."""
         if request_id in self._tracked:
             raise ValueError(f"request id {request_id!r} is already in use")
-        if not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in prompt_token_ids):
-            bad = next(t for t in prompt_token_ids if not isinstance(t, numbers.Integral) or isinstance(t, bool))
-            raise RequestRejected(f"prompt token ids must be integers; got {bad!r}", "prompt")
-        ids = [int(t) for t in prompt_token_ids]
+        ids = integer_token_ids(prompt_token_ids)
         vocab = self.config.vocab_size
         bad = sorted({t for t in ids if not 0 <= t < vocab})
         if bad:

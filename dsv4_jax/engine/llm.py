@@ -14,7 +14,6 @@ does; `activations.py` measures the latter); on CPU, where JAX reports no memory
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import logging
 import math
@@ -23,6 +22,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from dsv4_jax.engine.outputs import RequestOutput
+from dsv4_jax.engine.request import integer_token_ids
 from dsv4_jax.engine.runner import StepBuckets
 from dsv4_jax.engine.sampling_params import SamplingParams, generation_defaults
 
@@ -146,7 +146,8 @@ class LLM:
                                     data_parallel_size=data_parallel_size,
                                     enable_expert_parallel=enable_expert_parallel, load_format=load_format,
                                     seed=seed, block_size=block_size, tokenizer=tokenizer)
-        self._default_sampling = generation_defaults(path, generation_config)
+        # generation_config.json's sampling defaults (vLLM's keys); followers never sample.
+        self.sampling_defaults = generation_defaults(path, generation_config) if node_rank == 0 else {}
         max_model_len = self.resolve_max_model_len(path, max_model_len)
         compute = checkpoint_dtype(path) if dtype == "auto" else dtype
         self.parallel = ParallelConfig(tensor_parallel_size, data_parallel_size, enable_expert_parallel)
@@ -234,9 +235,11 @@ class LLM:
                         enable_expert_parallel: bool = False, load_format: str = "auto", seed: int = 0,
                         block_size: int = 256, tokenizer: str | Path | None = None,
                         async_scheduling: bool = True, nnodes: int = 1, node_rank: int = 0,
-                        master_addr: str = "127.0.0.1", master_port: int = 29500) -> Path:
+                        master_addr: str = "127.0.0.1", master_port: int = 29500,
+                        generation_config: str = "auto") -> Path:
         """Every check that needs no weights (seconds on a real checkpoint), as a ValueError naming
-        the argument; returns the model directory (the built-in one is written on first use)."""
+        the argument; returns the model directory (the built-in one is written on first use).
+        `generation_config` is read (and checked) by the constructor, or by the server naming its flag."""
         from dsv4_jax.builtin import builtin_model_dir
         from dsv4_jax.sharding import ParallelConfig
         from dsv4_jax.distributed import DistributedConfig
@@ -261,8 +264,9 @@ class LLM:
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What `generate` and `chat` sample with when given no SamplingParams: the model's
-        generation_config.json defaults (vLLM's), else SamplingParams()."""
-        return SamplingParams(**self._default_sampling)
+        generation_config.json defaults (vLLM's), else SamplingParams(). Its max_tokens is capped
+        per prompt to what max_model_len leaves (a default, not the caller's demand)."""
+        return SamplingParams(**self.sampling_defaults)
 
     def get_tokenizer(self):
         """The tokenizer with the methods notebooks call on vLLM's (`encode`, `decode`,
@@ -399,16 +403,18 @@ class LLM:
             prompts = [prompts]
         out = []
         for i, p in enumerate(prompts):
-            if isinstance(p, dict) and "prompt_token_ids" in p:  # vLLM's TokensPrompt
-                # As given: the engine refuses ids that are not integers rather than rounding them.
-                out.append((p.get("prompt"), list(p["prompt_token_ids"])))
+            if isinstance(p, str):
+                out.append((p, encode_prompt(self.tokenizer, p)))  # exactly one BOS
                 continue
-            if isinstance(p, dict) and isinstance(p.get("prompt"), str):  # vLLM's TextPrompt
-                p = p["prompt"]
-            if not isinstance(p, str):
+            text = p.get("prompt") if isinstance(p, dict) else None
+            if not isinstance(p, dict) or not isinstance(text, (str, type(None))) \
+                    or text is None and "prompt_token_ids" not in p:
                 raise ValueError(f"prompts[{i}] must be a string, {{'prompt': str}} or {{'prompt_token_ids': [...]}}, "
-                                 f"got {type(p).__name__}")
-            out.append((p, encode_prompt(self.tokenizer, p)))  # exactly one BOS
+                                 f"got {repr(p)[:80]}")
+            if "prompt_token_ids" in p:  # vLLM's TokensPrompt (its text optional)
+                out.append((text, integer_token_ids(p["prompt_token_ids"])))
+            else:  # vLLM's TextPrompt
+                out.append((text, encode_prompt(self.tokenizer, text)))
         return out
 
     def generate(
@@ -423,7 +429,12 @@ class LLM:
                              "(follow()); generate on node 0")
         items = self._prompts(prompts)
         if sampling_params is None:
-            sampling_params = self.get_default_sampling_params()
+            default, limit = self.get_default_sampling_params(), self.engine.max_model_len
+            # vLLM offline stops a default-length request at max_model_len; here the default is
+            # capped up front (a prompt that leaves no room is still refused, naming the prompt).
+            sampling_params = [default if default.max_tokens is None or len(ids) + default.max_tokens <= limit
+                               or len(ids) >= limit else dataclasses.replace(default, max_tokens=limit - len(ids))
+                               for _, ids in items]
         params_list = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(items)
         if len(params_list) != len(items):
             raise ValueError(f"sampling_params has {len(params_list)} entries for {len(items)} prompts")
@@ -441,7 +452,7 @@ class LLM:
                     self.engine.add_request(rid, ids, child, prompt=text)
                     children.append(rid)
                 groups.append((base, text, ids, children))
-            finished = self._run({rid: base for base, _, _, children in groups for rid in children}, use_tqdm)
+            finished = self._run(sum(len(children) for *_, children in groups), use_tqdm)
         except BaseException:
             # Whatever stopped it (Ctrl-C in a notebook, a bad argument, a failed step): the next
             # call must find the engine as new, with nothing of this one scheduled or in flight.
@@ -457,17 +468,16 @@ class LLM:
             results.append(RequestOutput(base, text, ids, outs[0].prompt_logprobs, completions, True))
         return results
 
-    def _run(self, parents: dict[str, str], use_tqdm) -> dict[str, RequestOutput]:
-        """Step until every request of `parents` (request id -> its prompt's id) finished; the
-        progress bar counts prompts, each done when all its `n` completions are."""
+    def _run(self, total: int, use_tqdm) -> dict[str, RequestOutput]:
+        """Step until the `total` requests added finished (a prompt's `n` completions are `n`
+        requests, counted each, as vLLM's bar counts them); the bar closes whatever happens."""
         finished: dict[str, RequestOutput] = {}
-        left = collections.Counter(parents.values())
         bar = None
         if use_tqdm:
             from tqdm.auto import tqdm
 
             make_bar = use_tqdm if callable(use_tqdm) else tqdm  # vLLM also takes a tqdm class
-            bar = make_bar(total=len(left), desc="Processed prompts", unit="req", dynamic_ncols=True)
+            bar = make_bar(total=total, desc="Processed prompts", unit="req", dynamic_ncols=True)
         start, generated = time.perf_counter(), 0
         try:
             while self.engine.has_unfinished():
@@ -475,8 +485,7 @@ class LLM:
                     generated += 1
                     if out.finished:
                         finished[out.request_id] = out
-                        left[parents[out.request_id]] -= 1
-                        if bar is not None and left[parents[out.request_id]] == 0:
+                        if bar is not None:
                             bar.update(1)
                             bar.set_postfix_str(f"{generated / (time.perf_counter() - start):.1f} tok/s")
         finally:
@@ -499,24 +508,23 @@ class LLM:
         reasoning, `</think>`, then the answer), cut by stop strings and without special tokens as
         `generate` gives it; each also carries the parse of that text, as the server makes it:
         `reasoning` (thinking mode, else None), `content` and `tool_calls` (None if none)."""
-        from dsv4_jax.chat import ChatStreamParser, MessageBuilder, build_prompt, resolve_chat_options
+        from dsv4_jax.chat import build_prompt, chat_message, chat_parser, resolve_chat_options
 
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
         prompts = [build_prompt(c, tools=tools, chat_template_kwargs=chat_template_kwargs,
                                 reasoning_effort=reasoning_effort) for c in conversations]
-        mode = resolve_chat_options(chat_template_kwargs, reasoning_effort).thinking_mode
+        thinking = resolve_chat_options(chat_template_kwargs, reasoning_effort).thinking_mode == "thinking"
         outputs = self.generate([{"prompt_token_ids": self._prompts([p])[0][1]} for p in prompts],
                                 sampling_params, use_tqdm)
         for prompt, out in zip(prompts, outputs):
             out.prompt = prompt
             for completion in out.outputs:
-                parser, builder = ChatStreamParser(mode, strict=False), MessageBuilder()  # lenient: never raises
-                builder.add(parser.feed(completion.text))
-                builder.add(parser.finish())
-                message = builder.message()
-                completion.content = message.get("content") or ""
+                # As a server with --enable-auto-tool-choice --reasoning-parser deepseek_v4 parses
+                # it: tool calls only when the request offered tools (lenient: never raises).
+                message = chat_message(completion.text, chat_parser(tools_active=bool(tools), split_reasoning=thinking))
+                completion.content = message["content"]
                 # None for "there is none", as OpenAI omits them: no reasoning outside thinking
                 # mode, no tool calls unless the model wrote some.
-                completion.reasoning = message["reasoning_content"] if mode == "thinking" else None
+                completion.reasoning = message["reasoning_content"] if thinking else None
                 completion.tool_calls = message["tool_calls"] or None
         return outputs

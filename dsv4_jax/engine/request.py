@@ -6,8 +6,9 @@ from __future__ import annotations
 import array
 import dataclasses
 import enum
+import numbers
 import time
-from typing import Any
+from typing import Any, Sequence
 
 
 class RequestRejected(ValueError):
@@ -17,6 +18,15 @@ class RequestRejected(ValueError):
     def __init__(self, message: str, param: str | None = None):
         super().__init__(message)
         self.param = param
+
+
+def integer_token_ids(token_ids: Sequence[Any]) -> list[int]:
+    """Prompt token ids as Python ints. A float or a string is refused (RequestRejected naming the
+    prompt), never rounded or parsed; numpy integers are integers."""
+    bad = next((t for t in token_ids if not isinstance(t, numbers.Integral) or isinstance(t, bool)), None)
+    if bad is not None:
+        raise RequestRejected(f"prompt token ids must be integers; got {bad!r}", "prompt")
+    return [int(t) for t in token_ids]
 
 
 # A sampled token not known on the host yet (async scheduling): the next step is scheduled while
