@@ -100,7 +100,8 @@ async def create_chat_completion(state: ServingState, body: Any):
     check_capacity(state, req.params.n)  # before the work of tokenizing
     await plan.tokenize(state)
     request_id = new_request_id("chatcmpl")
-    generation = Generation(state, request_id, [plan.prompt_ids], req.params, plan.forced, req.fields)
+    generation = Generation(state, request_id, [plan.prompt_ids], req.params, plan.forced, req.fields,
+                            cap_to_room=req.max_tokens_is_default)
     texts = TokenTexts(state.tokenizer, req.return_tokens_as_token_ids)
     choices = [ChoiceState(i, plan.parser(), plan.max_tool_calls) for i in range(req.params.n)]
     created = int(time.time())

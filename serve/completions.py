@@ -91,7 +91,7 @@ async def create_completion(state: ServingState, body: Any):
     check_capacity(state, len(req.prompts) * req.params.n)  # before the work of tokenizing
     prompts = await _prompt_ids(state, req.prompts)
     request_id = new_request_id("cmpl")
-    generation = Generation(state, request_id, prompts, req.params)
+    generation = Generation(state, request_id, prompts, req.params, cap_to_room=req.max_tokens_is_default)
     n = req.params.n
     texts = TokenTexts(state.tokenizer, req.return_tokens_as_token_ids)
     echoes = [p if isinstance(p, str) else state.tokenizer.decode(p, skip_special_tokens=True) for p in req.prompts]

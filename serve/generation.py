@@ -6,6 +6,7 @@ merged into one stream, metrics recorded, and every child aborted if the respons
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import time
 from typing import TYPE_CHECKING, AsyncIterator, Mapping, Sequence
@@ -42,9 +43,12 @@ class Generation:
     """The children of one request; iterate `outputs()` once, to the end or until cancelled."""
 
     def __init__(self, state: ServingState, request_id: str, prompts: Sequence[list[int]], params: SamplingParams,
-                 forced: ForcedTokens | None = None, fields: Mapping[str, str] | None = None):
+                 forced: ForcedTokens | None = None, fields: Mapping[str, str] | None = None,
+                 cap_to_room: bool = False):
         """`fields`: the request's names of the engine's fields (a chat request's prompt is its
-        `messages`), for the `param` and the message of an error."""
+        `messages`), for the `param` and the message of an error. `cap_to_room`: max_tokens is a
+        default the client did not ask for, so a prompt gets at most what max_model_len leaves it
+        (vLLM caps it too); a client's own max_tokens beyond that is refused with the numbers."""
         self.state = state
         self.prompts = list(prompts)
         self.n = params.n
@@ -54,8 +58,13 @@ class Generation:
         check_capacity(state, len(self.prompts) * params.n)
         try:
             for p, prompt_ids in enumerate(self.prompts):
+                # A default beyond the room becomes None, which the engine reads as "what is left".
+                room = state.engine.engine.max_model_len - len(prompt_ids)
+                capped = params
+                if cap_to_room and params.max_tokens is not None and params.max_tokens > room:
+                    capped = dataclasses.replace(params, max_tokens=None)
                 for i in range(params.n):
-                    child = params.for_child(i)
+                    child = capped.for_child(i)
                     rid = f"{request_id}-{p}-{i}"
                     stream = state.engine.add_request(rid, prompt_ids, child, forced=forced)
                     self.children.append((rid, stream))

@@ -156,6 +156,7 @@ class ChatRequest:
     parallel_tool_calls: bool
     ignored_fields: tuple[str, ...]  # unknown top-level fields, for one warning
     max_tokens_field: str = "max_tokens"  # or max_completion_tokens: the field the limit came from
+    max_tokens_is_default: bool = False  # the server's default, not the client's: capped to the room left
 
     @property
     def fields(self) -> dict[str, str]:
@@ -174,6 +175,7 @@ class CompletionRequest:
     continuous_usage: bool  # every chunk carries the usage so far (stream_options.continuous_usage_stats)
     return_tokens_as_token_ids: bool
     ignored_fields: tuple[str, ...]
+    max_tokens_is_default: bool = False  # OpenAI's 16 or the server's default: capped to the room left
 
 
 @dataclass(frozen=True)
@@ -694,6 +696,7 @@ def parse_chat_request(body: Any, limits: ServerLimits) -> ChatRequest:
         parallel_tool_calls=_as_bool(body.get("parallel_tool_calls"), "parallel_tool_calls", True),
         ignored_fields=_ignored(body, CHAT_FIELDS),
         max_tokens_field=max_tokens_param,
+        max_tokens_is_default=max_tokens is None and params.max_tokens is not None,
     )
 
 
@@ -756,9 +759,9 @@ def parse_completion_request(body: Any, limits: ServerLimits) -> CompletionReque
     if prompt_logprobs is None and echo:
         prompt_logprobs = logprobs  # echoed prompt tokens carry logprobs too (vLLM)
     # Left out: OpenAI's 16. An explicit null: no request default, as vLLM (the server's, or the room left).
+    given = _as_int(body["max_tokens"], "max_tokens", low=1) if "max_tokens" in body else None
     if "max_tokens" in body:
-        max_tokens = _as_int(body["max_tokens"], "max_tokens", low=1)
-        max_tokens = max_tokens if max_tokens is not None else limits.default_sampling.get("max_tokens")
+        max_tokens = given if given is not None else limits.default_sampling.get("max_tokens")
     else:
         max_tokens = _COMPLETION_DEFAULT_MAX_TOKENS
     params = _sampling_params(
@@ -780,6 +783,7 @@ def parse_completion_request(body: Any, limits: ServerLimits) -> CompletionReque
             body.get("return_tokens_as_token_ids"), "return_tokens_as_token_ids", False
         ),
         ignored_fields=_ignored(body, COMPLETION_FIELDS),
+        max_tokens_is_default=given is None and max_tokens is not None,
     )
 
 

@@ -904,8 +904,9 @@ def test_without_sampling_params_generate_takes_the_generation_config_capped_to_
     monkeypatch.setattr(chat_llm, "sampling_defaults", {"temperature": 0.0, "max_tokens": 4})
     long_prompt = [0, *range(5, 5 + chat_llm.engine.max_model_len - 4)]  # leaves 3 tokens
     outs = chat_llm.generate([{"prompt_token_ids": [0, 5, 6]}, {"prompt_token_ids": long_prompt}], use_tqdm=False)
-    assert [(p.temperature, p.max_tokens) for p in seen] == [(0.0, 4), (0.0, 3)]
+    assert [(p.temperature, p.max_tokens) for p in seen] == [(0.0, 4), (0.0, None)]  # None: what is left
     assert [len(o.outputs[0].token_ids) <= n for o, n in zip(outs, (4, 3))] == [True, True]
+    assert outs[1].outputs[0].finish_reason == "length" or outs[1].outputs[0].token_ids[-1] == CONFIG.eos_token_id
 
 
 def test_get_tokenizer_encodes_and_templates_as_the_engine_does(chat_llm):

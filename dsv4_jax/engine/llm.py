@@ -430,11 +430,11 @@ class LLM:
         items = self._prompts(prompts)
         if sampling_params is None:
             default, limit = self.get_default_sampling_params(), self.engine.max_model_len
-            # vLLM offline stops a default-length request at max_model_len; here the default is
-            # capped up front (a prompt that leaves no room is still refused, naming the prompt).
+            # vLLM offline stops a default-length request at max_model_len. Here a default beyond
+            # the room becomes None, which the engine reads as "what is left" (a prompt that leaves
+            # nothing is still refused, naming the prompt).
             sampling_params = [default if default.max_tokens is None or len(ids) + default.max_tokens <= limit
-                               or len(ids) >= limit else dataclasses.replace(default, max_tokens=limit - len(ids))
-                               for _, ids in items]
+                               else dataclasses.replace(default, max_tokens=None) for _, ids in items]
         params_list = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(items)
         if len(params_list) != len(items):
             raise ValueError(f"sampling_params has {len(params_list)} entries for {len(items)} prompts")
