@@ -6,7 +6,6 @@ merged into one stream, metrics recorded, and every child aborted if the respons
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import itertools
 import time
 from typing import TYPE_CHECKING, AsyncIterator, Mapping, Sequence
@@ -14,7 +13,7 @@ from typing import TYPE_CHECKING, AsyncIterator, Mapping, Sequence
 from dsv4_jax.engine.async_engine import StepFailedError
 from dsv4_jax.engine.outputs import RequestOutput
 from dsv4_jax.engine.request import ForcedTokens
-from dsv4_jax.engine.sampling_params import SamplingParams
+from dsv4_jax.engine.sampling_params import SamplingParams, default_max_tokens_within
 from serve.protocol import OpenAIError
 
 if TYPE_CHECKING:
@@ -58,11 +57,8 @@ class Generation:
         check_capacity(state, len(self.prompts) * params.n)
         try:
             for p, prompt_ids in enumerate(self.prompts):
-                # A default beyond the room becomes None, which the engine reads as "what is left".
                 room = state.engine.engine.max_model_len - len(prompt_ids)
-                capped = params
-                if cap_to_room and params.max_tokens is not None and params.max_tokens > room:
-                    capped = dataclasses.replace(params, max_tokens=None)
+                capped = default_max_tokens_within(params, room) if cap_to_room else params
                 for i in range(params.n):
                     child = capped.for_child(i)
                     rid = f"{request_id}-{p}-{i}"

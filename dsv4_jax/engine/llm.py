@@ -24,7 +24,7 @@ from typing import Any, Callable, Sequence
 from dsv4_jax.engine.outputs import RequestOutput
 from dsv4_jax.engine.request import integer_token_ids
 from dsv4_jax.engine.runner import StepBuckets
-from dsv4_jax.engine.sampling_params import SamplingParams, generation_defaults
+from dsv4_jax.engine.sampling_params import SamplingParams, default_max_tokens_within, generation_defaults
 
 logger = logging.getLogger(__name__)
 
@@ -430,11 +430,7 @@ class LLM:
         items = self._prompts(prompts)
         if sampling_params is None:
             default, limit = self.get_default_sampling_params(), self.engine.max_model_len
-            # vLLM offline stops a default-length request at max_model_len. Here a default beyond
-            # the room becomes None, which the engine reads as "what is left" (a prompt that leaves
-            # nothing is still refused, naming the prompt).
-            sampling_params = [default if default.max_tokens is None or len(ids) + default.max_tokens <= limit
-                               else dataclasses.replace(default, max_tokens=None) for _, ids in items]
+            sampling_params = [default_max_tokens_within(default, limit - len(ids)) for _, ids in items]
         params_list = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(items)
         if len(params_list) != len(items):
             raise ValueError(f"sampling_params has {len(params_list)} entries for {len(items)} prompts")

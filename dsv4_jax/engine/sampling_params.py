@@ -221,3 +221,12 @@ def generation_defaults(model_dir: str | Path, generation_config: str | Path = "
     except ValueError as error:
         raise ValueError(f"{path}: {error}") from None
     return defaults
+
+
+def default_max_tokens_within(params: SamplingParams, room: int) -> SamplingParams:
+    """`params` whose max_tokens is a default, not the caller's: beyond `room` (what max_model_len
+    leaves a prompt) it becomes None, which the engine reads as "what is left" (vLLM caps a
+    default too). A caller's own max_tokens never goes through this: it is refused with the numbers."""
+    if params.max_tokens is None or params.max_tokens <= room:
+        return params
+    return dataclasses.replace(params, max_tokens=None)
