@@ -57,8 +57,9 @@ class Generation:
         check_capacity(state, len(self.prompts) * params.n)
         try:
             for p, prompt_ids in enumerate(self.prompts):
-                room = state.engine.engine.max_model_len - len(prompt_ids)
-                capped = default_max_tokens_within(params, room) if cap_to_room else params
+                capped = params
+                if cap_to_room:
+                    capped = default_max_tokens_within(params, state.engine.engine.max_model_len - len(prompt_ids))
                 for i in range(params.n):
                     child = capped.for_child(i)
                     rid = f"{request_id}-{p}-{i}"
