@@ -45,9 +45,10 @@ class Generation:
                  forced: ForcedTokens | None = None, fields: Mapping[str, str] | None = None,
                  cap_to_room: bool = False):
         """`fields`: the request's names of the engine's fields (a chat request's prompt is its
-        `messages`), for the `param` and the message of an error. `cap_to_room`: max_tokens is a
-        default the client did not ask for, so a prompt gets at most what max_model_len leaves it
-        (vLLM caps it too); a client's own max_tokens beyond that is refused with the numbers."""
+        `messages`), for the `param` and the message of an error. `cap_to_room`: max_tokens is the
+        server's default (generation_config.json), which the client did not ask for, so a prompt
+        gets at most what max_model_len leaves it (vLLM's get_max_tokens); a max_tokens the client
+        sent beyond that is refused with the numbers."""
         self.state = state
         self.prompts = list(prompts)
         self.n = params.n

@@ -15,8 +15,10 @@ is a drop-in for `vllm serve`. The points checked there:
 * `logit_bias` keys are token ids written as strings; values are clamped to [-100, 100] and ids
   outside the vocabulary refused (vLLM's `SamplingParams.from_optional` and logits processor).
 * chat: `max_completion_tokens` wins over `max_tokens` when both are given; left out, the engine
-  uses the room left under max_model_len, or generation_config's max_tokens when the server has one.
-  completions: `max_tokens` defaults to 16 (OpenAI, vLLM); an explicit null means "no default".
+  uses the room left under max_model_len, or the smaller of it and generation_config's max_tokens
+  when the server has one. completions: `max_tokens` defaults to 16 (OpenAI, vLLM: refused like a
+  sent value when the prompt leaves less); an explicit null means the server's default, capped
+  likewise, or else the room.
 * `top_logprobs` > 0 needs `logprobs: true`; 0 without it is accepted, as vLLM does.
 * `stream_options` only with `stream: true`; given, its `include_usage` defaults to true (vLLM);
   `continuous_usage_stats` with `include_usage` puts the usage so far in every chunk (vLLM's
@@ -175,7 +177,7 @@ class CompletionRequest:
     continuous_usage: bool  # every chunk carries the usage so far (stream_options.continuous_usage_stats)
     return_tokens_as_token_ids: bool
     ignored_fields: tuple[str, ...]
-    max_tokens_is_default: bool = False  # OpenAI's 16 or the server's default: capped to the room left
+    max_tokens_is_default: bool = False  # null: the server's default, capped to the room left
 
 
 @dataclass(frozen=True)
@@ -783,7 +785,8 @@ def parse_completion_request(body: Any, limits: ServerLimits) -> CompletionReque
             body.get("return_tokens_as_token_ids"), "return_tokens_as_token_ids", False
         ),
         ignored_fields=_ignored(body, COMPLETION_FIELDS),
-        max_tokens_is_default=given is None and max_tokens is not None,
+        # Left out, OpenAI's 16 counts as asked for (vLLM and OpenAI refuse a prompt it does not fit).
+        max_tokens_is_default="max_tokens" in body and given is None and max_tokens is not None,
     )
 
 

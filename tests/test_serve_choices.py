@@ -506,6 +506,22 @@ class _FakeEngine:
         self.aborted.append(rid)
 
 
+def test_a_server_default_max_tokens_is_capped_to_each_prompts_room_and_a_sent_one_is_not(tokenizer):
+    """`Generation(cap_to_room=True)`: the server's default max_tokens beyond what max_model_len
+    leaves a prompt becomes None (the engine's "what is left"), prompt by prompt, for every child."""
+    engine = _FakeEngine(tokenizer, [5], steps=1)
+    engine.engine.max_model_len = 64
+    seen = []
+    add = engine.add_request
+    engine.add_request = lambda rid, ids, params, forced=None: (seen.append(params.max_tokens), add(rid, ids, params))[1]
+    state = types.SimpleNamespace(engine=engine, metrics=_Metrics(), args=types.SimpleNamespace(max_waiting_requests=16))
+    prompts = [[0] * 10, [0] * 60]  # rooms of 54 and 4
+    for cap, expected in ((True, [16, 16, None, None]), (False, [16] * 4)):
+        seen.clear()
+        Generation(state, "c", prompts, SamplingParams(n=2, max_tokens=16), cap_to_room=cap).close()
+        assert seen == expected, cap
+
+
 class _Metrics:
     def __init__(self):
         self.generated, self.finished = {}, {}

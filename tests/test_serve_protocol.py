@@ -221,12 +221,17 @@ def test_unset_fields_take_the_server_defaults_then_sampling_params_defaults():
     assert complete().params.max_tokens == 16  # OpenAI's completions default, not the server's
     assert complete(limits, max_tokens=None).params.max_tokens == 300
     assert complete(max_tokens=None).params.max_tokens is None
-    # A default the client did not ask for is capped to the room a prompt leaves (serve.generation);
-    # the client's own max_tokens is not.
-    assert [chat(limits).max_tokens_is_default, chat().max_tokens_is_default,
-            chat(limits, max_tokens=300).max_tokens_is_default, chat(limits, max_completion_tokens=9).max_tokens_is_default,
-            complete().max_tokens_is_default, complete(limits, max_tokens=None).max_tokens_is_default,
-            complete(max_tokens=16).max_tokens_is_default] == [True, False, False, False, True, True, False]
+    # The server's default, which the client did not ask for, is capped to the room a prompt leaves
+    # (serve.generation); what the client sent is not, nor completions' 16 when left out (vLLM).
+    flagged = [
+        (chat(limits), True), (chat(limits, max_tokens=None), True), (chat(), False),
+        (chat(limits, max_tokens=300), False), (chat(limits, max_completion_tokens=9), False),
+        (chat(limits, max_tokens=300, max_completion_tokens=9), False),
+        (chat(limits, max_tokens=7, max_completion_tokens=None), False),
+        (complete(limits, max_tokens=None), True), (complete(max_tokens=None), False), (complete(limits), False),
+        (complete(limits, max_tokens=16), False),
+    ]
+    assert [request.max_tokens_is_default for request, _ in flagged] == [flag for _, flag in flagged]
 
 
 def test_max_completion_tokens_wins_over_max_tokens():

@@ -427,12 +427,15 @@ def test_prompts_over_max_model_len_are_400s_with_the_numbers(chat_server, load,
         fits = http.post("/v1/completions", json={"model": server["name"], "prompt": ids(MAX_MODEL_LEN - 2),
                                                   "max_tokens": 2, "ignore_eos": True})
         assert fits.status_code == 200 and fits.json()["usage"]["completion_tokens"] == 2, fits.text
-        # Without max_tokens, OpenAI's 16 is a default the client did not ask for: capped to the 5
-        # tokens the prompt leaves (as vLLM), not refused.
-        capped = http.post("/v1/completions", json={"model": server["name"], "prompt": ids(MAX_MODEL_LEN - 5),
-                                                    "ignore_eos": True})
-        assert capped.status_code == 200 and capped.json()["usage"]["completion_tokens"] == 5, capped.text
-        assert capped.json()["choices"][0]["finish_reason"] == "length"
+        # Left out, completions' max_tokens is OpenAI's 16, refused like a sent one (vLLM, OpenAI);
+        # an explicit null asks for what is left (no server default here).
+        status, error = _error(http.post("/v1/completions", json={"model": server["name"],
+                                                                  "prompt": ids(MAX_MODEL_LEN - 5)}))
+        assert (status, error["param"]) == (400, "max_tokens") and "max_tokens (16)" in error["message"], error
+        rest = http.post("/v1/completions", json={"model": server["name"], "prompt": ids(MAX_MODEL_LEN - 5),
+                                                  "max_tokens": None, "ignore_eos": True})
+        assert rest.status_code == 200 and rest.json()["usage"]["completion_tokens"] == 5, rest.text
+        assert rest.json()["choices"][0]["finish_reason"] == "length"
 
 
 # ---- SIGTERM and SIGINT with requests in flight ------------------------------------------------------------------------
