@@ -7,6 +7,8 @@ import importlib.resources
 import logging
 import math
 import os
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Callable
 
@@ -36,13 +38,23 @@ def cache_root() -> Path:
 
 
 def cached_checkpoint(name: str, write: Callable[[Path], object]) -> Path:
-    """`cache_root() / name`, made by `write(directory)` the first time: into a `.partial` directory
-    renamed when complete, so the checkpoint appears whole or not at all."""
+    """`cache_root() / name`, made by `write(directory)` the first time: into a directory of this
+    writer's own, renamed when complete, so the checkpoint appears whole or not at all. Processes
+    that start at once (a server beside a benchmark, test workers) each write their own copy; the
+    first rename wins and the others drop theirs."""
     path = cache_root() / name
     if not (path / "config.json").is_file():
-        partial = path.with_name(path.name + ".partial")
-        write(partial)
-        partial.rename(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = Path(tempfile.mkdtemp(dir=path.parent, prefix=f"{name}.partial-"))
+        try:
+            write(partial)
+            try:
+                partial.rename(path)
+            except OSError:  # another writer's complete copy is already there
+                if not (path / "config.json").is_file():
+                    raise
+        finally:
+            shutil.rmtree(partial, ignore_errors=True)
     return path
 
 

@@ -179,7 +179,7 @@ def test_builtin_model_says_where_and_how_big_before_writing(tmp_path, monkeypat
 
     def fake_write(path, config, seed):
         seen_before_writing.extend(r.getMessage() for r in caplog.records)
-        Path(path).mkdir(parents=True)
+        Path(path).mkdir(parents=True, exist_ok=True)
         (Path(path) / "config.json").write_text("{}")
 
     monkeypatch.setenv("DSV4_JAX_CACHE", str(tmp_path))
@@ -191,6 +191,42 @@ def test_builtin_model_says_where_and_how_big_before_writing(tmp_path, monkeypat
     assert len(caplog.records) == 1
     mebibytes = checkpoint_bytes(get_config(BUILTIN_PRESET)) / 2**20
     assert str(path) in seen_before_writing[0] and f"{mebibytes:.0f} MiB" in seen_before_writing[0]
+
+
+def test_checkpoints_written_at_once_by_several_processes_appear_whole(tmp_path, monkeypatch):
+    """A server and a benchmark started together both write the built-in model the first time (seen
+    on the GPU machine: the second rename of a shared `.partial` directory failed and the server
+    exited). Each writer now has its own directory; the first rename wins, the rest are dropped."""
+    import threading
+
+    from dsv4_jax.builtin import cached_checkpoint
+
+    monkeypatch.setenv("DSV4_JAX_CACHE", str(tmp_path))
+    all_writing = threading.Barrier(4)
+
+    def write(directory: Path) -> None:
+        (directory / "weights.bin").write_bytes(threading.current_thread().name.encode() * 1000)
+        all_writing.wait(timeout=30)  # every writer is half-way before any finishes
+        (directory / "config.json").write_text(threading.current_thread().name)
+
+    results, errors = {}, []
+
+    def worker() -> None:
+        try:
+            results[threading.current_thread().name] = cached_checkpoint("model", write)
+        except Exception as exc:  # noqa: BLE001 - the test reports any failure of any writer
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, name=f"writer{i}") for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not errors
+    assert set(results.values()) == {tmp_path / "model"}
+    winner = (tmp_path / "model" / "config.json").read_text()
+    assert (tmp_path / "model" / "weights.bin").read_bytes() == winner.encode() * 1000  # one writer's files
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]  # no partial directory left
 
 
 # ---- command-line entry points ----------------------------------------------------------------
