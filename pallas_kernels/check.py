@@ -21,6 +21,7 @@ spills and speed are only checked by the GPU compiler and by running on a GPU.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import time
@@ -38,8 +39,8 @@ PROG = "python -m pallas_kernels.check"
 DEFAULT_DEVICE_KINDS = ("NVIDIA H100", "NVIDIA H200", "NVIDIA B200", "NVIDIA RTX PRO 6000")
 CHECK_KERNELS = ("kv_write", "sparse_decode", "sparse_prefill", "indexer_topk")
 DISCLAIMER = (
-    "Lowering to Triton IR only: NOT compiled, NOT run on a GPU (register and shared-memory "
-    "limits, correctness and speed on the device are not checked here)."
+    "Lowering to Triton IR, each module checked by MLIR's verifier, only: NOT compiled, NOT run on a "
+    "GPU (register and shared-memory limits, correctness and speed on the device are not checked here)."
 )
 # Every variant is named "<storage format>/<what>"; these formats hold e4m3 values.
 FP8_FORMATS = ("fp8_ds_mla", "fp8")
@@ -173,13 +174,54 @@ def cases(kernel: str, device_kind: str, sh: Shapes = FLASH) -> list[tuple[str, 
     raise ValueError(f"unknown kernel {kernel!r}; known: {', '.join(CHECK_KERNELS)}")
 
 
+@contextlib.contextmanager
+def verified_triton_modules():
+    """Run MLIR's verifier on every Triton module JAX lowers inside the block, raising on the first
+    malformed one. XLA parses a kernel's module only when it compiles it for a GPU, so a module
+    that lowers but does not verify (a loop whose bounds have different integer types, say) would
+    otherwise pass here and fail on the device: seen on an H200. This wraps JAX's private
+    `lower_jaxpr_to_triton_module`; where a JAX version lacks it, modules are not verified
+    (`VERIFIED` says which)."""
+    try:
+        from jax._src.pallas.triton import lowering
+    except ImportError:
+        lowering = None
+    original = getattr(lowering, "lower_jaxpr_to_triton_module", None)
+    if original is None:
+        yield
+        return
+
+    def lower_and_verify(*args, **kwargs):
+        result = original(*args, **kwargs)
+        result.module.operation.verify()  # raises MLIRError naming the op and its source line
+        return result
+
+    lowering.lower_jaxpr_to_triton_module = lower_and_verify
+    try:
+        yield
+    finally:
+        lowering.lower_jaxpr_to_triton_module = original
+
+
+def _can_verify() -> bool:
+    try:
+        from jax._src.pallas.triton import lowering
+    except ImportError:
+        return False
+    return hasattr(lowering, "lower_jaxpr_to_triton_module")
+
+
+VERIFIED = _can_verify()
+
+
 def lower(fn: Callable[..., Any], args: Sequence[Any], device_kind: str) -> jax.export.Exported:
-    """Lower `fn(*args)` for CUDA inside an abstract mesh of `device_kind` (no GPU needed)."""
+    """Lower `fn(*args)` for CUDA inside an abstract mesh of `device_kind` (no GPU needed), each
+    Triton module checked by MLIR's verifier (`verified_triton_modules`)."""
     mesh = jax.sharding.AbstractMesh(
         (1,), ("x",),
         abstract_device=jax.sharding.AbstractDevice(device_kind=device_kind, num_cores=None, platform="cuda"),
     )
-    with jax.sharding.use_abstract_mesh(mesh), warnings.catch_warnings():
+    with jax.sharding.use_abstract_mesh(mesh), warnings.catch_warnings(), verified_triton_modules():
         warnings.simplefilter("ignore", DeprecationWarning)  # "Pallas Triton is deprecated"
         return jax.export.export(
             jax.jit(fn),
@@ -309,6 +351,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     kernels = args.kernels or list(CHECK_KERNELS)
     sh = FLASH
     print(DISCLAIMER)
+    if not VERIFIED:
+        print("NOTE: this JAX has no lower_jaxpr_to_triton_module to wrap: the modules are NOT verified.")
     print(
         f"Shapes: DeepSeek-V4-Flash, {sh.heads} heads, head_dim {sh.head_dim} ({sh.head_dim - sh.rope_dim} NoPE + "
         f"{sh.rope_dim} RoPE), top-k {sh.topk}, window {sh.window}, block {sh.block_size}, indexer "

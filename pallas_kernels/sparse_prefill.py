@@ -91,6 +91,10 @@ def _sparse_prefill_kernel(
     first = start + qb * block_q
     last = start + jnp.minimum((qb + 1) * block_q, q_len) - 1  # last valid position of the block
     any_row = qb * block_q < q_len
+    # Loop trip counts are `live * n`, not `jnp.where(any_row, n, 0)`: Triton's lowering gives a
+    # select of two literals the predicate's type (i1), and the loop with an i1 bound then fails
+    # MLIR's verification when the GPU compiles it (seen on an H200).
+    live = any_row.astype(jnp.int32)
     iota = lax.broadcasted_iota(jnp.int32, (block_k,), 0)
     w_row0 = offs_ref[0]
     c_row0 = offs_ref[1]
@@ -121,7 +125,7 @@ def _sparse_prefill_kernel(
         n_pool = jnp.maximum(jnp.minimum(last, start - 1) - key0 + 1, 0)
     else:
         n_pool = window + block_q - 1
-    n_window_chunks = jnp.where(any_row, (n_pool + block_k - 1) // block_k, 0)
+    n_window_chunks = live * ((n_pool + block_k - 1) // block_k)
     carry = lax.fori_loop(0, n_window_chunks, window_body, carry)
 
     if has_chunk_kv:  # key positions [max(key0, start), last] from the chunk's own rows
@@ -140,7 +144,7 @@ def _sparse_prefill_kernel(
             return online_softmax_step(carry, q_chunks, k_chunks, mask, scale)
 
         n_chunk = jnp.maximum(last - start - s_first + 1, 0)
-        carry = lax.fori_loop(0, jnp.where(any_row, (n_chunk + block_k - 1) // block_k, 0), chunk_body, carry)
+        carry = lax.fori_loop(0, live * ((n_chunk + block_k - 1) // block_k), chunk_body, carry)
 
     if mode == "hca":
         n_block = jnp.clip((last + 1) // ratio, 0, c_entries)
@@ -152,7 +156,7 @@ def _sparse_prefill_kernel(
             causal = j[None, :] < row_visible[:, None]
             return attend(carry, cplanes, rows, valid, causal & row_ok[:, None])
 
-        carry = lax.fori_loop(0, jnp.where(any_row, (n_block + block_k - 1) // block_k, 0), hca_body, carry)
+        carry = lax.fori_loop(0, live * ((n_block + block_k - 1) // block_k), hca_body, carry)
     elif mode == "csa":  # block_q == 1: one token, its own picks
         n_visible = jnp.clip((first + 1) // ratio, 0, c_entries)
 
@@ -161,7 +165,7 @@ def _sparse_prefill_kernel(
             rows, valid = entry_rows(cbt_ref, b, j, (j >= 0) & (j < n_visible), c_units, c_row0)
             return attend(carry, cplanes, rows, valid, jnp.broadcast_to(row_ok[:, None], (rows_m, block_k)))
 
-        carry = lax.fori_loop(0, jnp.where(any_row, idx_ref.shape[0] // block_k, 0), csa_body, carry)
+        carry = lax.fori_loop(0, live * (idx_ref.shape[0] // block_k), csa_body, carry)
 
     _, l, acc = carry
     inv = jnp.where(l > 0, 1.0 / jnp.where(l > 0, l, 1.0), 0.0)

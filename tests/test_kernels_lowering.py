@@ -2,7 +2,8 @@
 DeepSeek-V4-Flash shapes (64 heads, head_dim 512, top-k 512, window 128, block 256), with the
 launch parameters of pallas_kernels/tuning.py: what `python -m pallas_kernels.check` runs.
 
-This proves the kernels lower to Triton IR for each compute capability; it does not compile
+This proves the kernels lower to Triton IR for each compute capability and that MLIR's verifier
+accepts every module (which XLA otherwise first does when it compiles on a GPU); it does not compile
 them (register and shared-memory limits are only checked by the GPU compiler) or run them. Below
 compute capability 8.9 (A100) only the bf16 layout's kernels apply and are lowered; a kind that
 pallas_kernels/devices.py does not know is refused in one line.
@@ -11,6 +12,7 @@ pallas_kernels/devices.py does not know is refused in one line.
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import pytest
 
 from pallas_kernels import check, devices
@@ -147,6 +149,35 @@ def test_kernel_dots_take_bf16_operands():
             dots = _kernel_dots(jax.make_jaxpr(fn)(*args).jaxpr, [])
             assert dots, (kernel, variant)
             assert all(d == ("bfloat16", "bfloat16") for d in dots), (kernel, variant, set(dots))
+
+
+def test_the_check_runs_mlir_verification_on_every_module():
+    """A module that lowers but does not verify must fail the check, not the GPU compile. The
+    kernel below loops `jnp.where(pred, 4, 0)` times: Triton's lowering types that select as the
+    predicate (i1) and the loop's bounds disagree, exactly how every sparse_prefill kernel lowered
+    until an H200 refused them ("'scf.for' op failed to verify ...")."""
+    from jax import lax
+    from jax.experimental import pallas as pl
+
+    def kernel(x_ref, o_ref):
+        n = jnp.where(x_ref[0] > 0, 4, 0)
+        o_ref[...] = lax.fori_loop(0, n, lambda i, acc: acc + x_ref[...], jnp.zeros((16,), jnp.float32))
+
+    def bad(x):
+        return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((16,), jnp.float32))(x)
+
+    def good(x):  # the same loop with an int32 trip count lowers and verifies
+        return pl.pallas_call(
+            lambda x_ref, o_ref: o_ref.__setitem__(..., lax.fori_loop(
+                0, (x_ref[0] > 0).astype(jnp.int32) * 4, lambda i, acc: acc + x_ref[...],
+                jnp.zeros((16,), jnp.float32))),
+            out_shape=jax.ShapeDtypeStruct((16,), jnp.float32))(x)
+
+    x = jax.ShapeDtypeStruct((16,), jnp.float32)
+    assert check.VERIFIED
+    check.lower(good, (x,), "NVIDIA H100")
+    with pytest.raises(Exception, match="scf.for"):
+        check.lower(bad, (x,), "NVIDIA H100")
 
 
 @pytest.mark.parametrize("kernel, sinks_at, head_axis", [("sparse_decode", 4, 1), ("sparse_prefill", 5, 2)])
