@@ -9,7 +9,10 @@ for attention, equality of the selected sets up to near-ties for the indexer, bi
 kv_write), then times both and reports the speed-up over the XLA path, achieved TFLOP/s and
 HBM GB/s. At most 16 points: sparse_decode (CSA, fp8_ds_mla) at batch {1, 64, 128} x context
 {4K, 32K, 128K}, sparse_prefill (CSA) and indexer_topk prefill at a 32K context, plus
-indexer_topk decode and kv_write.
+indexer_topk decode and kv_write; and ("far") sparse_decode, indexer_topk and kv_write on rows at
+the far end of pools whose planes hold more than 4 GiB (FAR_POOLS: where JAX's lowering indexes
+with int64 offsets; 2-4 GiB planes are refused by the kernels).
+The most telling points run first, so a run cut short by --budget-s keeps them.
 
 Timing is HOST WALL-CLOCK, not device time: per call, the median over 7 batches of the mean of
 n back-to-back calls of the compiled executable (n doubled until a batch takes >= 50 ms), each
@@ -99,6 +102,24 @@ def _tables(batch, context):
     return jnp.asarray(wbt), jnp.asarray(cbt), batch * pages
 
 
+# Pools whose planes pass 4 GiB, with the rows in use at their far end (a real V4-Flash pool on an
+# H200 holds tens of GB per plane). JAX's Triton lowering computes element offsets in int32 unless
+# an operand passes 2**32 bytes, so a 1-byte plane of 2-4 GiB wraps (an illegal memory access on
+# an H200, 2026-12-04: the kernels now refuse such pools and the planner never sizes one); past
+# 4 GiB the offsets are int64, which these points check. (window blocks, compressed blocks,
+# indexer blocks): every e4m3 plane past 2**32 elements.
+FAR_POOLS = {"> 4 GiB": (40_000, 160_000, 540_000)}
+
+
+def _far_tables(batch, context, window_blocks, compressed_blocks):
+    """Block tables like `_tables`'s whose blocks are the pools' last ones."""
+    pages, used = -(-MAX_CONTEXT // BLOCK), -(-context // BLOCK)
+    cbt = np.full((batch, pages), -1, np.int32)
+    cbt[:, :used] = compressed_blocks - batch * used + np.arange(batch * used, dtype=np.int32).reshape(batch, used)
+    wbt = window_blocks - batch * RING + np.arange(batch * RING, dtype=np.int32).reshape(batch, RING)
+    return jnp.asarray(wbt), jnp.asarray(cbt)
+
+
 # ---- timing ----------------------------------------------------------------------------------------
 TIMING = "host wall-clock per call: median of 7 batches of back-to-back calls, each ended by block_until_ready"
 
@@ -131,10 +152,14 @@ def _compile(fn, args):
 
 
 # ---- grid points -----------------------------------------------------------------------------------
-def point_decode(batch, context, seed=0):
+def point_decode(batch, context, seed=0, far=None):
     key = jax.random.PRNGKey(seed)
     wbt, cbt, cblocks = _tables(batch, context)
-    wpool = _fp8_pool(key, batch * RING, BLOCK)
+    wblocks = batch * RING
+    if far:
+        wblocks, cblocks, _ = FAR_POOLS[far]
+        wbt, cbt = _far_tables(batch, context, wblocks, cblocks)
+    wpool = _fp8_pool(key, wblocks, BLOCK)
     cpool = _fp8_pool(jax.random.fold_in(key, 1), cblocks, BLOCK // CSA)
     q = jax.random.normal(jax.random.fold_in(key, 2), (batch, HEADS, HEAD_DIM), jnp.bfloat16)
     sinks = jax.random.normal(jax.random.fold_in(key, 3), (HEADS,), jnp.float32)
@@ -171,9 +196,12 @@ def point_prefill(context, tokens=2048, seed=1):
     return kern, ref, args, flops, nbytes, ("attention", tol)
 
 
-def point_indexer(batch, tokens, context, seed=2):
+def point_indexer(batch, tokens, context, seed=2, far=None):
     key = jax.random.PRNGKey(seed)
     _, cbt, cblocks = _tables(batch, context)
+    if far:
+        cblocks = FAR_POOLS[far][2]
+        _, cbt = _far_tables(batch, context, RING, cblocks)
     pool = _indexer_pool(key, cblocks, BLOCK // CSA)
     q = jax.random.normal(jax.random.fold_in(key, 1), (batch, tokens, INDEX_HEADS, INDEX_DIM), jnp.bfloat16)
     w = jax.random.normal(jax.random.fold_in(key, 2), (batch, tokens, INDEX_HEADS), jnp.float32) * 0.01
@@ -188,12 +216,13 @@ def point_indexer(batch, tokens, context, seed=2):
     return kern, ref, args, flops, nbytes, ("indexer", None)
 
 
-def point_write(tokens, seed=3):
+def point_write(tokens, seed=3, far=None):
     key = jax.random.PRNGKey(seed)
-    blocks = 4 * tokens // BLOCK + 8
+    blocks = FAR_POOLS[far][0] if far else 4 * tokens // BLOCK + 8
     pool = tuple(jnp.zeros_like(p) for p in _fp8_pool(key, blocks, BLOCK))
     kv = jax.random.normal(jax.random.fold_in(key, 1), (tokens, HEAD_DIM), jnp.bfloat16)
-    slots = jax.random.permutation(jax.random.fold_in(key, 2), blocks * BLOCK)[:tokens].astype(jnp.int32)
+    room = (4 * tokens // BLOCK + 8) * BLOCK  # the slots written: random ones among the last `room`
+    slots = (blocks * BLOCK - room + jax.random.permutation(jax.random.fold_in(key, 2), room)[:tokens]).astype(jnp.int32)
     args = (pool, kv, slots)
     flops = 0.0
     nbytes = tokens * (HEAD_DIM * 2 + ROW_BYTES)
@@ -201,12 +230,24 @@ def point_write(tokens, seed=3):
 
 
 def grid(which):
+    """The points, most telling first (a run cut short by its budget keeps those): the issue's
+    target, the pools past 2**31 bytes, one point of each other kernel, then the rest."""
     points = []
+    decode = [(64, 32768), (1, 4096), (128, 131072)]
+    decode += [(b, c) for b in (1, 64, 128) for c in (4096, 32768, 131072) if (b, c) not in decode]
     if "decode" in which:
-        for batch in (1, 64, 128):
-            for context in (4096, 32768, 131072):
-                name = f"sparse_decode csa fp8 B={batch} ctx={context // 1024}K"
-                points.append((name, functools.partial(point_decode, batch, context)))
+        points.append(("sparse_decode csa fp8 B=64 ctx=32K", functools.partial(point_decode, 64, 32768)))
+    if "far" in which:
+        for far in FAR_POOLS:
+            at = f"far end of {far} planes"
+            points.append((f"sparse_decode csa fp8 B=4 ctx=32K, {at}", functools.partial(point_decode, 4, 32768, far=far)))
+            points.append((f"indexer_topk decode B=4 ctx=32K, {at}",
+                           functools.partial(point_indexer, 4, 1, 32768, far=far)))
+            points.append((f"kv_write fp8 T=8192, {at}", functools.partial(point_write, 8192, far=far)))
+    if "decode" in which:
+        for batch, context in decode[1:3]:
+            name = f"sparse_decode csa fp8 B={batch} ctx={context // 1024}K"
+            points.append((name, functools.partial(point_decode, batch, context)))
     if "prefill" in which:
         points.append(("sparse_prefill csa fp8 S=2048 ctx=32K", functools.partial(point_prefill, 32768)))
         points.append(("indexer_topk prefill S=2048 ctx=32K", functools.partial(point_indexer, 1, 2048, 32768)))
@@ -214,6 +255,10 @@ def grid(which):
         points.append(("indexer_topk decode B=64 ctx=32K", functools.partial(point_indexer, 64, 1, 32768)))
     if "write" in which:
         points.append(("kv_write fp8 T=8192", functools.partial(point_write, 8192)))
+    if "decode" in which:
+        for batch, context in decode[3:]:
+            name = f"sparse_decode csa fp8 B={batch} ctx={context // 1024}K"
+            points.append((name, functools.partial(point_decode, batch, context)))
     return points[:16]
 
 
@@ -304,7 +349,7 @@ def run(which, budget_s, markdown=None):
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--points", default="decode,prefill,indexer,write")
+    parser.add_argument("--points", default="decode,far,prefill,indexer,write")
     parser.add_argument("--markdown", help="also write the table to this file, one row as soon as it is measured")
     parser.add_argument("--budget-s", type=float, default=300.0, help="start no point after this many seconds")
     args = parser.parse_args(argv)

@@ -67,6 +67,21 @@ UE8M0_NAN = 0xFF
 _SCALE_ROW_ALIGN = 8  # scale bytes per token are padded to a multiple of 8
 
 
+# JAX's Triton lowering computes a kernel operand's element offsets in int32 unless the operand
+# holds more than 2**32 bytes (then int64), and the GPU sign-extends them. An operand of 1-byte
+# elements (e4m3 NoPE dims or indexer keys, UE8M0 scale bytes) with more than 2**31 elements,
+# 2 to 4 GiB, so reaches its far rows through negative offsets: an illegal memory access (seen
+# on an H200). Wider elements pass 4 GiB before they pass 2**31 elements.
+INT32_OFFSET_LIMIT = 2**31
+INT64_OFFSETS_ABOVE_BYTES = 2**32
+
+
+def wraps_int32_offsets(elements: int, itemsize: int) -> bool:
+    """Whether a Pallas Triton kernel operand of `elements` elements of `itemsize` bytes would be
+    indexed with int32 offsets that wrap (more than 2**31 elements in at most 2**32 bytes)."""
+    return elements > INT32_OFFSET_LIMIT and elements * itemsize <= INT64_OFFSETS_ABOVE_BYTES
+
+
 # ---- byte counts -----------------------------------------------------------------------------
 def _check_dim(name: str, value: int, minimum: int = 0) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:

@@ -45,6 +45,7 @@ from pallas_kernels.paged_attention import (
     kernel_format,
     layer_offset,
     reference_operand,
+    refuse_wrapping_offsets,
 )
 
 _NO_INDEX = 2**31 - 1  # sentinel index of empty list slots: loses every tie
@@ -246,6 +247,7 @@ def indexer_topk(
     """
     cfg = config or tuning.kernel_config("indexer_topk", device_kind, interpret=interpret)
     info = tuning.device_info(device_kind, interpret=interpret)
+    refuse_wrapping_offsets(tuple(key_pool))
     flat, fmt, units = _key_planes(key_pool)
     fp8 = kernel_format(fmt, "indexer_topk") == "fp8"
     batch, seq, heads, d = q.shape

@@ -36,7 +36,15 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import formats, tuning
-from pallas_kernels.paged_attention import DIM_CHUNK, FLOAT32, chunk_width, flatten_pool, full_block, kernel_format
+from pallas_kernels.paged_attention import (
+    DIM_CHUNK,
+    FLOAT32,
+    chunk_width,
+    flatten_pool,
+    full_block,
+    kernel_format,
+    refuse_wrapping_offsets,
+)
 
 
 # ---- kernel -----------------------------------------------------------------------------------
@@ -151,6 +159,7 @@ def _write_format(planes: tuple[jax.Array, ...], width: int) -> str:
 
 
 def _write(planes, x, slots, layer, fmt, cfg, interpret):
+    refuse_wrapping_offsets(planes)
     flat, blocks, units = flatten_pool(planes)
     per_layer = blocks * units
     t, dim = x.shape

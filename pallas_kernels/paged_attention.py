@@ -118,6 +118,19 @@ def flatten_pool(planes) -> tuple[tuple[jax.Array, ...], int, int]:
     return tuple(out), planes[0].shape[-3], planes[0].shape[-2]
 
 
+def refuse_wrapping_offsets(planes) -> None:
+    """A ValueError, never an illegal memory access, for a pool a kernel would index with int32
+    offsets that wrap (`formats.wraps_int32_offsets`); the pure-JAX references read any pool."""
+    for p in planes:
+        if formats.wraps_int32_offsets(p.size, p.dtype.itemsize):
+            raise ValueError(
+                f"a KV pool plane {p.dtype}{list(p.shape)} holds {p.size:,} elements in {p.size * p.dtype.itemsize / 2**30:.2f} "
+                f"GiB: a Pallas kernel would index it with int32 offsets that wrap past {formats.INT32_OFFSET_LIMIT:,} "
+                "elements (an illegal memory access on the GPU). Size each plane of 1-byte elements below 2 GiB or above "
+                "4 GiB, as the engine's capacity planner does, or use --attention-backend xla"
+            )
+
+
 def pool_dims(planes) -> tuple[int, int, int]:
     """(blocks, units, head_dim) of a KV pool."""
     planes = tuple(planes)
@@ -299,6 +312,7 @@ def pool_operands(
     compressed_layer: int | jax.Array,
 ) -> PoolOperands:
     """Flatten the pools' planes to rows, locate the layers in them and cast the block tables."""
+    refuse_wrapping_offsets((*window_pool, *(compressed_pool or ())))
     wplanes, _, w_units = flatten_pool(window_pool)
     offsets = [layer_offset(layer, window_pool)]
     batch = window_block_table.shape[0]

@@ -212,3 +212,48 @@ def test_attention_kernels_under_tensor_parallelism_lower_per_rank(kernel, sinks
     q_type = "x".join(map(str, per_rank)) + "xbf16"
     assert f"%arg0: tensor<{q_type}>" in kernel_args, kernel_args[:200]
     assert f"tensor<{sinks.shape[0] // 2}xf32>" in kernel_args
+
+
+def test_kernels_refuse_pools_they_would_index_with_wrapping_offsets():
+    """On an H200, sparse_decode over an e4m3 plane of 2.29e9 elements (2.14 GiB) hit an illegal
+    memory access: JAX indexes operands of at most 4 GiB with int32 offsets. Every kernel now
+    refuses such a pool at trace time, naming the way out; the references (the xla backend) read
+    it, and a plane past 4 GiB (int64 offsets, verified on the H200) is taken."""
+    import functools
+
+    from pallas_kernels.indexer_topk import indexer_topk, indexer_topk_reference
+    from pallas_kernels.kv_write import write_kv, write_kv_reference
+    from pallas_kernels.sparse_decode import sparse_decode, sparse_decode_reference
+
+    S = jax.ShapeDtypeStruct
+
+    def kv_pool(blocks, units):
+        return (S((1, blocks, units, 448), jnp.float8_e4m3fn), S((1, blocks, units, 64), jnp.bfloat16),
+                S((1, blocks, units, 8), jnp.uint8))
+
+    band, past = kv_pool(80_000, 64), kv_pool(160_000, 64)  # 2.29e9 and 4.59e9 e4m3 elements
+    window = kv_pool(4, 256)
+    q, tables = S((2, 64, 512), jnp.bfloat16), (S((2, 2), jnp.int32), S((2,), jnp.int32), S((64,), jnp.float32))
+    cbt, idx = S((2, 512), jnp.int32), S((2, 512), jnp.int32)
+    iq, iw = S((2, 1, 64, 128), jnp.bfloat16), S((2, 1, 64), jnp.float32)
+    starts = (S((2,), jnp.int32), S((2,), jnp.int32))
+
+    def decode(fn, pool):
+        return jax.eval_shape(functools.partial(fn, window=128, ratio=4), q, window, *tables, pool, cbt, idx)
+
+    def topk(fn, pool):
+        keys = (S((1, pool[0].shape[1], 64, 128), jnp.float8_e4m3fn), S((1, pool[0].shape[1], 64), jnp.float32))
+        if pool is band:
+            keys = (S((1, 270_000, 64, 128), jnp.float8_e4m3fn), S((1, 270_000, 64), jnp.float32))
+        return jax.eval_shape(functools.partial(fn, topk=512, ratio=4), iq, iw, keys, cbt, *starts)
+
+    def write(fn, pool):
+        return jax.eval_shape(fn, pool, S((16, 512), jnp.bfloat16), S((16,), jnp.int32))
+
+    for run, kernel, reference in ((decode, sparse_decode, sparse_decode_reference),
+                                   (topk, indexer_topk, indexer_topk_reference),
+                                   (write, write_kv, write_kv_reference)):
+        with pytest.raises(ValueError, match="int32 offsets that wrap.*--attention-backend xla"):
+            run(functools.partial(kernel, interpret=True), band)
+        run(reference, band)
+        run(functools.partial(kernel, interpret=True), past)

@@ -125,13 +125,78 @@ def test_capacity_from_memory_tp_vs_dp():
 def test_capacity_with_max_num_seqs():
     plan = plan_capacity(FLASH, FP8, max_model_len=L, device_memory_bytes=100 * GiB, weight_bytes=20 * GiB,
                          max_num_seqs=256)
-    # 256 slots * 25,063,424 B = 6,416,236,544; (75,161,927,680 - 6,416,236,544) // 985,664 = 69,745
-    # blocks; 69,745 // 4,096 = 17 sequences of 1M tokens at once (many more short ones).
-    assert plan.num_seq_slots == 256 and plan.num_blocks == {"sliding": 512, "compressed": 69_745}
-    assert plan.max_seqs_per_rank == 17
+    # 256 slots * 25,063,424 B = 6,416,236,544. Their 512 sliding blocks would make the e4m3 NoPE
+    # plane 512 * 43 layers * 256 positions * 448 = 2,524,971,008 elements: 2 to 4 GiB, which the
+    # Pallas kernels cannot index (int32 offsets wrap). 2**32 // (43 * 256 * 448) + 1 = 871 blocks
+    # take it past 4 GiB; the 359 idle ones cost 359 * 6,428,672 = 2,307,893,248 B. Then
+    # (75,161,927,680 - 6,416,236,544 - 2,307,893,248) // 985,664 = 67,404 compressed blocks
+    # (their planes are far past 4 GiB); 67,404 // 4,096 = 16 sequences of 1M tokens at once.
+    assert plan.num_seq_slots == 256 and plan.num_blocks == {"sliding": 871, "compressed": 67_404}
+    assert plan.max_seqs_per_rank == 16
     with pytest.raises(ValueError, match="--max-num-seqs"):
         plan_capacity(FLASH, FP8, max_model_len=L, device_memory_bytes=100 * GiB, weight_bytes=20 * GiB,
                       max_num_seqs=100_000)
+
+
+@pytest.mark.parametrize("elements, itemsize, wraps", [
+    (2**31, 1, False), (2**31 + 1, 1, True), (2**32, 1, True), (2**32 + 1, 1, False),  # > 2**32 B: int64
+    (2**31 + 1, 2, False), (2**30, 4, False),
+])
+def test_which_kernel_operands_wrap_int32_offsets(elements, itemsize, wraps):
+    """JAX's Triton lowering indexes an operand of at most 2**32 bytes with int32 element offsets:
+    only 1-byte elements can pass offset 2**31 - 1 there (an illegal memory access on an H200)."""
+    from pallas_kernels import formats
+
+    assert formats.wraps_int32_offsets(elements, itemsize) == wraps
+
+
+def _wrapping_planes(config, plan):
+    import jax
+
+    from dsv4_jax.kv_cache.paged import PagedCacheLayout, abstract_paged_cache
+    from pallas_kernels import formats
+
+    leaves = jax.tree.leaves(abstract_paged_cache(PagedCacheLayout.from_plan(config, plan)))
+    return [(x.shape, str(x.dtype)) for x in leaves if formats.wraps_int32_offsets(math.prod(x.shape), x.dtype.itemsize)]
+
+
+def test_pools_for_the_pallas_kernels_keep_every_one_byte_plane_out_of_2_to_4_gib():
+    """`python -m serve` on an H200 sized the built-in model's pools at 2,435,006 compressed blocks:
+    its UE8M0 scale plane (2 CSA layers x 64 entries x 8 bytes per block) held 2.49e9 elements,
+    which a kernel reaches with wrapping int32 offsets. The planner now stops at 2**31 elements."""
+    tiny = get_config("dsv4-tiny")
+    memory, weights, reserved = int(69.90 * GiB), int(0.07 * GiB), int(3077.3 * 2**20)  # the H200 run's log
+    pallas = resolve_kv_cache("auto", "NVIDIA H200", None, config=tiny)
+    xla = resolve_kv_cache("fp8_ds_mla", "NVIDIA H200", None, "xla", config=tiny)
+    kwargs = dict(max_model_len=1024, device_memory_bytes=memory, weight_bytes=weights, reserved_bytes=reserved,
+                  max_num_seqs=8)
+    plan = plan_capacity(tiny, pallas, **kwargs)
+    assert plan.num_blocks["compressed"] == 2**31 // (2 * 64 * 8) and not _wrapping_planes(tiny, plan)
+    unclear = plan_capacity(tiny, xla, **kwargs)  # xla reads any pool: the memory decides alone
+    assert unclear.num_blocks["compressed"] > 2**31 // (2 * 64 * 8) and _wrapping_planes(tiny, unclear)
+    # The planner's own slot count (no --max-num-seqs): fewer slots rather than a sliding pool in the
+    # band (4 layers x 2 blocks x 256 positions x 64 e4m3 dims = 131,072 elements per slot).
+    free = plan_capacity(tiny, pallas, max_model_len=1024, device_memory_bytes=12 * GiB)
+    assert free.num_seq_slots == 2**31 // 131_072 and not _wrapping_planes(tiny, free)
+    # The caller's slot count: idle sliding blocks take the planes past 4 GiB, or a ValueError.
+    fixed = plan_capacity(tiny, pallas, max_model_len=1024, device_memory_bytes=40 * GiB, max_num_seqs=20_000)
+    assert fixed.num_blocks["sliding"] == 2**32 // (4 * 256 * 64) + 1 and not _wrapping_planes(tiny, fixed)
+    with pytest.raises(ValueError, match="--max-num-seqs 16384 or less"):
+        plan_capacity(tiny, pallas, max_model_len=1024, device_memory_bytes=11 * GiB, max_num_seqs=20_000)
+
+
+def test_num_gpu_blocks_override_in_the_band_is_refused():
+    from types import SimpleNamespace
+
+    from dsv4_jax.engine.llm import LLM
+
+    tiny = get_config("dsv4-tiny")
+    spec = resolve_kv_cache("auto", "NVIDIA H200", None, config=tiny)
+    plan = plan_capacity(tiny, spec, max_model_len=1024, device_memory_bytes=8 * GiB, max_num_seqs=8)
+    owner = SimpleNamespace(config=tiny)
+    assert LLM._layout(owner, plan, 1024, 256, 2**31 // 1024).num_compressed_blocks == 2**21
+    with pytest.raises(ValueError, match=r"num_gpu_blocks_override \(2200000\).*pass 2097152 or less"):
+        LLM._layout(owner, plan, 1024, 256, 2_200_000)
 
 
 def test_cpu_pools_sized_from_max_num_seqs():
