@@ -31,7 +31,7 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import devices, indexer_topk, kv_write, sparse_decode, sparse_prefill
+from pallas_kernels import devices, formats, indexer_topk, kv_write, sparse_decode, sparse_prefill
 from pallas_kernels.cli import OneLineParser, add_debug_flag, run_main
 from pallas_kernels.devices import DeviceKind
 
@@ -95,23 +95,32 @@ FLASH = Shapes()
 _S = jax.ShapeDtypeStruct
 
 
+def _plane(lead: tuple[int, int, int], width: int, dtype) -> jax.ShapeDtypeStruct:
+    """A pool plane [layers, blocks, units, width] with the engine's idle layers
+    (`formats.idle_layers`, as dsv4_jax/kv_cache/paged.py adds them): a 1-byte plane of 2 to 4 GiB
+    would be indexed with wrapping offsets, and the kernels refuse it."""
+    layers, blocks, units = lead
+    extra = formats.idle_layers(layers, blocks * units * width, jnp.dtype(dtype).itemsize)
+    return _S((layers + extra, blocks, units, width), dtype)
+
+
 def _kv_pool(fmt: str, layers: int, blocks: int, units: int, sh: Shapes) -> tuple:
     lead = (layers, blocks, units)
     if fmt == "fp8_ds_mla":
         nope = sh.head_dim - sh.rope_dim
         return (
-            _S((*lead, nope), jnp.float8_e4m3fn),
-            _S((*lead, sh.rope_dim), jnp.bfloat16),
-            _S((*lead, 8), jnp.uint8),
+            _plane(lead, nope, jnp.float8_e4m3fn),
+            _plane(lead, sh.rope_dim, jnp.bfloat16),
+            _plane(lead, formats.fp8_ds_mla_scale_bytes(nope), jnp.uint8),
         )
-    return (_S((*lead, sh.head_dim), jnp.bfloat16),)
+    return (_plane(lead, sh.head_dim, jnp.bfloat16),)
 
 
 def _indexer_pool(fmt: str, sh: Shapes) -> tuple:
     lead = (sh.csa_layers, sh.compressed_blocks, sh.block_size // sh.csa_ratio)
     if fmt == "fp8":
-        return (_S((*lead, sh.index_head_dim), jnp.float8_e4m3fn), _S(lead, jnp.float32))
-    return (_S((*lead, sh.index_head_dim), jnp.bfloat16),)
+        return (_plane(lead, sh.index_head_dim, jnp.float8_e4m3fn), _S(lead, jnp.float32))
+    return (_plane(lead, sh.index_head_dim, jnp.bfloat16),)
 
 
 def cases(kernel: str, device_kind: str, sh: Shapes = FLASH) -> list[tuple[str, Callable[..., Any], tuple]]:
@@ -174,6 +183,18 @@ def cases(kernel: str, device_kind: str, sh: Shapes = FLASH) -> list[tuple[str, 
     raise ValueError(f"unknown kernel {kernel!r}; known: {', '.join(CHECK_KERNELS)}")
 
 
+def _triton_lowering():
+    """JAX's private Triton lowering module, where it has `lower_jaxpr_to_triton_module`; else None."""
+    try:
+        from jax._src.pallas.triton import lowering
+    except ImportError:
+        return None
+    return lowering if hasattr(lowering, "lower_jaxpr_to_triton_module") else None
+
+
+VERIFIED = _triton_lowering() is not None
+
+
 @contextlib.contextmanager
 def verified_triton_modules():
     """Run MLIR's verifier on every Triton module JAX lowers inside the block, raising on the first
@@ -182,14 +203,11 @@ def verified_triton_modules():
     otherwise pass here and fail on the device: seen on an H200. This wraps JAX's private
     `lower_jaxpr_to_triton_module`; where a JAX version lacks it, modules are not verified
     (`VERIFIED` says which)."""
-    try:
-        from jax._src.pallas.triton import lowering
-    except ImportError:
-        lowering = None
-    original = getattr(lowering, "lower_jaxpr_to_triton_module", None)
-    if original is None:
+    lowering = _triton_lowering()
+    if lowering is None:
         yield
         return
+    original = lowering.lower_jaxpr_to_triton_module
 
     def lower_and_verify(*args, **kwargs):
         result = original(*args, **kwargs)
@@ -201,17 +219,6 @@ def verified_triton_modules():
         yield
     finally:
         lowering.lower_jaxpr_to_triton_module = original
-
-
-def _can_verify() -> bool:
-    try:
-        from jax._src.pallas.triton import lowering
-    except ImportError:
-        return False
-    return hasattr(lowering, "lower_jaxpr_to_triton_module")
-
-
-VERIFIED = _can_verify()
 
 
 def lower(fn: Callable[..., Any], args: Sequence[Any], device_kind: str) -> jax.export.Exported:

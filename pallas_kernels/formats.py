@@ -82,6 +82,16 @@ def wraps_int32_offsets(elements: int, itemsize: int) -> bool:
     return elements > INT32_OFFSET_LIMIT and elements * itemsize <= INT64_OFFSETS_ABOVE_BYTES
 
 
+def idle_layers(layers: int, elements_per_layer: int, itemsize: int) -> int:
+    """Layers to add to a pool plane of `layers` x `elements_per_layer` elements so that no kernel
+    indexes it with wrapping offsets: 0, or just enough to take it past 2**32 bytes, where JAX's
+    lowering uses int64 offsets. The rows of the idle layers are never read or written; only
+    planes of 1-byte elements ever get any (at most 2 GiB more)."""
+    if not wraps_int32_offsets(layers * elements_per_layer, itemsize):
+        return 0
+    return INT64_OFFSETS_ABOVE_BYTES // (elements_per_layer * itemsize) + 1 - layers
+
+
 # ---- byte counts -----------------------------------------------------------------------------
 def _check_dim(name: str, value: int, minimum: int = 0) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:

@@ -266,9 +266,11 @@ def write_kv_reference(
     flat, blocks, units = flatten_pool(planes)
     per_layer = blocks * units
     slots = slots.astype(jnp.int32)
-    # Skipped slots point one past the last row: mode="drop" discards them.
+    # Skipped slots point past the last row of every plane (planes may differ in idle layers, see
+    # formats.idle_layers): mode="drop" discards them.
     target = jnp.where(
-        (slots >= 0) & (slots < per_layer), jnp.asarray(layer, jnp.int32) * per_layer + slots, flat[0].shape[0]
+        (slots >= 0) & (slots < per_layer), jnp.asarray(layer, jnp.int32) * per_layer + slots,
+        max(f.shape[0] for f in flat),
     )
     new = [_set_rows(f, target, v).reshape(p.shape) for f, v, p in zip(flat, values, planes)]
     return jax.tree.unflatten(structure, new)

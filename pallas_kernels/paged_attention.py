@@ -126,8 +126,8 @@ def refuse_wrapping_offsets(planes) -> None:
             raise ValueError(
                 f"a KV pool plane {p.dtype}{list(p.shape)} holds {p.size:,} elements in {p.size * p.dtype.itemsize / 2**30:.2f} "
                 f"GiB: a Pallas kernel would index it with int32 offsets that wrap past {formats.INT32_OFFSET_LIMIT:,} "
-                "elements (an illegal memory access on the GPU). Size each plane of 1-byte elements below 2 GiB or above "
-                "4 GiB, as the engine's capacity planner does, or use --attention-backend xla"
+                "elements (an illegal memory access on the GPU). Give such a plane idle layers that take it past 4 GiB "
+                "(formats.idle_layers, as dsv4_jax.kv_cache.paged lays out the engine's pools), or use --attention-backend xla"
             )
 
 

@@ -125,13 +125,14 @@ def test_capacity_from_memory_tp_vs_dp():
 def test_capacity_with_max_num_seqs():
     plan = plan_capacity(FLASH, FP8, max_model_len=L, device_memory_bytes=100 * GiB, weight_bytes=20 * GiB,
                          max_num_seqs=256)
-    # 256 slots * 25,063,424 B = 6,416,236,544. Their 512 sliding blocks would make the e4m3 NoPE
-    # plane 512 * 43 layers * 256 positions * 448 = 2,524,971,008 elements: 2 to 4 GiB, which the
-    # Pallas kernels cannot index (int32 offsets wrap). 2**32 // (43 * 256 * 448) + 1 = 871 blocks
-    # take it past 4 GiB; the 359 idle ones cost 359 * 6,428,672 = 2,307,893,248 B. Then
-    # (75,161,927,680 - 6,416,236,544 - 2,307,893,248) // 985,664 = 67,404 compressed blocks
-    # (their planes are far past 4 GiB); 67,404 // 4,096 = 16 sequences of 1M tokens at once.
-    assert plan.num_seq_slots == 256 and plan.num_blocks == {"sliding": 871, "compressed": 67_404}
+    # 256 slots * 25,063,424 B = 6,416,236,544. Their 512 sliding blocks make the e4m3 NoPE plane
+    # 43 layers * 512 * 256 positions * 448 = 2,524,971,008 elements: 2 to 4 GiB, which the Pallas
+    # kernels would index with wrapping int32 offsets. 2**32 // (512 * 256 * 448) + 1 = 74 layers
+    # take it past 4 GiB: 31 idle layers of 58,720,256 B = 1,820,327,936 B. Then
+    # (75,161,927,680 - 6,416,236,544 - 1,820,327,936) // 985,664 = 67,898 compressed blocks (no
+    # compressed plane in the band there: the HCA NoPE plane is 20 * 67,898 * 2 * 448 = 1.2e9);
+    # 67,898 // 4,096 = 16 sequences of 1M tokens at once (many more short ones).
+    assert plan.num_seq_slots == 256 and plan.num_blocks == {"sliding": 512, "compressed": 67_898}
     assert plan.max_seqs_per_rank == 16
     with pytest.raises(ValueError, match="--max-num-seqs"):
         plan_capacity(FLASH, FP8, max_model_len=L, device_memory_bytes=100 * GiB, weight_bytes=20 * GiB,
@@ -148,55 +149,86 @@ def test_which_kernel_operands_wrap_int32_offsets(elements, itemsize, wraps):
     from pallas_kernels import formats
 
     assert formats.wraps_int32_offsets(elements, itemsize) == wraps
+    layers = 3
+    extra = formats.idle_layers(layers, -(-elements // layers), itemsize)
+    assert (extra > 0) == formats.wraps_int32_offsets(layers * -(-elements // layers), itemsize)
+    assert not formats.wraps_int32_offsets((layers + extra) * -(-elements // layers), itemsize)
+    if extra:  # just enough: one layer fewer would still be in the band
+        assert formats.wraps_int32_offsets((layers + extra - 1) * -(-elements // layers), itemsize)
 
 
-def _wrapping_planes(config, plan):
-    import jax
+def _planned_cache(config, plan, **layout_changes):
+    import dataclasses
 
     from dsv4_jax.kv_cache.paged import PagedCacheLayout, abstract_paged_cache
+
+    return abstract_paged_cache(dataclasses.replace(PagedCacheLayout.from_plan(config, plan), **layout_changes))
+
+
+def _wrapping_planes(cache, ranks=1):
+    """Planes whose share on one of `ranks` data-parallel ranks (split along the block axis) a
+    kernel would index with wrapping offsets."""
+    import jax
+
     from pallas_kernels import formats
 
-    leaves = jax.tree.leaves(abstract_paged_cache(PagedCacheLayout.from_plan(config, plan)))
-    return [(x.shape, str(x.dtype)) for x in leaves if formats.wraps_int32_offsets(math.prod(x.shape), x.dtype.itemsize)]
+    return [(x.shape, str(x.dtype)) for x in jax.tree.leaves(cache)
+            if formats.wraps_int32_offsets(math.prod(x.shape) // ranks, x.dtype.itemsize)]
 
 
-def test_pools_for_the_pallas_kernels_keep_every_one_byte_plane_out_of_2_to_4_gib():
+def test_planes_of_2_to_4_gib_of_one_byte_elements_get_idle_layers():
     """`python -m serve` on an H200 sized the built-in model's pools at 2,435,006 compressed blocks:
     its UE8M0 scale plane (2 CSA layers x 64 entries x 8 bytes per block) held 2.49e9 elements,
-    which a kernel reaches with wrapping int32 offsets. The planner now stops at 2**31 elements."""
+    which a kernel reaches with wrapping int32 offsets (an H200 hit an illegal memory access on
+    such a plane). Such planes now get idle layers that take them past 4 GiB, and the planner
+    counts those bytes in the budget."""
+    from dsv4_jax.kv_cache.paged import cache_nbytes
+    from dsv4_jax.kv_cache.planner import idle_layer_bytes
+
     tiny = get_config("dsv4-tiny")
+    spec = resolve_kv_cache("auto", "NVIDIA H200", None, config=tiny)
     memory, weights, reserved = int(69.90 * GiB), int(0.07 * GiB), int(3077.3 * 2**20)  # the H200 run's log
-    pallas = resolve_kv_cache("auto", "NVIDIA H200", None, config=tiny)
-    xla = resolve_kv_cache("fp8_ds_mla", "NVIDIA H200", None, "xla", config=tiny)
-    kwargs = dict(max_model_len=1024, device_memory_bytes=memory, weight_bytes=weights, reserved_bytes=reserved,
-                  max_num_seqs=8)
-    plan = plan_capacity(tiny, pallas, **kwargs)
-    assert plan.num_blocks["compressed"] == 2**31 // (2 * 64 * 8) and not _wrapping_planes(tiny, plan)
-    unclear = plan_capacity(tiny, xla, **kwargs)  # xla reads any pool: the memory decides alone
-    assert unclear.num_blocks["compressed"] > 2**31 // (2 * 64 * 8) and _wrapping_planes(tiny, unclear)
-    # The planner's own slot count (no --max-num-seqs): fewer slots rather than a sliding pool in the
-    # band (4 layers x 2 blocks x 256 positions x 64 e4m3 dims = 131,072 elements per slot).
-    free = plan_capacity(tiny, pallas, max_model_len=1024, device_memory_bytes=12 * GiB)
-    assert free.num_seq_slots == 2**31 // 131_072 and not _wrapping_planes(tiny, free)
-    # The caller's slot count: idle sliding blocks take the planes past 4 GiB, or a ValueError.
-    fixed = plan_capacity(tiny, pallas, max_model_len=1024, device_memory_bytes=40 * GiB, max_num_seqs=20_000)
-    assert fixed.num_blocks["sliding"] == 2**32 // (4 * 256 * 64) + 1 and not _wrapping_planes(tiny, fixed)
-    with pytest.raises(ValueError, match="--max-num-seqs 16384 or less"):
-        plan_capacity(tiny, pallas, max_model_len=1024, device_memory_bytes=11 * GiB, max_num_seqs=20_000)
+    plan = plan_capacity(tiny, spec, max_model_len=1024, device_memory_bytes=memory, weight_bytes=weights,
+                         reserved_bytes=reserved, max_num_seqs=8)
+    n = plan.num_blocks["compressed"]
+    cache = _planned_cache(tiny, plan)
+    # 2 CSA layers x n blocks x 64 entries x 8 bytes: 2**32 // (n * 512) + 1 layers pass 4 GiB.
+    assert cache.compressed.csa.scales.shape == (2**32 // (n * 512) + 1, n, 64, 8)
+    assert cache.compressed.csa.nope.shape[0] == 2 and cache.compressed.indexer.keys.shape[0] == 2  # > 4 GiB already
+    assert not _wrapping_planes(cache)
+    idle = idle_layer_bytes(plan.pools, spec, plan.num_blocks["sliding"], n)
+    assert idle == (cache.compressed.csa.scales.shape[0] - 2) * n * 512
+    assert cache_nbytes(cache) <= plan.kv_budget_bytes + 2**20  # + the block tables, which the plan leaves out
+    # Without the idle layers the same memory would hold more blocks, with that plane in the band.
+    per_block = sum(p.bytes_per_block for p in plan.pools if p.name in ("csa", "indexer", "hca"))
+    per_slot = sum(p.bytes_per_seq for p in plan.pools if p.name in ("sliding", "csa_state", "hca_state"))
+    unpadded = (plan.kv_budget_bytes - 8 * per_slot) // per_block
+    assert 2**31 < 2 * 64 * 8 * unpadded <= 2**32
+    assert n < unpadded and 8 * per_slot + n * per_block + idle <= plan.kv_budget_bytes
+    # Data-parallel ranks lie side by side along the block axis: each rank's share decides.
+    assert not _wrapping_planes(_planned_cache(tiny, plan, num_compressed_blocks=2 * n, data_parallel=2), ranks=2)
+    assert _wrapping_planes(_planned_cache(tiny, plan, num_compressed_blocks=2 * n), ranks=2)  # sized as one rank
+    # A plane below 2 GiB or past 4 GiB gets none (bf16 rows are 2-byte elements: never).
+    small = plan_capacity(tiny, spec, max_model_len=1024, device_memory_bytes=8 * GiB, max_num_seqs=8)
+    assert idle_layer_bytes(small.pools, spec, 16, small.num_blocks["compressed"]) == 0
+    bf16 = resolve_kv_cache("bfloat16", "NVIDIA H200", None, config=tiny)
+    wide = plan_capacity(tiny, bf16, max_model_len=1024, device_memory_bytes=memory, max_num_seqs=8)
+    assert idle_layer_bytes(wide.pools, bf16, 16, wide.num_blocks["compressed"]) == 0
 
 
-def test_num_gpu_blocks_override_in_the_band_is_refused():
+def test_num_gpu_blocks_override_in_the_band_gets_idle_layers():
     from types import SimpleNamespace
 
     from dsv4_jax.engine.llm import LLM
+    from dsv4_jax.kv_cache.paged import abstract_paged_cache
 
     tiny = get_config("dsv4-tiny")
     spec = resolve_kv_cache("auto", "NVIDIA H200", None, config=tiny)
     plan = plan_capacity(tiny, spec, max_model_len=1024, device_memory_bytes=8 * GiB, max_num_seqs=8)
-    owner = SimpleNamespace(config=tiny)
-    assert LLM._layout(owner, plan, 1024, 256, 2**31 // 1024).num_compressed_blocks == 2**21
-    with pytest.raises(ValueError, match=r"num_gpu_blocks_override \(2200000\).*pass 2097152 or less"):
-        LLM._layout(owner, plan, 1024, 256, 2_200_000)
+    layout = LLM._layout(SimpleNamespace(config=tiny), plan, 1024, 256, 2_200_000)
+    cache = abstract_paged_cache(layout)
+    assert layout.num_compressed_blocks == 2_200_000 and cache.compressed.csa.scales.shape[0] == 4
+    assert not _wrapping_planes(cache)
 
 
 def test_cpu_pools_sized_from_max_num_seqs():

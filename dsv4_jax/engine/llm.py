@@ -379,7 +379,6 @@ class LLM:
 
     def _layout(self, plan, max_model_len, block_size, num_gpu_blocks_override):
         from dsv4_jax.kv_cache.paged import PagedCacheLayout
-        from dsv4_jax.kv_cache.planner import clear_compressed_blocks
 
         layout = PagedCacheLayout.from_plan(self.config, plan)
         if num_gpu_blocks_override is not None:
@@ -387,13 +386,6 @@ class LLM:
             if num_gpu_blocks_override < need:
                 raise ValueError(f"num_gpu_blocks_override ({num_gpu_blocks_override}) holds less than one sequence "
                                  f"of max_model_len {max_model_len} ({need} blocks of {block_size})")
-            clear = clear_compressed_blocks(plan.pools, plan.spec, num_gpu_blocks_override)
-            if clear != num_gpu_blocks_override:
-                raise ValueError(
-                    f"num_gpu_blocks_override ({num_gpu_blocks_override}) makes planes of the compressed KV pools hold 2 to "
-                    f"4 GiB of 1-byte elements, which the Pallas kernels ({plan.spec.attention_backend}) index with int32 "
-                    f"offsets that wrap: pass {clear} or less, or attention_backend='xla'"
-                )
             layout = dataclasses.replace(layout, num_compressed_blocks=num_gpu_blocks_override)
         return layout
 

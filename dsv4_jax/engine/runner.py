@@ -252,7 +252,7 @@ class ModelRunner:
         lay = self.layout
         return dataclasses.replace(lay, num_seq_slots=lay.num_seq_slots * self.dp,
                                    num_sliding_blocks=lay.num_sliding_blocks * self.dp,
-                                   num_compressed_blocks=lay.num_compressed_blocks * self.dp)
+                                   num_compressed_blocks=lay.num_compressed_blocks * self.dp, data_parallel=self.dp)
 
     def _new_cache(self) -> PagedKVCache:
         if self.mesh is None:

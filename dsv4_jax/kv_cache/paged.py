@@ -142,9 +142,13 @@ class PagedCacheLayout:
     num_sliding_blocks: int
     num_compressed_blocks: int
     max_blocks_per_seq: int
+    # Data-parallel ranks whose pools lie side by side along the block axis (the runner's whole
+    # layout): a kernel sees one rank's share, so idle layers are sized from that share.
+    data_parallel: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("num_seq_slots", "num_sliding_blocks", "num_compressed_blocks", "max_blocks_per_seq"):
+        for name in ("num_seq_slots", "num_sliding_blocks", "num_compressed_blocks", "max_blocks_per_seq",
+                     "data_parallel"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"PagedCacheLayout.{name} must be a positive integer, got {value!r}")
@@ -225,21 +229,37 @@ class PagedCacheLayout:
 
 
 # ---- planes and the abstract description ------------------------------------------------------
+def _lead_of(lead: tuple[int, ...], width: int, dtype: Any, ranks: int) -> tuple[int, ...]:
+    """`lead` [layers, blocks, units] with the idle layers a plane of `width` elements of `dtype`
+    per unit needs so that no Pallas kernel indexes a rank's share of it with wrapping int32
+    offsets (`formats.idle_layers`: planes of 1-byte elements of 2 to 4 GiB; an H200 hit an
+    illegal memory access there). Rows are addressed per layer as layer * blocks * units + row,
+    so the idle layers after the last never shift a row; other leads are returned as they are."""
+    if len(lead) != 3:
+        return lead
+    layers, blocks, units = lead
+    return (layers + formats.idle_layers(layers, blocks // ranks * units * width, jnp.dtype(dtype).itemsize),
+            blocks, units)
+
+
 def kv_planes(
     kv_cache_dtype: str,  # "fp8_ds_mla" | "bfloat16" | "float32"
     lead: tuple[int, ...],  # leading dims, [layers, blocks, units] in the cache
     head_dim: int,
     rope_dim: int,
     make: Callable[[tuple[int, ...], Any], Any] = jnp.zeros,
+    ranks: int = 1,  # data-parallel ranks the blocks are split over (each kernel sees its share)
 ) -> KVPlanes:
     """The planes of a KV pool, each built by `make(shape, dtype)` (zeros by default): the one
-    definition of their dtypes and shapes, for the cache and for the model's paged attention."""
+    definition of their dtypes and shapes, for the cache and for the model's paged attention. A
+    plane of 1-byte elements gets idle layers where a kernel would index it with wrapping offsets."""
     if kv_cache_dtype == FP8_DS_MLA:
         nope = head_dim - rope_dim
+        scale_bytes = formats.fp8_ds_mla_scale_bytes(nope)
         return Fp8DsMlaPlanes(
-            nope=make((*lead, nope), jnp.float8_e4m3fn),
+            nope=make((*_lead_of(lead, nope, jnp.float8_e4m3fn, ranks), nope), jnp.float8_e4m3fn),
             rope=make((*lead, rope_dim), jnp.bfloat16),
-            scales=make((*lead, formats.fp8_ds_mla_scale_bytes(nope)), jnp.uint8),
+            scales=make((*_lead_of(lead, scale_bytes, jnp.uint8, ranks), scale_bytes), jnp.uint8),
         )
     if kv_cache_dtype == BFLOAT16:
         return Bf16Rows(rows=make((*lead, head_dim), jnp.bfloat16))
@@ -255,11 +275,14 @@ def indexer_planes(
     lead: tuple[int, ...],  # leading dims, [layers, blocks, units] in the cache
     index_head_dim: int,
     make: Callable[[tuple[int, ...], Any], Any] = jnp.zeros,
+    ranks: int = 1,  # data-parallel ranks the blocks are split over
 ) -> IndexerPlanes:
-    """The planes of an indexer-key pool (e4m3 keys + one fp32 scale per key, bf16 or float32 keys)."""
+    """The planes of an indexer-key pool (e4m3 keys + one fp32 scale per key, bf16 or float32 keys);
+    e4m3 keys get idle layers as `kv_planes`' 1-byte planes do."""
     if indexer_dtype == "fp8":
         return IndexerFp8Planes(
-            keys=make((*lead, index_head_dim), jnp.float8_e4m3fn), scales=make(lead, jnp.float32)
+            keys=make((*_lead_of(lead, index_head_dim, jnp.float8_e4m3fn, ranks), index_head_dim), jnp.float8_e4m3fn),
+            scales=make(lead, jnp.float32),
         )
     if indexer_dtype == BFLOAT16:
         return IndexerBf16Rows(keys=make((*lead, index_head_dim), jnp.bfloat16))
@@ -276,12 +299,13 @@ def _describe(layout: PagedCacheLayout, make, make_table, make_state) -> PagedKV
     csa = indexer = hca = None
 
     def kv(lead: tuple[int, ...]) -> KVPlanes:
-        return kv_planes(layout.kv_cache_dtype, lead, layout.head_dim, layout.rope_dim, make)
+        return kv_planes(layout.kv_cache_dtype, lead, layout.head_dim, layout.rope_dim, make, layout.data_parallel)
 
     if n_csa:
         csa = kv((n_csa, nb_c, layout.csa_units_per_block))
         indexer = indexer_planes(
-            layout.indexer_dtype, (n_csa, nb_c, layout.csa_units_per_block), layout.index_head_dim, make
+            layout.indexer_dtype, (n_csa, nb_c, layout.csa_units_per_block), layout.index_head_dim, make,
+            layout.data_parallel,
         )
     if n_hca:
         hca = kv((n_hca, nb_c, layout.hca_units_per_block))

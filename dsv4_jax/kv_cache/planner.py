@@ -28,7 +28,7 @@ import math
 from typing import Any
 
 from dsv4_jax.config import CSA, HCA, SLIDING, DeepseekV4Config
-from dsv4_jax.kv_cache.resolver import FP8_DS_MLA, XLA, KVCacheSpec
+from dsv4_jax.kv_cache.resolver import FP8_DS_MLA, KVCacheSpec
 from pallas_kernels import devices, formats
 
 logger = logging.getLogger(__name__)
@@ -387,86 +387,51 @@ def _does_not_fit(
     )
 
 
-# ---- pools the Pallas kernels can index -------------------------------------------------------------
+# ---- idle layers -----------------------------------------------------------------------------
 def _one_byte_plane_widths(spec: KVCacheSpec) -> dict[str, tuple[int, ...]]:
-    """Per pool, the widths (elements per unit) of its planes of 1-byte elements: fp8_ds_mla's e4m3
-    NoPE dims and UE8M0 scale bytes, fp8 indexer keys (their fp32 scales are wider)."""
+    """Per pool, the widths (elements per unit) of its planes of 1-byte elements, as
+    `paged.kv_planes` / `indexer_planes` lay them out: fp8_ds_mla's e4m3 NoPE dims and UE8M0
+    scale bytes, fp8 indexer keys (their fp32 scales are wider)."""
     nope = spec.head_dim - spec.rope_dim
     kv = (nope, formats.fp8_ds_mla_scale_bytes(nope)) if spec.kv_cache_dtype == FP8_DS_MLA else ()
     return {"sliding": kv, "csa": kv, "hca": kv, "indexer": (spec.index_head_dim,) if spec.indexer_dtype == "fp8" else ()}
 
 
-def _planes_per_count(pools: tuple[PoolUsage, ...], spec: KVCacheSpec, names: tuple[str, ...], blocks_per: str
-                      ) -> list[int]:
-    """1-byte elements of each such plane of the pools `names` per sequence slot (blocks_per
-    "slot": a slot's ring of sliding blocks) or per compressed block ("block")."""
+def idle_layer_bytes(pools: tuple[PoolUsage, ...], spec: KVCacheSpec, sliding_blocks: int, compressed_blocks: int
+                     ) -> int:
+    """Bytes of one rank's idle pool layers (`formats.idle_layers`): a plane of 1-byte elements of
+    2 to 4 GiB gets layers that take it past 4 GiB, because the Pallas kernels would index it with
+    wrapping int32 offsets (an illegal memory access on an H200). 0 for most pools; at most about
+    2 GiB per such plane."""
     widths = _one_byte_plane_widths(spec)
-    return [p.layers * (p.blocks_per_seq if blocks_per == "slot" else 1) * p.units_per_block * w
-            for p in pools if p.name in names for w in widths[p.name]]
+    total = 0
+    for p in pools:
+        blocks = sliding_blocks if p.name == "sliding" else compressed_blocks
+        for w in widths.get(p.name, ()):
+            per_layer = blocks * p.units_per_block * w
+            total += formats.idle_layers(p.layers, per_layer, 1) * per_layer
+    return total
 
 
-def _largest_clear_count(count: int, per_count: list[int]) -> int:
-    """The largest n <= count at which no plane of `k * n` 1-byte elements (k in per_count) would
-    be indexed with wrapping int32 offsets (`formats.wraps_int32_offsets`)."""
-    while True:
-        wrapping = [k for k in per_count if formats.wraps_int32_offsets(k * count, 1)]
-        if not wrapping:
-            return count
-        count = min(formats.INT32_OFFSET_LIMIT // k for k in wrapping)
-
-
-def clear_compressed_blocks(pools: tuple[PoolUsage, ...], spec: KVCacheSpec, compressed: int) -> int:
-    """The most compressed blocks, at most `compressed`, that the attention backend can index: a
-    Pallas kernel indexes a plane of 1-byte elements of 2 to 4 GiB with int32 offsets that wrap
-    (an illegal memory access on an H200), so such planes stay below 2 GiB; `xla` reads any pool."""
-    if spec.attention_backend == XLA:
-        return compressed
-    return _largest_clear_count(compressed, _planes_per_count(pools, spec, ("csa", "indexer", "hca"), "block"))
-
-
-def _clear_of_wrapping_offsets(pools: tuple[PoolUsage, ...], spec: KVCacheSpec, budget: int, slots: int,
-                               compressed: int, max_num_seqs: int | None) -> tuple[int, int, int]:
-    """(slots, sliding blocks, compressed blocks) with no pool plane that the Pallas kernels would
-    index with wrapping offsets. A sliding pool in the 2-4 GiB band gets fewer slots where the
-    planner chose them, and idle blocks that take it past 4 GiB where the caller did (the memory
-    comes out of the compressed blocks); the compressed blocks stay below the band."""
-    ring = pools[0].blocks_per_seq
-    sliding = slots * ring
-    if spec.attention_backend == XLA:
-        return slots, sliding, compressed
-    per_slot_bytes, per_block_bytes = _fixed_bytes_per_slot(pools), _compressed_bytes_per_block(pools)
-    per_sliding_block = _planes_per_count(pools, spec, ("sliding",), "block")
-    if any(formats.wraps_int32_offsets(k * sliding, 1) for k in per_sliding_block):
-        if max_num_seqs is None:
-            slots = _largest_clear_count(slots, [k * ring for k in per_sliding_block])
-            sliding = slots * ring
-            compressed = (budget - slots * per_slot_bytes) // per_block_bytes
-        else:
-            padded = max(formats.INT64_OFFSETS_ABOVE_BYTES // k + 1 for k in per_sliding_block
-                         if formats.wraps_int32_offsets(k * sliding, 1))
-            idle_bytes = (padded - sliding) * pools[0].bytes_per_block
-            compressed = (budget - slots * per_slot_bytes - idle_bytes) // per_block_bytes
-            if compressed < pools[1].blocks_per_seq:
-                raise ValueError(
-                    f"--max-num-seqs {max_num_seqs} makes planes of the sliding-window KV pool hold 2 to 4 GiB of 1-byte "
-                    f"elements, which the Pallas kernels ({spec.attention_backend}) index with int32 offsets that wrap, "
-                    f"and the {idle_bytes / GiB:.2f} GiB that would take them past 4 GiB do not fit: pass --max-num-seqs "
-                    f"{_largest_clear_count(slots, [k * ring for k in per_sliding_block])} or less, or --attention-backend xla"
-                )
-            logger.info(
-                "KV cache: %d sliding-window blocks for %d sequences' %d (%.2f GiB idle), so that no plane of 1-byte "
-                "elements holds 2 to 4 GiB: the Pallas kernels (%s) index such planes with int32 offsets that wrap",
-                padded, slots, sliding, idle_bytes / GiB, spec.attention_backend,
-            )
-            sliding = padded
-    clear = clear_compressed_blocks(pools, spec, compressed)
-    if clear != compressed:
-        logger.info(
-            "KV cache: %d compressed blocks instead of %d (%.2f GiB unused), so that no plane of 1-byte elements holds "
-            "2 to 4 GiB: the Pallas kernels (%s) index such planes with int32 offsets that wrap",
-            clear, compressed, (compressed - clear) * per_block_bytes / GiB, spec.attention_backend,
-        )
-    return slots, sliding, clear
+def _with_idle_layers(pools: tuple[PoolUsage, ...], spec: KVCacheSpec, budget: int, slots: int, compressed: int
+                      ) -> int:
+    """The compressed blocks that fit `budget` beside `slots` sequence slots and the idle layers
+    both need (fewer than `compressed` only where some plane falls in the 2-4 GiB band)."""
+    per_slot, per_block = _fixed_bytes_per_slot(pools), _compressed_bytes_per_block(pools)
+    sliding = slots * pools[0].blocks_per_seq
+    first = compressed
+    while per_block and compressed > 0:
+        idle = idle_layer_bytes(pools, spec, sliding, compressed)
+        over = slots * per_slot + compressed * per_block + idle - budget
+        if over <= 0:
+            break
+        compressed -= -(-over // per_block)
+    idle = idle_layer_bytes(pools, spec, sliding, max(compressed, 0))
+    if idle:
+        logger.info("KV cache: %.2f GiB of idle pool layers (%d compressed blocks instead of %d), so that no plane of "
+                    "1-byte elements holds 2 to 4 GiB, which the Pallas kernels would index with wrapping int32 offsets",
+                    idle / GiB, compressed, first)
+    return compressed
 
 
 def _slots_and_compressed_blocks(
@@ -554,11 +519,18 @@ def plan_capacity(
             block_size=block_size, num_mtp_layers=num_mtp_layers,
         )
     slots, compressed = _slots_and_compressed_blocks(pools, budget, max_num_seqs, max_model_len)
-    slots, sliding, compressed = _clear_of_wrapping_offsets(pools, spec, budget, slots, compressed, max_num_seqs)
+    compressed = _with_idle_layers(pools, spec, budget, slots, compressed)
     seq_blocks = pools[1].blocks_per_seq  # compressed blocks of one full-length sequence
+    if compressed < seq_blocks:
+        raise ValueError(
+            f"{slots} sequence slots leave no room for one {max_model_len}-token sequence's compressed KV beside the "
+            f"{idle_layer_bytes(pools, spec, slots * pools[0].blocks_per_seq, seq_blocks) / GiB:.2f} GiB of idle pool "
+            f"layers the Pallas kernels need: pass a smaller --max-num-seqs or --max-model-len, or a larger "
+            f"--gpu-memory-utilization"
+        )
     full = compressed // seq_blocks if seq_blocks and _compressed_bytes_per_block(pools) else slots
     return CapacityPlan(
         **common, sized_from="memory", device_memory_bytes=int(device_memory_bytes), kv_budget_bytes=budget,
-        num_seq_slots=slots, num_blocks={"sliding": sliding, "compressed": compressed},
+        num_seq_slots=slots, num_blocks={"sliding": slots * pools[0].blocks_per_seq, "compressed": compressed},
         max_seqs_per_rank=min(slots, full),
     )
