@@ -199,10 +199,13 @@ class ModelRunner:
         attention_backend: str = XLA,
         buckets: StepBuckets = StepBuckets(),
         allocate_cache: bool = True,
+        interpret: bool | None = None,
     ):
         """`allocate_cache=False`: the cache is only its shapes (the step's shard_map places it), for
         `program_memory` of pools that need not fit beside the ones in use; such a runner is for
-        that alone (it cannot run steps)."""
+        that alone (it cannot run steps). `interpret`: run a Pallas backend's kernels in the Pallas
+        interpreter (None: only where JAX's default backend is the CPU); on a GPU, the GPU check
+        compares the compiled kernels with the same kernels interpreted."""
         self.config = model.config
         self.layout = layout
         on_cpu = jax.default_backend() == "cpu"
@@ -212,7 +215,7 @@ class ModelRunner:
         if self.buckets != buckets:
             logger.info("decode buckets %s run as %s: on CPUs a decode step has at least %d rows",
                         buckets.decode, self.buckets.decode, CPU_MIN_DECODE_ROWS)
-        self.backend = get_backend(attention_backend)
+        self.backend = get_backend(attention_backend, interpret=interpret)
         self.graphdef = model.graphdef
         # Steps take the weights as a flat list of arrays: flattening the nnx State on every call
         # (a Python callback per variable) cost ~0.5 ms of each dispatch (dsv4-tiny, 158 weights;
