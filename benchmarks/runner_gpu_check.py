@@ -16,10 +16,11 @@ entry (ratio 128) and CSA top-k selection (50 entries for index_topk 8). Compute
 * `interpret` (the pass/fail check): the same kernels run by the Pallas interpreter as XLA ops on
   the same device, so only compilation differs. Greedy tokens must be equal wherever the
   reference's top-1/top-2 gap exceeds 1e-3, and every logprob within 1e-3.
-* `xla` (reported, never failing): the model's own XLA attention in float32. The kernels round
-  their dot operands to bf16, so this measures that rounding through the whole model; on
-  2026-12-04 it was already 39/40 tokens and 0.834 logprob in the interpreter on a CPU, and
-  32/40 and 1.52 compiled on an H200 (whose float32 XLA dots also round, as TF32).
+* `xla` (reported; failing only below half the tokens equal or past 5 in logprob): the model's own
+  XLA attention in float32. The kernels round their dot operands to bf16, so this measures that
+  rounding through the whole model; on 2026-12-04 it was already 39/40 tokens and 0.834 logprob
+  in the interpreter on a CPU, and 32/40 and 1.52 compiled on an H200 (whose float32 XLA dots
+  also round, as TF32).
 
 On a GPU the kernels are compiled (`get_backend` interprets only when JAX's default backend is
 the CPU, or when asked). Without a GPU nothing runs unless --allow-cpu: then the kernels run in
@@ -53,6 +54,9 @@ from benchmarks.runner import positive  # noqa: E402  (one flag parser for the b
 KV_CACHE_DTYPE = {PALLAS_FP8_DS_MLA: "fp8_ds_mla", PALLAS_BF16: "bfloat16"}
 NEAR_TIE = 1e-3  # top-1/top-2 logit gap below which either token is a fair greedy pick
 INTERPRET_LOGPROB_TOL = 1e-3  # compiled vs interpreted: float32 summation order only (a defect is >= 0.1)
+# Against xla, a sanity bound only (2026-12-04: 80-98% of tokens equal, 0.83-1.52 logprob): a
+# kernel that reads wrong rows gives noise, far past both.
+XLA_MIN_EQUAL_SHARE, XLA_MAX_LOGPROB_DIFF = 0.5, 5.0
 AGAINST = ("interpret", XLA)
 BLOCK_SIZE = 128  # the smallest block the tiny model's HCA ratio allows: more boundaries crossed
 HEADER = ("check", "status", "positions", "greedy tokens", "max abs logprob diff", "seconds")
@@ -80,15 +84,17 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
     return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
 
 
-def compare(reference: np.ndarray, got: np.ndarray) -> tuple[bool, str, float]:
-    """(passed, greedy summary, max |logprob difference|) of logits [n, vocab] against the reference's."""
+def compare(reference: np.ndarray, got: np.ndarray) -> tuple[bool, str, float, float]:
+    """(passed, greedy summary, max |logprob difference|, share of the decided positions whose
+    greedy tokens are equal) of logits [n, vocab] against the reference's."""
     top2 = np.sort(reference, axis=-1)[:, -2:]
     decided = top2[:, 1] - top2[:, 0] > NEAR_TIE
     equal = np.argmax(got, axis=-1) == np.argmax(reference, axis=-1)
     mismatches = int(np.sum(decided & ~equal))
     summary = f"{int(np.sum(decided & equal))}/{int(decided.sum())} equal (gap > {NEAR_TIE:g}), " \
               f"{int((~decided).sum())} near-ties"
-    return mismatches == 0, summary, float(np.max(np.abs(log_softmax(got) - log_softmax(reference))))
+    share = float(np.sum(decided & equal) / max(int(decided.sum()), 1))
+    return mismatches == 0, summary, float(np.max(np.abs(log_softmax(got) - log_softmax(reference)))), share
 
 
 def check_backend(model, backend: str, against: str, prompt: list[int], new: int) -> tuple[bool, tuple[str, ...]]:
@@ -108,12 +114,13 @@ def check_backend(model, backend: str, against: str, prompt: list[int], new: int
         runs[name] = run_sequence(runner, prompt, new, forced=runs["reference"][0] if name != "reference" else None)
         if runner.compiles.compiles:
             raise RuntimeError(f"the {name} runner compiled {runner.compiles.compiles} times after warm-up")
-    ok, greedy, diff = compare(runs["reference"][1], runs["compiled"][1])
+    ok, greedy, diff, share = compare(runs["reference"][1], runs["compiled"][1])
     if against == "interpret":
         ok = ok and diff <= INTERPRET_LOGPROB_TOL
         status = "ok" if ok else "MISMATCH"
-    else:
-        ok, status = True, "reported"  # bf16 dot operands against float32 attention: a distance, not a defect
+    else:  # bf16 dot operands against float32 attention: a distance, failing only when far beyond it
+        ok = share >= XLA_MIN_EQUAL_SHARE and diff <= XLA_MAX_LOGPROB_DIFF
+        status = "reported" if ok else "FAR OFF"
     return ok, (f"runner {backend} vs {against} ({spec.kv_cache_dtype} KV, tiny)", status,
                 str(new), greedy, f"{diff:.2e}", f"{time.perf_counter() - t0:.0f}")
 

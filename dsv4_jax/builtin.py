@@ -17,6 +17,7 @@ from dsv4_jax.config import DeepseekV4Config
 BUILTIN_PRESET = "dsv4-tiny"
 BUILTIN_SEED = 0
 CACHE_ENV = "DSV4_JAX_CACHE"
+BUILTIN_DIR = f"{BUILTIN_PRESET}-seed{BUILTIN_SEED}"
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +47,9 @@ def cached_checkpoint(name: str, write: Callable[[Path], object]) -> Path:
     if not (path / "config.json").is_file():
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = Path(tempfile.mkdtemp(dir=path.parent, prefix=f"{name}.partial-"))
+        umask = os.umask(0)
+        os.umask(umask)
+        partial.chmod(0o777 & ~umask)  # mkdtemp's 0700 would hide a shared cache from other users
         try:
             write(partial)
             try:
@@ -68,8 +72,8 @@ def builtin_model_dir() -> Path:
         size = checkpoint_bytes(get_config(BUILTIN_PRESET))
         logger.info(
             "writing the built-in model %s (random weights, %.0f MiB) to %s, once; set %s to write it elsewhere",
-            BUILTIN_PRESET, size / 2**20, partial.with_suffix(""), CACHE_ENV,
+            BUILTIN_PRESET, size / 2**20, cache_root() / BUILTIN_DIR, CACHE_ENV,
         )
         write_random_checkpoint(partial, BUILTIN_PRESET, seed=BUILTIN_SEED)
 
-    return cached_checkpoint(f"{BUILTIN_PRESET}-seed{BUILTIN_SEED}", write)
+    return cached_checkpoint(BUILTIN_DIR, write)

@@ -86,7 +86,8 @@ def idle_layers(layers: int, elements_per_layer: int, itemsize: int) -> int:
     """Layers to add to a pool plane of `layers` x `elements_per_layer` elements so that no kernel
     indexes it with wrapping offsets: 0, or just enough to take it past 2**32 bytes, where JAX's
     lowering uses int64 offsets. The rows of the idle layers are never read or written; only
-    planes of 1-byte elements ever get any (at most 2 GiB more)."""
+    planes of 1-byte elements ever get any: at most 2 GiB and one layer more (4 GiB for a
+    one-layer plane)."""
     if not wraps_int32_offsets(layers * elements_per_layer, itemsize):
         return 0
     return INT64_OFFSETS_ABOVE_BYTES // (elements_per_layer * itemsize) + 1 - layers

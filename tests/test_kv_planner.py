@@ -216,6 +216,26 @@ def test_planes_of_2_to_4_gib_of_one_byte_elements_get_idle_layers():
     assert idle_layer_bytes(wide.pools, bf16, 16, wide.num_blocks["compressed"]) == 0
 
 
+def test_idle_layers_keep_the_most_blocks_below_a_band_edge_and_sliding_only_models_plan():
+    """Idle layers come and go as a plane crosses its band, so the most blocks can lie just below a
+    band edge (review: a first version stepped down from the top and kept 118,985 blocks of dsv4-tiny
+    at 42.5 GiB, where 2**31 // (2 x 64 x 64) = 262,144 fit with no idle layer at all). A model with
+    sliding layers only has no compressed pool and still plans."""
+    from dsv4_jax.config import DeepseekV4Config
+    from dsv4_jax.kv_cache.planner import idle_layer_bytes
+
+    tiny = get_config("dsv4-tiny")
+    spec = resolve_kv_cache("auto", "NVIDIA H200", None, config=tiny)
+    plan = plan_capacity(tiny, spec, max_model_len=1024, device_memory_bytes=int(42.5 * GiB))
+    assert plan.num_blocks["compressed"] == 2**31 // (2 * 64 * 64)  # the CSA NoPE / indexer key planes' edge
+    assert idle_layer_bytes(plan.pools, spec, plan.num_blocks["sliding"], plan.num_blocks["compressed"]) == 0
+    assert not _wrapping_planes(_planned_cache(tiny, plan))
+    sliding_only = DeepseekV4Config.from_json("tests/fixtures/golden/hc4_sliding_only/checkpoint/config.json")
+    only = plan_capacity(sliding_only, resolve_kv_cache("auto", "NVIDIA H200", None, config=sliding_only),
+                         max_model_len=256, device_memory_bytes=8 * GiB, max_num_seqs=8)
+    assert only.num_seq_slots == 8 and only.num_blocks["compressed"] == 0
+
+
 def test_num_gpu_blocks_override_in_the_band_gets_idle_layers():
     from types import SimpleNamespace
 

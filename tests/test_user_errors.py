@@ -227,6 +227,9 @@ def test_checkpoints_written_at_once_by_several_processes_appear_whole(tmp_path,
     winner = (tmp_path / "model" / "config.json").read_text()
     assert (tmp_path / "model" / "weights.bin").read_bytes() == winner.encode() * 1000  # one writer's files
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]  # no partial directory left
+    umask = os.umask(0)
+    os.umask(umask)
+    assert (tmp_path / "model").stat().st_mode & 0o777 == 0o777 & ~umask  # not mkdtemp's 0700: a cache others share
 
 
 # ---- command-line entry points ----------------------------------------------------------------

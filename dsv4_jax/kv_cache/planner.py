@@ -388,50 +388,74 @@ def _does_not_fit(
 
 
 # ---- idle layers -----------------------------------------------------------------------------
-def _one_byte_plane_widths(spec: KVCacheSpec) -> dict[str, tuple[int, ...]]:
-    """Per pool, the widths (elements per unit) of its planes of 1-byte elements, as
-    `paged.kv_planes` / `indexer_planes` lay them out: fp8_ds_mla's e4m3 NoPE dims and UE8M0
-    scale bytes, fp8 indexer keys (their fp32 scales are wider)."""
-    nope = spec.head_dim - spec.rope_dim
-    kv = (nope, formats.fp8_ds_mla_scale_bytes(nope)) if spec.kv_cache_dtype == FP8_DS_MLA else ()
-    return {"sliding": kv, "csa": kv, "hca": kv, "indexer": (spec.index_head_dim,) if spec.indexer_dtype == "fp8" else ()}
+def _pool_planes(pool: PoolUsage, spec: KVCacheSpec, blocks: int) -> list[Any]:
+    """The planes of one rank's `pool` with `blocks` blocks, shapes only, as the cache lays them
+    out (`paged.kv_planes` / `indexer_planes`, idle layers included); [] for state pools."""
+    import jax
+
+    from dsv4_jax.kv_cache.paged import indexer_planes, kv_planes  # (paged imports this module)
+
+    if pool.unit == "sequence" or not pool.layers or not blocks:
+        return []
+    lead = (pool.layers, blocks, pool.units_per_block)
+    if pool.name == "indexer":
+        planes = indexer_planes(spec.indexer_dtype, lead, spec.index_head_dim, jax.ShapeDtypeStruct)
+    else:
+        planes = kv_planes(spec.kv_cache_dtype, lead, spec.head_dim, spec.rope_dim, jax.ShapeDtypeStruct)
+    return jax.tree.leaves(planes)
 
 
 def idle_layer_bytes(pools: tuple[PoolUsage, ...], spec: KVCacheSpec, sliding_blocks: int, compressed_blocks: int
                      ) -> int:
     """Bytes of one rank's idle pool layers (`formats.idle_layers`): a plane of 1-byte elements of
-    2 to 4 GiB gets layers that take it past 4 GiB, because the Pallas kernels would index it with
-    wrapping int32 offsets (an illegal memory access on an H200). 0 for most pools; at most about
-    2 GiB per such plane."""
-    widths = _one_byte_plane_widths(spec)
+    2 to 4 GiB gets layers that take it just past 4 GiB, because the Pallas kernels would index it
+    with wrapping int32 offsets (an illegal memory access on an H200). 0 for most pools; per such
+    plane at most 2 GiB and one layer (4 GiB for a one-layer plane)."""
     total = 0
-    for p in pools:
-        blocks = sliding_blocks if p.name == "sliding" else compressed_blocks
-        for w in widths.get(p.name, ()):
-            per_layer = blocks * p.units_per_block * w
-            total += formats.idle_layers(p.layers, per_layer, 1) * per_layer
+    for pool in pools:
+        blocks = sliding_blocks if pool.name == "sliding" else compressed_blocks
+        for x in _pool_planes(pool, spec, blocks):
+            total += (x.shape[0] - pool.layers) * math.prod(x.shape[1:]) * x.dtype.itemsize
     return total
+
+
+def _band_edges(pools: tuple[PoolUsage, ...], spec: KVCacheSpec) -> list[int]:
+    """Compressed block counts at which a compressed plane of 1-byte elements holds the most
+    elements below the 2-4 GiB band (so needs no idle layers)."""
+    edges = []
+    for pool in pools:
+        if pool.name in ("csa", "indexer", "hca"):
+            edges += [formats.INT32_OFFSET_LIMIT // math.prod(x.shape[:1] + x.shape[2:])
+                      for x in _pool_planes(pool, spec, 1) if x.dtype.itemsize == 1]
+    return edges
 
 
 def _with_idle_layers(pools: tuple[PoolUsage, ...], spec: KVCacheSpec, budget: int, slots: int, compressed: int
                       ) -> int:
-    """The compressed blocks that fit `budget` beside `slots` sequence slots and the idle layers
-    both need (fewer than `compressed` only where some plane falls in the 2-4 GiB band)."""
+    """The most compressed blocks, at most `compressed`, that fit `budget` beside `slots` sequence
+    slots and the idle layers both need (fewer only where some plane falls in the 2-4 GiB band).
+    Idle layers come and go as a plane crosses its band, so more blocks can fit just below a band
+    edge than just above it: the count is looked for below `compressed` and below every edge."""
     per_slot, per_block = _fixed_bytes_per_slot(pools), _compressed_bytes_per_block(pools)
     sliding = slots * pools[0].blocks_per_seq
-    first = compressed
-    while per_block and compressed > 0:
-        idle = idle_layer_bytes(pools, spec, sliding, compressed)
-        over = slots * per_slot + compressed * per_block + idle - budget
-        if over <= 0:
-            break
-        compressed -= -(-over // per_block)
-    idle = idle_layer_bytes(pools, spec, sliding, max(compressed, 0))
+    if not per_block:
+        return compressed
+
+    def largest_fitting(count: int) -> int:
+        while count > 0:
+            over = slots * per_slot + count * per_block + idle_layer_bytes(pools, spec, sliding, count) - budget
+            if over <= 0:
+                break
+            count -= -(-over // per_block)
+        return max(count, 0)
+
+    best = max(largest_fitting(c) for c in [compressed, *(e for e in _band_edges(pools, spec) if e < compressed)])
+    idle = idle_layer_bytes(pools, spec, sliding, best)
     if idle:
         logger.info("KV cache: %.2f GiB of idle pool layers (%d compressed blocks instead of %d), so that no plane of "
                     "1-byte elements holds 2 to 4 GiB, which the Pallas kernels would index with wrapping int32 offsets",
-                    idle / GiB, compressed, first)
-    return compressed
+                    idle / GiB, best, compressed)
+    return best
 
 
 def _slots_and_compressed_blocks(
@@ -521,12 +545,15 @@ def plan_capacity(
     slots, compressed = _slots_and_compressed_blocks(pools, budget, max_num_seqs, max_model_len)
     compressed = _with_idle_layers(pools, spec, budget, slots, compressed)
     seq_blocks = pools[1].blocks_per_seq  # compressed blocks of one full-length sequence
-    if compressed < seq_blocks:
+    sliding = slots * pools[0].blocks_per_seq
+    idle = idle_layer_bytes(pools, spec, sliding, compressed)
+    needed = slots * _fixed_bytes_per_slot(pools) + compressed * _compressed_bytes_per_block(pools) + idle
+    if (_compressed_bytes_per_block(pools) and compressed < seq_blocks) or needed > budget:
         raise ValueError(
-            f"{slots} sequence slots leave no room for one {max_model_len}-token sequence's compressed KV beside the "
-            f"{idle_layer_bytes(pools, spec, slots * pools[0].blocks_per_seq, seq_blocks) / GiB:.2f} GiB of idle pool "
-            f"layers the Pallas kernels need: pass a smaller --max-num-seqs or --max-model-len, or a larger "
-            f"--gpu-memory-utilization"
+            f"{slots} sequence slots leave no room for one {max_model_len}-token sequence beside the {idle / GiB:.2f} GiB "
+            f"of idle pool layers that keep every plane of 1-byte elements out of 2 to 4 GiB (the Pallas kernels "
+            f"would index those with wrapping int32 offsets), in {budget / GiB:.2f} GiB: pass a smaller --max-num-seqs "
+            f"or --max-model-len, or a larger --gpu-memory-utilization"
         )
     full = compressed // seq_blocks if seq_blocks and _compressed_bytes_per_block(pools) else slots
     return CapacityPlan(
