@@ -21,6 +21,7 @@ from dsv4_jax.kv_cache.planner import (
     MiB,
     MeshShape,
     estimate_weight_bytes_per_device,
+    idle_layer_bytes,
     nominal_device_memory,
     plan_capacity,
 )
@@ -150,14 +151,16 @@ def _capacity_table(
                 )
             except ValueError as err:
                 notes.append(f"[{len(notes) + 1}] {label}, {attention}: {err}")
-                rows.append([label, attention, _gib(weights), "-", "-", "0", f"does not fit [{len(notes)}]"])
+                rows.append([label, attention, _gib(weights), "-", "-", "-", "0", f"does not fit [{len(notes)}]"])
                 continue
+            idle = idle_layer_bytes(plan.pools, spec, plan.num_blocks["sliding"], plan.num_blocks["compressed"])
             rows.append([
-                label, attention, _gib(weights), _gib(plan.kv_budget_bytes), _gib(plan.bytes_per_seq),
+                label, attention, _gib(weights), _gib(plan.kv_budget_bytes), _gib(idle), _gib(plan.bytes_per_seq),
                 f"{plan.max_seqs_per_rank:,}", f"{plan.max_concurrent_seqs:,}",
             ])
     table = _table(
-        ["kv cache", "attention", "weights GiB/dev", "KV budget GiB/dev", "GiB/seq", "seqs/rank", "concurrent seqs"],
+        ["kv cache", "attention", "weights GiB/dev", "KV budget GiB/dev", "idle layers GiB/dev", "GiB/seq", "seqs/rank",
+         "concurrent seqs"],
         rows, left=2,
     )
     title = (f"Capacity at --max-model-len {args.max_model_len:,} (* = what --kv-cache-dtype "
@@ -184,7 +187,8 @@ def build_report(args: argparse.Namespace) -> str:
         "data-parallel ranks x sequences per rank. Weights are "
         + ("as given (--weight-gib)" if args.weight_gib is not None else "estimated from the checkpoint shapes")
         + "; activations are not counted" + (f" beyond --reserve-gib {args.reserve_gib}" if args.reserve_gib else "")
-        + "."
+        + ". Idle layers: planes of 1-byte elements of 2 to 4 GiB get layers that take them past 4 GiB (the Pallas "
+        "kernels would index them with wrapping int32 offsets); the KV budget holds them."
     )
     return "\n".join([
         *_header(args, config, chosen, memory), *_pool_table(args, config, specs),

@@ -315,6 +315,14 @@ def test_plan_cli(capsys):
     assert len(rows) == 4
     assert sum("tensor-parallel (KV replicated) tp=8 dp=1" in r for r in rows) == 2
     assert sum("data-parallel tp=1 dp=8" in r for r in rows) == 2
+    assert "idle layers GiB/dev" in out
+
+    # Idle layers, per rank: V4-Flash with 256 sequences on a 100 GiB device holding 20 GiB of weights
+    # (test_capacity_with_max_num_seqs): 31 idle layers of its sliding NoPE plane, 1.70 GiB.
+    assert plan_cli.main(["--model", "dsv4-flash", "--device-kind", "NVIDIA H200", "--max-model-len", "1048576",
+                          "--max-num-seqs", "256", "--weight-gib", "20", "--device-memory-gib", "100"]) == 0
+    fp8_row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("fp8_ds_mla*"))
+    assert " 1.70 " in fp8_row, fp8_row
 
     with pytest.raises(SystemExit) as exit_:  # as `python -m dsv4_jax.plan` runs it
         run_main(plan_cli.main, argv[:-1] + ["4194304"], prog="python -m dsv4_jax.plan")

@@ -180,8 +180,8 @@ def test_a_kernel_that_fails_at_start_up_names_the_xla_backend(model, monkeypatc
     def refuse(*args, **kwargs):
         raise ValueError(refusal)
 
-    def failing(name):
-        backend = get_backend(name)
+    def failing(name, **kwargs):  # get_backend's signature (the runner passes interpret=)
+        backend = get_backend(name, **kwargs)
         return dataclasses.replace(backend, decode=refuse, prefill=refuse)
 
     monkeypatch.setattr(runner_module, "get_backend", failing)
