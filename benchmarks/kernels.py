@@ -222,7 +222,8 @@ def point_write(tokens, seed=3, far=None):
     pool = tuple(jnp.zeros_like(p) for p in _fp8_pool(key, blocks, BLOCK))
     kv = jax.random.normal(jax.random.fold_in(key, 1), (tokens, HEAD_DIM), jnp.bfloat16)
     room = (4 * tokens // BLOCK + 8) * BLOCK  # the slots written: random ones among the last `room`
-    slots = (blocks * BLOCK - room + jax.random.permutation(jax.random.fold_in(key, 2), room)[:tokens]).astype(jnp.int32)
+    picks = jax.random.permutation(jax.random.fold_in(key, 2), room)[:tokens]
+    slots = (blocks * BLOCK - room + picks).astype(jnp.int32)
     args = (pool, kv, slots)
     flops = 0.0
     nbytes = tokens * (HEAD_DIM * 2 + ROW_BYTES)
@@ -240,7 +241,8 @@ def grid(which):
     if "far" in which:
         for far in FAR_POOLS:
             at = f"far end of {far} planes"
-            points.append((f"sparse_decode csa fp8 B=4 ctx=32K, {at}", functools.partial(point_decode, 4, 32768, far=far)))
+            points.append((f"sparse_decode csa fp8 B=4 ctx=32K, {at}",
+                           functools.partial(point_decode, 4, 32768, far=far)))
             points.append((f"indexer_topk decode B=4 ctx=32K, {at}",
                            functools.partial(point_indexer, 4, 1, 32768, far=far)))
             points.append((f"kv_write fp8 T=8192, {at}", functools.partial(point_write, 8192, far=far)))

@@ -150,7 +150,8 @@ def load_check(base: str, requests: int, concurrency: int, out: Path, table: Tab
     failed = [name for name, problems in checks.items() if problems]
     shown = ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in figures.items())
     table.row(f"load: {requests} streams, {concurrency} at once", done.returncode == 0 and not failed,
-              shown + (f"; FAILED checks: {failed} {[checks[n][:2] for n in failed]}" if failed else "; every check ok"))
+              shown + (f"; FAILED checks: {failed} {[checks[n][:2] for n in failed]}" if failed
+                       else "; every check ok"))
 
 
 def main(argv: list[str] | None = None) -> int:

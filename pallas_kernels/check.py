@@ -96,12 +96,10 @@ _S = jax.ShapeDtypeStruct
 
 
 def _plane(lead: tuple[int, int, int], width: int, dtype) -> jax.ShapeDtypeStruct:
-    """A pool plane [layers, blocks, units, width] with the engine's idle layers
-    (`formats.idle_layers`, as dsv4_jax/kv_cache/paged.py adds them): a 1-byte plane of 2 to 4 GiB
-    would be indexed with wrapping offsets, and the kernels refuse it."""
-    layers, blocks, units = lead
-    extra = formats.idle_layers(layers, blocks * units * width, jnp.dtype(dtype).itemsize)
-    return _S((layers + extra, blocks, units, width), dtype)
+    """A pool plane [layers, blocks, units, width] with the engine's idle layers (as
+    dsv4_jax/kv_cache/paged.py lays them out): a 1-byte plane of 2 to 4 GiB would be indexed with
+    wrapping offsets, and the kernels refuse it."""
+    return _S((*formats.lead_with_idle_layers(lead, width, dtype), width), dtype)
 
 
 def _kv_pool(fmt: str, layers: int, blocks: int, units: int, sh: Shapes) -> tuple:

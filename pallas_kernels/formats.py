@@ -93,6 +93,17 @@ def idle_layers(layers: int, elements_per_layer: int, itemsize: int) -> int:
     return INT64_OFFSETS_ABOVE_BYTES // (elements_per_layer * itemsize) + 1 - layers
 
 
+def lead_with_idle_layers(lead: tuple[int, ...], width: int, dtype, ranks: int = 1) -> tuple[int, ...]:
+    """A pool plane's leading dims [layers, blocks, units] with its idle layers (`idle_layers`) for
+    `width` elements of `dtype` per unit, sized from one of `ranks` data-parallel ranks' share of
+    the blocks (each kernel sees one). Rows are addressed per layer as layer * blocks * units +
+    row, so layers added after the last never shift a row. Other leads are returned as they are."""
+    if len(lead) != 3:
+        return lead
+    layers, blocks, units = lead
+    return (layers + idle_layers(layers, blocks // ranks * units * width, jnp.dtype(dtype).itemsize), blocks, units)
+
+
 # ---- byte counts -----------------------------------------------------------------------------
 def _check_dim(name: str, value: int, minimum: int = 0) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:

@@ -124,10 +124,11 @@ def refuse_wrapping_offsets(planes) -> None:
     for p in planes:
         if formats.wraps_int32_offsets(p.size, p.dtype.itemsize):
             raise ValueError(
-                f"a KV pool plane {p.dtype}{list(p.shape)} holds {p.size:,} elements in {p.size * p.dtype.itemsize / 2**30:.2f} "
-                f"GiB: a Pallas kernel would index it with int32 offsets that wrap past {formats.INT32_OFFSET_LIMIT:,} "
-                "elements (an illegal memory access on the GPU). Give such a plane idle layers that take it past 4 GiB "
-                "(formats.idle_layers, as dsv4_jax.kv_cache.paged lays out the engine's pools), or use --attention-backend xla"
+                f"a KV pool plane {p.dtype}{list(p.shape)} holds {p.size:,} elements in "
+                f"{p.size * p.dtype.itemsize / 2**30:.2f} GiB: a Pallas kernel would index it with int32 offsets "
+                f"that wrap past {formats.INT32_OFFSET_LIMIT:,} elements (an illegal memory access on the GPU). "
+                "Give such a plane idle layers that take it past 4 GiB (formats.idle_layers, as "
+                "dsv4_jax.kv_cache.paged lays out the engine's pools), or use --attention-backend xla"
             )
 
 

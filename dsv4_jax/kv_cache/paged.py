@@ -229,19 +229,6 @@ class PagedCacheLayout:
 
 
 # ---- planes and the abstract description ------------------------------------------------------
-def _lead_of(lead: tuple[int, ...], width: int, dtype: Any, ranks: int) -> tuple[int, ...]:
-    """`lead` [layers, blocks, units] with the idle layers a plane of `width` elements of `dtype`
-    per unit needs so that no Pallas kernel indexes a rank's share of it with wrapping int32
-    offsets (`formats.idle_layers`: planes of 1-byte elements of 2 to 4 GiB; an H200 hit an
-    illegal memory access there). Rows are addressed per layer as layer * blocks * units + row,
-    so the idle layers after the last never shift a row; other leads are returned as they are."""
-    if len(lead) != 3:
-        return lead
-    layers, blocks, units = lead
-    return (layers + formats.idle_layers(layers, blocks // ranks * units * width, jnp.dtype(dtype).itemsize),
-            blocks, units)
-
-
 def kv_planes(
     kv_cache_dtype: str,  # "fp8_ds_mla" | "bfloat16" | "float32"
     lead: tuple[int, ...],  # leading dims, [layers, blocks, units] in the cache
@@ -253,13 +240,15 @@ def kv_planes(
     """The planes of a KV pool, each built by `make(shape, dtype)` (zeros by default): the one
     definition of their dtypes and shapes, for the cache and for the model's paged attention. A
     plane of 1-byte elements gets idle layers where a kernel would index it with wrapping offsets."""
+    def plane(width: int, dtype) -> Any:
+        return make((*formats.lead_with_idle_layers(lead, width, dtype, ranks), width), dtype)
+
     if kv_cache_dtype == FP8_DS_MLA:
         nope = head_dim - rope_dim
-        scale_bytes = formats.fp8_ds_mla_scale_bytes(nope)
         return Fp8DsMlaPlanes(
-            nope=make((*_lead_of(lead, nope, jnp.float8_e4m3fn, ranks), nope), jnp.float8_e4m3fn),
-            rope=make((*lead, rope_dim), jnp.bfloat16),
-            scales=make((*_lead_of(lead, scale_bytes, jnp.uint8, ranks), scale_bytes), jnp.uint8),
+            nope=plane(nope, jnp.float8_e4m3fn),
+            rope=plane(rope_dim, jnp.bfloat16),
+            scales=plane(formats.fp8_ds_mla_scale_bytes(nope), jnp.uint8),
         )
     if kv_cache_dtype == BFLOAT16:
         return Bf16Rows(rows=make((*lead, head_dim), jnp.bfloat16))
@@ -280,10 +269,8 @@ def indexer_planes(
     """The planes of an indexer-key pool (e4m3 keys + one fp32 scale per key, bf16 or float32 keys);
     e4m3 keys get idle layers as `kv_planes`' 1-byte planes do."""
     if indexer_dtype == "fp8":
-        return IndexerFp8Planes(
-            keys=make((*_lead_of(lead, index_head_dim, jnp.float8_e4m3fn, ranks), index_head_dim), jnp.float8_e4m3fn),
-            scales=make(lead, jnp.float32),
-        )
+        keys = formats.lead_with_idle_layers(lead, index_head_dim, jnp.float8_e4m3fn, ranks)
+        return IndexerFp8Planes(keys=make((*keys, index_head_dim), jnp.float8_e4m3fn), scales=make(lead, jnp.float32))
     if indexer_dtype == BFLOAT16:
         return IndexerBf16Rows(keys=make((*lead, index_head_dim), jnp.bfloat16))
     if indexer_dtype == FLOAT32:

@@ -452,9 +452,9 @@ def _with_idle_layers(pools: tuple[PoolUsage, ...], spec: KVCacheSpec, budget: i
     best = max(largest_fitting(c) for c in [compressed, *(e for e in _band_edges(pools, spec) if e < compressed)])
     idle = idle_layer_bytes(pools, spec, sliding, best)
     if idle:
-        logger.info("KV cache: %.2f GiB of idle pool layers (%d compressed blocks instead of %d), so that no plane of "
-                    "1-byte elements holds 2 to 4 GiB, which the Pallas kernels would index with wrapping int32 offsets",
-                    idle / GiB, best, compressed)
+        logger.info("KV cache: %.2f GiB of idle pool layers (%d compressed blocks instead of %d), so that no "
+                    "plane of 1-byte elements holds 2 to 4 GiB, which the Pallas kernels would index with wrapping "
+                    "int32 offsets", idle / GiB, best, compressed)
     return best
 
 
@@ -550,10 +550,10 @@ def plan_capacity(
     needed = slots * _fixed_bytes_per_slot(pools) + compressed * _compressed_bytes_per_block(pools) + idle
     if (_compressed_bytes_per_block(pools) and compressed < seq_blocks) or needed > budget:
         raise ValueError(
-            f"{slots} sequence slots leave no room for one {max_model_len}-token sequence beside the {idle / GiB:.2f} GiB "
-            f"of idle pool layers that keep every plane of 1-byte elements out of 2 to 4 GiB (the Pallas kernels "
-            f"would index those with wrapping int32 offsets), in {budget / GiB:.2f} GiB: pass a smaller --max-num-seqs "
-            f"or --max-model-len, or a larger --gpu-memory-utilization"
+            f"{slots} sequence slots leave no room for one {max_model_len}-token sequence beside the "
+            f"{idle / GiB:.2f} GiB of idle pool layers that keep every plane of 1-byte elements out of 2 to 4 GiB "
+            f"(the Pallas kernels would index those with wrapping int32 offsets), in {budget / GiB:.2f} GiB: pass a "
+            f"smaller --max-num-seqs or --max-model-len, or a larger --gpu-memory-utilization"
         )
     full = compressed // seq_blocks if seq_blocks and _compressed_bytes_per_block(pools) else slots
     return CapacityPlan(
