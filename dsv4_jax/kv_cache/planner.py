@@ -431,15 +431,16 @@ def _band_edges(pools: tuple[PoolUsage, ...], spec: KVCacheSpec) -> list[int]:
 
 
 def _with_idle_layers(pools: tuple[PoolUsage, ...], spec: KVCacheSpec, budget: int, slots: int, compressed: int
-                      ) -> int:
-    """The most compressed blocks, at most `compressed`, that fit `budget` beside `slots` sequence
-    slots and the idle layers both need (fewer only where some plane falls in the 2-4 GiB band).
+                      ) -> tuple[int, int]:
+    """(the most compressed blocks, at most `compressed`, that fit `budget` beside `slots` sequence
+    slots and the idle layers both need, those idle layers' bytes); fewer blocks only where some
+    plane falls in the 2-4 GiB band.
     Idle layers come and go as a plane crosses its band, so more blocks can fit just below a band
     edge than just above it: the count is looked for below `compressed` and below every edge."""
     per_slot, per_block = _fixed_bytes_per_slot(pools), _compressed_bytes_per_block(pools)
     sliding = slots * pools[0].blocks_per_seq
     if not per_block:
-        return compressed
+        return compressed, idle_layer_bytes(pools, spec, sliding, compressed)
 
     def largest_fitting(count: int) -> int:
         while count > 0:
@@ -455,7 +456,7 @@ def _with_idle_layers(pools: tuple[PoolUsage, ...], spec: KVCacheSpec, budget: i
         logger.info("KV cache: %.2f GiB of idle pool layers (%d compressed blocks instead of %d), so that no "
                     "plane of 1-byte elements holds 2 to 4 GiB, which the Pallas kernels would index with wrapping "
                     "int32 offsets", idle / GiB, best, compressed)
-    return best
+    return best, idle
 
 
 def _slots_and_compressed_blocks(
@@ -543,19 +544,18 @@ def plan_capacity(
             block_size=block_size, num_mtp_layers=num_mtp_layers,
         )
     slots, compressed = _slots_and_compressed_blocks(pools, budget, max_num_seqs, max_model_len)
-    compressed = _with_idle_layers(pools, spec, budget, slots, compressed)
+    compressed, idle = _with_idle_layers(pools, spec, budget, slots, compressed)
     seq_blocks = pools[1].blocks_per_seq  # compressed blocks of one full-length sequence
-    sliding = slots * pools[0].blocks_per_seq
-    idle = idle_layer_bytes(pools, spec, sliding, compressed)
-    needed = slots * _fixed_bytes_per_slot(pools) + compressed * _compressed_bytes_per_block(pools) + idle
-    if (_compressed_bytes_per_block(pools) and compressed < seq_blocks) or needed > budget:
+    per_block = _compressed_bytes_per_block(pools)
+    needed = slots * _fixed_bytes_per_slot(pools) + compressed * per_block + idle
+    if (per_block and compressed < seq_blocks) or needed > budget:
         raise ValueError(
             f"{slots} sequence slots leave no room for one {max_model_len}-token sequence beside the "
             f"{idle / GiB:.2f} GiB of idle pool layers that keep every plane of 1-byte elements out of 2 to 4 GiB "
             f"(the Pallas kernels would index those with wrapping int32 offsets), in {budget / GiB:.2f} GiB: pass a "
             f"smaller --max-num-seqs or --max-model-len, or a larger --gpu-memory-utilization"
         )
-    full = compressed // seq_blocks if seq_blocks and _compressed_bytes_per_block(pools) else slots
+    full = compressed // seq_blocks if seq_blocks and per_block else slots
     return CapacityPlan(
         **common, sized_from="memory", device_memory_bytes=int(device_memory_bytes), kv_budget_bytes=budget,
         num_seq_slots=slots, num_blocks={"sliding": slots * pools[0].blocks_per_seq, "compressed": compressed},
