@@ -571,13 +571,14 @@ def test_an_interrupted_generate_leaves_the_engine_serving(llm, greedy_run, monk
     assert again.outputs[0].token_ids == greedy.token_ids
     _assert_idle(llm)
 
-    real_step = llm.engine.runner._step
+    def step_then_interrupt(real_step):
+        def call(*args):
+            real_step(*args)  # the cache argument is donated: gone, and its successor is dropped
+            raise KeyboardInterrupt
+        return call
 
-    def step_then_interrupt(*args):
-        real_step(*args)  # the cache argument is donated: gone, and its successor is dropped
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(llm.engine.runner, "_step", step_then_interrupt)
+    steps = llm.engine.runner._steps  # the warmed-up executables, by bucket
+    monkeypatch.setattr(llm.engine.runner, "_steps", {b: step_then_interrupt(f) for b, f in steps.items()})
     with pytest.raises(KeyboardInterrupt):
         _generate(llm, [prompt], params)
     monkeypatch.undo()

@@ -387,3 +387,70 @@ def test_compile_counter_tells_compiles_from_persistent_cache_hits(tmp_path):
         map(int, r.stdout.split()) for r in runs)
     assert cold_compiles >= 1 and cold_hits == 0 and cold_built == cold_compiles
     assert warm_compiles == 0 and warm_hits == cold_compiles == warm_built
+
+
+def test_warm_up_compiles_every_bucket_on_threads_and_steps_run_those_executables(runner):
+    """Warm-up compiled each bucket's step (and each prefill bucket's prompt scoring) once, ahead
+    of time: steps of those shapes call the executables, and reading their memory afterwards (the
+    activation check of a GPU start) builds nothing."""
+    from dsv4_jax.engine.compiles import CompileCounter
+
+    assert set(runner._steps) == set(runner.buckets.all)  # no mesh: a step's rows are the bucket's
+    assert set(runner._scorers) == {bucket for bucket in runner.buckets.all if bucket[1] > 1}
+    counter = CompileCounter()
+    memory = runner.program_memory()
+    runner.step([StepRow(0, 0, [1, 2, 3], [6])])
+    assert counter.built == 0
+    assert all(m.step.temp > 0 and (m.scores is not None) == (s > 1) for (b, s), m in memory.items())
+
+
+def test_compiles_run_at_once_and_fail_in_their_buckets_context():
+    """`compile_concurrently` compiles on its own threads, several at once, and raises a failed
+    compile inside `describe(key)` (the runner names the bucket and the attention backend there)."""
+    import contextlib
+    import threading
+
+    from dsv4_jax.engine.runner import compile_concurrently
+
+    started, release, threads = [], threading.Event(), set()
+
+    class Lowered:
+        def __init__(self, fails: bool):
+            self.fails = fails
+
+        def compile(self):
+            threads.add(threading.current_thread().name)
+            started.append(self)
+            if len(started) == 2:
+                release.set()
+            assert release.wait(10), "the second compile never started while the first waited"
+            if self.fails:
+                raise ValueError("refused by the compiler")
+            return "executable"
+
+    assert compile_concurrently({"a": Lowered(False), "b": Lowered(False)}, lambda key: contextlib.nullcontext()) \
+        == {"a": "executable", "b": "executable"}
+    assert all(name.startswith("dsv4-compile") for name in threads)
+
+    @contextlib.contextmanager
+    def naming(key):
+        try:
+            yield
+        except ValueError as err:
+            raise RuntimeError(f"bucket {key}: {err}") from err
+
+    started.clear()
+    release.clear()
+    with pytest.raises(RuntimeError, match=r"bucket b: refused by the compiler"):
+        compile_concurrently({"a": Lowered(False), "b": Lowered(True)}, naming)
+
+
+def test_steps_compile_without_xlas_rematerialization_pass(monkeypatch):
+    """The step's compiler options disable XLA's rematerialization pass and keep the passes
+    XLA_FLAGS disables (a compile option replaces XLA_FLAGS' list)."""
+    from dsv4_jax.engine.runner import step_compiler_options
+
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    assert step_compiler_options() == {"xla_disable_hlo_passes": "rematerialization"}
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_disable_hlo_passes=foo,bar")
+    assert step_compiler_options() == {"xla_disable_hlo_passes": "foo,bar,rematerialization"}

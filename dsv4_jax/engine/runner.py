@@ -3,7 +3,8 @@
 It owns the weights (the model split once into graph and state), the paged KV cache and the
 jitted step functions. A step runs one group of rows `[B, S]`: each row a chunk of one sequence
 at its own positions (S = 1 is a decode step). Shapes come from a short bucket list, so each
-step function compiles once per bucket at warm-up and never again: rows are padded to the
+step function compiles once per bucket at warm-up (several buckets at once, on threads; steps
+then call those executables) and never again: rows are padded to the
 bucket's B (padding rows read and write nothing) and tokens to its S. Decode-only steps use the
 decode buckets and never pay for prefill padding; decode tokens that share a step with prefill
 chunks ride along as rows of one real token.
@@ -28,11 +29,13 @@ Imports: only what the GPU machine has (jax, flax, numpy and this repository).
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import functools
 import itertools
 import logging
+import os
 import time
 from typing import Callable, NamedTuple, Sequence
 
@@ -126,6 +129,43 @@ class BucketMemory(NamedTuple):
     step: ProgramMemory  # the step: its scratch, its logits and streams
     scores: ProgramMemory | None  # prompt scoring of its streams (prefill buckets)
     logits: jax.ShapeDtypeStruct  # the step's logits [B, vocab], as the sampler gets them
+
+
+def step_compiler_options() -> dict[str, str]:
+    """XLA options of the step: without the HLO rematerialization pass, besides any passes
+    XLA_FLAGS already disables (an option given here replaces that list). XLA:GPU runs the pass
+    against a limit of the device's memory, and its points-to analysis takes each in-place update
+    of the donated pools for a new buffer: on an H200 every step program seemed to need about
+    twice its pools (125 GiB against 69.48 GiB, 2026-12-04), the pass rematerialized nothing and
+    spent the step's compile scanning for candidates (O(instructions^2) once over the limit).
+    Buffer assignment updates the pools in place, and what a step needs besides them is measured
+    from it (`program_memory`)."""
+    flags = os.environ.get("XLA_FLAGS", "").split()
+    passes = [p for f in flags if f.startswith("--xla_disable_hlo_passes=")
+              for p in f.split("=", 1)[1].split(",") if p]
+    return {"xla_disable_hlo_passes": ",".join(dict.fromkeys([*passes, "rematerialization"]))}
+
+
+def usable_cpus() -> int:
+    """CPUs this process may run on (its affinity, as `taskset` sets it)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def compile_concurrently(jobs: dict, describe: Callable[[object], contextlib.AbstractContextManager]) -> dict:
+    """`{key: lowered.compile()}` of lowered programs, on threads (XLA compiles without holding
+    the GIL: on a GPU each step program took 11-15 s to compile, one after another). Errors are
+    raised in `describe(key)`'s context, the first key's first."""
+    workers = max(1, min(len(jobs), usable_cpus()))
+    with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="dsv4-compile") as pool:
+        futures = {key: pool.submit(lowered.compile) for key, lowered in jobs.items()}
+    out = {}
+    for key, future in futures.items():
+        with describe(key):
+            out[key] = future.result()
+    return out
 
 
 def _step(graphdef, weights_def, options, ctx, weights, cache, token_ids, seqs):
@@ -236,8 +276,12 @@ class ModelRunner:
                 out_specs=(rows, rows, cache_specs), axis_names={DATA}, check_vma=False,
             )
         self.compiles = CompileCounter()  # counts from here: the cache's allocation is not a step's
-        # One jitted function each, compiled once per bucket shape; the cache is donated.
-        self._step = jax.jit(step, donate_argnums=1)
+        # One jitted function each; the cache is donated. `compile_buckets` compiles every bucket's
+        # step and prompt scoring ahead of time, and steps then call those executables (keyed by
+        # the whole step's (B, S)); a shape without one (a runner not warmed up) compiles on call.
+        self._step = jax.jit(step, donate_argnums=1, compiler_options=step_compiler_options())
+        self._steps: dict[tuple[int, int], jax.stages.Compiled] = {}
+        self._scorers: dict[tuple[int, int], jax.stages.Compiled] = {}
         # On a mesh: step rows go over the data axis; what the host reads is made whole on every
         # device first where the host needs it, with several processes (each holds only its own
         # devices' part).
@@ -291,7 +335,7 @@ class ModelRunner:
 
     def _run_padding_step(self, bucket: tuple[int, int]) -> tuple[jax.Array, jax.Array]:
         """A step of padding rows only (it reads and writes nothing), waited for: (logits, streams)."""
-        out = self._step(self.weights, self.cache, *self._put(self.padding_step(bucket)))
+        out = self._steps.get(bucket, self._step)(self.weights, self.cache, *self._put(self.padding_step(bucket)))
         self.cache = out[2]
         jax.block_until_ready(out)
         return out[0], out[1]
@@ -400,7 +444,7 @@ class ModelRunner:
                 tokens_dev = jax.device_put(tokens_dev, self._rows)
         else:
             tokens_dev, seqs_dev = self._put((tokens, seqs))
-        logits, streams, self.cache = self._step(self.weights, self.cache, tokens_dev, seqs_dev)
+        logits, streams, self.cache = self._steps.get(bucket, self._step)(self.weights, self.cache, tokens_dev, seqs_dev)
         return StepOutput(logits, streams, rows, bucket)
 
     def _put(self, host_arrays):
@@ -425,36 +469,61 @@ class ModelRunner:
         [B, S, hc_mult, hidden], targets [B, S] int32 (the token each position predicts) ->
         logprob [B, S], rank [B, S], top ids [B, S, MAX_LOGPROBS], top logprobs [B, S, MAX_LOGPROBS]
         (whole on every device with several processes)."""
-        return self._head_scores(self.weights, streams, targets)
+        return self._scorers.get(tuple(targets.shape), self._head_scores)(self.weights, streams, targets)
 
     def gather(self, x: jax.Array) -> jax.Array:
         """`x` whole on every device of the mesh (itself without a mesh)."""
         return x if self.mesh is None else self._gather(x)
 
+    def compile_buckets(self, scoring: bool = True) -> None:
+        """Compile every bucket's step and, with `scoring`, each prefill bucket's prompt scoring,
+        those not compiled yet: traced one after another, compiled several at once. Steps and
+        prompt scoring of those shapes then run these executables."""
+        steps = {}
+        for rank_rows, s in self.buckets.all:
+            key = (rank_rows * self.dp, s)
+            if key not in self._steps:
+                with self._naming_the_backend((rank_rows, s)):
+                    steps[key] = self._step.lower(self.weights, self.cache, *self._put(self.padding_step(key)))
+        self._steps.update(compile_concurrently(steps, self._naming_the_step))
+        if not scoring:
+            return
+        scorers = {}
+        for key, step in self._steps.items():
+            if key[1] > 1 and key not in self._scorers:
+                streams = step.out_info[1]  # as the step lays them out; targets come from the host
+                scorers[key] = self._head_scores.lower(self.weights, streams, np.zeros(key, np.int32))
+        self._scorers.update(compile_concurrently(scorers, self._naming_the_step))
+
+    def _naming_the_step(self, key: tuple[int, int]):
+        return self._naming_the_backend((key[0] // self.dp, key[1]))
+
     def program_memory(self, scoring: bool = True) -> dict[tuple[int, int], BucketMemory]:
         """Per bucket (a rank's rows, S), what its step and, for prefill buckets with `scoring`,
-        its prompt scoring need on a device besides the weights and the cache: compiled for this
-        runner's cache (or its shapes), never run."""
+        its prompt scoring need on a device besides the weights and the cache: from the
+        executables `compile_buckets` built (for this runner's cache, or its shapes), never run.
+        After warm-up this compiles nothing."""
+        self.compile_buckets(scoring)
         out = {}
         for rank_rows, s in self.buckets.all:
-            b = rank_rows * self.dp
-            with self._naming_the_backend((rank_rows, s)):
-                step = self._step.lower(self.weights, self.cache, *self._put(self.padding_step((b, s)))).compile()
-            logits, streams = step.out_info[:2]  # as a step lays them out
-            scores = None
-            if s > 1 and scoring:
-                targets = jax.ShapeDtypeStruct((b, s), jnp.int32)
-                scores = ProgramMemory.of(self._head_scores.lower(self.weights, streams, targets).compile())
-            out[(rank_rows, s)] = BucketMemory(ProgramMemory.of(step), scores, logits)
+            key = (rank_rows * self.dp, s)
+            step = self._steps[key]
+            scores = ProgramMemory.of(self._scorers[key]) if s > 1 and scoring else None
+            out[(rank_rows, s)] = BucketMemory(ProgramMemory.of(step), scores, step.out_info[0])
         return out
 
     def warmup(self, progress: Callable[[int, int, tuple[int, int], float], None] | None = None) -> int:
-        """Compile every bucket (steps of padding rows only: they change nothing). Returns the
-        number of compiles it took; `progress(i, n, bucket, seconds)` is called after each."""
+        """Compile every bucket (`compile_buckets`), then run a step of padding rows in each (it
+        changes nothing) and score its streams. Returns the number of compiles it took;
+        `progress(i, n, bucket, seconds)` is called after each bucket ran."""
         self.compiles.reset()
         self._touch_interpreter()
         self.warmup_logits: dict[int, jax.Array] = {}  # step rows -> a warm-up step's logits
         buckets = self.buckets.all
+        t0 = time.perf_counter()
+        self.compile_buckets()
+        logger.info("warm-up: %d buckets' steps and prompt scoring compiled in %.1fs (%d compiles at once)",
+                    len(buckets), time.perf_counter() - t0, min(len(buckets), usable_cpus()))
         for i, (rank_rows, s) in enumerate(buckets):
             b = rank_rows * self.dp
             t0 = time.perf_counter()
@@ -466,10 +535,8 @@ class ModelRunner:
                 jax.block_until_ready(self.prompt_scores(streams, np.zeros((b, s), np.int32)))
             if not before.is_deleted():
                 raise RuntimeError("the KV cache was not donated to the step: every step would copy it")
-            seconds = time.perf_counter() - t0
-            logger.info("warm-up %d/%d: bucket %d x %d compiled in %.1fs", i + 1, len(buckets), rank_rows, s, seconds)
             if progress is not None:
-                progress(i + 1, len(buckets), (rank_rows, s), seconds)
+                progress(i + 1, len(buckets), (rank_rows, s), time.perf_counter() - t0)
         self.warm = True
         compiled = self.compiles.compiles
         self.compiles.reset()  # from here on, `compiles.compiles` counts what steps compile: 0
