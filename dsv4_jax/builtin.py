@@ -8,11 +8,11 @@ import logging
 import math
 import os
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Callable
 
 from dsv4_jax.config import DeepseekV4Config
+from dsv4_jax.partial_dirs import new_partial
 
 BUILTIN_PRESET = "dsv4-tiny"
 BUILTIN_SEED = 0
@@ -45,11 +45,7 @@ def cached_checkpoint(name: str, write: Callable[[Path], object]) -> Path:
     first rename wins and the others drop theirs."""
     path = cache_root() / name
     if not (path / "config.json").is_file():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        partial = Path(tempfile.mkdtemp(dir=path.parent, prefix=f"{name}.partial-"))
-        umask = os.umask(0)
-        os.umask(umask)
-        partial.chmod(0o777 & ~umask)  # mkdtemp's 0700 would hide a shared cache from other users
+        partial = new_partial(path)  # this writer's own (stale ones of killed writers removed)
         try:
             write(partial)
             try:

@@ -9,8 +9,9 @@ The key hashes everything the saved arrays depend on: the checkpoint directory's
 sizes, modification times, config.json included) and its resolved path, the compute dtype,
 `stack_layers`, the jax platform, the mesh's shape and axis names, the ParallelConfig and
 `FORMAT_VERSION`; a changed checkpoint therefore gets a new key and is never served from a stale
-entry. An entry is written into a `.partial-<pid>` directory and renamed into place once
-complete, so a killed writer never leaves an entry that restores.
+entry. An entry is written into a partial directory of its writer's own (`dsv4_jax.partial_dirs`)
+and renamed into place once complete, so a killed writer never leaves an entry that restores; the
+next writer of that entry on the host removes what a killed one left.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import jax
 import numpy as np
 
 from dsv4_jax.builtin import cache_root
+from dsv4_jax.partial_dirs import new_partial, remove_stale_partials
 
 if TYPE_CHECKING:
     from jax.sharding import Mesh, Sharding
@@ -137,6 +139,7 @@ def save(
     import orbax.checkpoint as ocp
 
     directory.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_partials(directory)  # before the free space is counted: a killed write's
     size = sum(a.nbytes for a in arrays.values())
     free = shutil.disk_usage(directory.parent).free
     if size * FREE_SPACE_MARGIN > free:
@@ -145,8 +148,7 @@ def save(
             directory, size / 2**30, directory.parent, free / 2**30,
         )
         return False
-    partial = directory.with_name(f"{directory.name}.partial-{os.getpid()}")
-    shutil.rmtree(partial, ignore_errors=True)
+    partial = new_partial(directory)
     try:
         # Uncompressed: weights (random or trained, fp8 and fp4 above all) barely compress, and
         # zstd on save and restore made the cache slower than the safetensors it replaces.

@@ -232,6 +232,50 @@ def test_checkpoints_written_at_once_by_several_processes_appear_whole(tmp_path,
     assert (tmp_path / "model").stat().st_mode & 0o777 == 0o777 & ~umask  # not mkdtemp's 0700: a cache others share
 
 
+
+def test_a_killed_writers_partial_folder_is_removed_by_the_next_writer(tmp_path, monkeypatch, caplog):
+    """A writer killed mid-write (SIGKILL, the OOM killer) leaves its partial folder; a converted
+    V4-Flash entry is ~150 GB of it. The next writer of the entry on this host removes the folders
+    of writers that no longer run, and only those: not a running writer's, not another host's,
+    not another entry's."""
+    import socket
+
+    import jax
+
+    from dsv4_jax import weight_cache
+    from dsv4_jax.builtin import cached_checkpoint
+
+    monkeypatch.setenv("DSV4_JAX_CACHE", str(tmp_path))
+    host = socket.gethostname()
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                          check=True)
+    dead_pid, live_pid = int(gone.stdout), os.getppid()  # the child has exited; pytest's parent runs
+    folders = {
+        "killed": tmp_path / f"model.partial-{host}-{dead_pid}-abc123",
+        "running": tmp_path / f"model.partial-{host}-{live_pid}-def456",
+        "other host": tmp_path / f"model.partial-{host}x-{dead_pid}-ghi789",
+        "other entry": tmp_path / f"model2.partial-{host}-{dead_pid}-jkl012",
+        "not ours": tmp_path / "model.partial-notes",
+    }
+    for folder in folders.values():
+        folder.mkdir()
+        (folder / "weights.bin").write_bytes(b"\0" * 4096)
+    with caplog.at_level("WARNING"):
+        path = cached_checkpoint("model", lambda d: (d / "config.json").write_text("{}"))
+    assert path == tmp_path / "model" and (path / "config.json").is_file()
+    assert {name for name, folder in folders.items() if folder.exists()} == {"running", "other host", "other entry",
+                                                                          "not ours"}
+    assert f"left by process {dead_pid}" in caplog.text
+
+    # The converted-weights cache sweeps before it counts the disk's free space.
+    stale = tmp_path / f"ckpt-0123.partial-{host}-{dead_pid}-mno345"
+    stale.mkdir()
+    arrays = {"w": jax.device_put(np.arange(6, dtype=np.float32))}
+    assert weight_cache.save(tmp_path / "ckpt-0123", arrays, fields={}, mtp_enabled=False, warnings=[])
+    assert not stale.exists() and weight_cache.find(tmp_path / "ckpt-0123") is not None
+    assert not list(tmp_path.glob("ckpt-0123.partial-*"))
+
+
 # ---- command-line entry points ----------------------------------------------------------------
 @pytest.mark.parametrize("parser", [demo.make_parser(), plan.make_parser()], ids=["demo", "plan"])
 def test_every_option_has_help_with_its_default(parser):
