@@ -410,7 +410,7 @@ def test_compiles_run_at_once_and_fail_in_their_buckets_context():
     import contextlib
     import threading
 
-    from dsv4_jax.engine.runner import compile_concurrently
+    from dsv4_jax.engine.compiles import compile_concurrently
 
     started, release, threads = [], threading.Event(), set()
 

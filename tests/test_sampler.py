@@ -223,6 +223,30 @@ def mixed():
     return logits, rows, _run(logits, rows, eos_token_ids=[EOS])
 
 
+def test_programs_compiled_ahead_serve_the_calls_and_give_what_the_jitted_calls_give(mixed):
+    """`Sampler.compile` builds every program sampling these batches runs, several at once: the
+    draw, and for a batch with a bias, bans and penalties its edit and the raw logprobs after the
+    draw. Calls of those shapes then build nothing, and give exactly what `sample` (the jitted
+    calls) gave."""
+    from dsv4_jax.engine.compiles import CompileCounter
+    from dsv4_jax.engine.sampler import Sampler
+
+    logits, rows, expected = mixed
+    logits = jax.device_put(logits)
+    plain = build_sampling_batch([SamplingRow(SamplingParams(temperature=1.0, logprobs=2), 0, [1], [])] * B, B,
+                                 vocab_size=V)
+    edited = build_sampling_batch(rows, B, vocab_size=V, eos_token_ids=[EOS])
+    sampler = Sampler(SamplerConfig())
+    assert sampler.compile([(logits, plain), (logits, edited), (logits, plain)]) == 3  # draw, edit, logprobs
+    counter = CompileCounter()
+    first = sampler(logits, plain)
+    got = jax.tree.map(np.asarray, sampler(logits, edited))
+    assert counter.built == 0
+    assert first.token_ids.shape == (B,)
+    for name in ("token_ids", "logprobs", "top_token_ids", "top_logprobs", "ranks"):
+        np.testing.assert_array_equal(getattr(got, name), getattr(expected, name), err_msg=name)
+
+
 def test_process_logits_matches_vllm_rules(mixed):
     logits, rows, _ = mixed
     batch = build_sampling_batch(rows, B, vocab_size=V, eos_token_ids=[EOS])

@@ -568,13 +568,15 @@ class LLMEngine:
         widths = self.sampler_config.penalty_widths(min(vocab + 1, self.max_model_len))
         kinds = [(SamplingParams(temperature=1.0, logprobs=1), [0]), (SamplingParams(min_tokens=1, logprobs=1), [0])]
         kinds += [(penalised, self.sampler_config.prompt_of_width(w)) for w in widths]
-        for b, logits in sorted(self.runner.warmup_logits.items()):
-            for params, prompt in kinds:
-                batch = build_sampling_batch([SamplingRow(params, 0, prompt, [])], b, vocab_size=vocab,
-                                             eos_token_ids=self.eos_token_ids, config=self.sampler_config)
-                previous = self.sampler(logits, batch).token_ids
-                jax.block_until_ready(previous)
-            if jax.process_count() > 1:  # host reads of logits gather them first (_host_logits)
+        cases = [(logits, build_sampling_batch([SamplingRow(params, 0, prompt, [])], b, vocab_size=vocab,
+                                               eos_token_ids=self.eos_token_ids, config=self.sampler_config))
+                 for b, logits in sorted(self.runner.warmup_logits.items()) for params, prompt in kinds]
+        self.sampler.compile(cases)  # several at once; the calls below run them
+        for logits, batch in cases:
+            previous = self.sampler(logits, batch).token_ids
+            jax.block_until_ready(previous)
+        if jax.process_count() > 1:  # host reads of logits gather them first (_host_logits)
+            for logits in self.runner.warmup_logits.values():
                 jax.block_until_ready(self.runner.gather(logits))
         for b, s in self.runner.buckets.all:  # async scheduling's placeholder filling
             b *= self.runner.dp

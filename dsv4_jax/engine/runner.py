@@ -29,7 +29,6 @@ Imports: only what the GPU machine has (jax, flax, numpy and this repository).
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import dataclasses
 import functools
@@ -47,7 +46,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from dsv4_jax.engine.compiles import CompileCounter, ProgramMemory
+from dsv4_jax.engine.compiles import CompileCounter, ProgramMemory, compile_concurrently, usable_cpus
 from dsv4_jax.engine.host_memory import keep_freed_buffers
 from dsv4_jax.engine.sampler import prompt_scores
 from dsv4_jax.engine.sampling_params import MAX_LOGPROBS
@@ -144,28 +143,6 @@ def step_compiler_options() -> dict[str, str]:
     passes = [p for f in flags if f.startswith("--xla_disable_hlo_passes=")
               for p in f.split("=", 1)[1].split(",") if p]
     return {"xla_disable_hlo_passes": ",".join(dict.fromkeys([*passes, "rematerialization"]))}
-
-
-def usable_cpus() -> int:
-    """CPUs this process may run on (its affinity, as `taskset` sets it)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
-
-
-def compile_concurrently(jobs: dict, describe: Callable[[object], contextlib.AbstractContextManager]) -> dict:
-    """`{key: lowered.compile()}` of lowered programs, on threads (XLA compiles without holding
-    the GIL: on a GPU each step program took 11-15 s to compile, one after another). Errors are
-    raised in `describe(key)`'s context, the first key's first."""
-    workers = max(1, min(len(jobs), usable_cpus()))
-    with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="dsv4-compile") as pool:
-        futures = {key: pool.submit(lowered.compile) for key, lowered in jobs.items()}
-    out = {}
-    for key, future in futures.items():
-        with describe(key):
-            out[key] = future.result()
-    return out
 
 
 def _step(graphdef, weights_def, options, ctx, weights, cache, token_ids, seqs):

@@ -63,15 +63,17 @@ Imports: only what the GPU machine has (jax, numpy and this repository).
 from __future__ import annotations
 
 import array
+import contextlib
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dsv4_jax.engine.compiles import ProgramMemory
+from dsv4_jax.engine.compiles import ProgramMemory, compile_concurrently
 from dsv4_jax.engine.request import PLACEHOLDER
 from dsv4_jax.engine.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
 
@@ -570,6 +572,14 @@ def _no_logprobs(logits: jax.Array) -> tuple[jax.Array, ...]:
             jnp.zeros(b, jnp.int32))
 
 
+class _SamplingPlan(NamedTuple):
+    edit: Callable | None  # the jitted process_logits for these logits; None: the batch edits nothing
+    edit_args: tuple  # (logits, batch[, previous token ids])
+    width: int | None  # the penalty history's width (None: no penalties)
+    draw_batch: SamplingBatch  # what the draw is given (edits already applied)
+    wants_logprobs: bool  # some row asked for logprobs of the edited batch's raw logits
+
+
 def _with_raw_logprobs(logits: jax.Array, sampled: SampledTokens) -> SampledTokens:
     """`sampled` (drawn from edited logits) with the logprobs of the step's own `logits`."""
     return SampledTokens(sampled.token_ids, *_raw_logprobs(logits, sampled.token_ids[: logits.shape[0]]))
@@ -600,6 +610,9 @@ class Sampler:
         self._logprobs = jax.jit(_with_raw_logprobs, out_shardings=self._whole)
         self._edit = {None: jax.jit(process_logits)}  # and, on a mesh, one per logits sharding
         self._last_token_ids: jax.Array | None = None  # of the last draw
+        # Executables `compile` built ahead of time, by `_program_key`; a call of any other shape
+        # compiles through the jitted function, as before.
+        self._compiled: dict[tuple, jax.stages.Compiled] = {}
 
     def __call__(self, logits: jax.Array, batch: SamplingBatch,
                  previous_token_ids: jax.Array | None = None) -> SampledTokens:
@@ -610,12 +623,23 @@ class Sampler:
         return sampled
 
     def _sample(self, logits: jax.Array, batch: SamplingBatch, previous_token_ids: jax.Array | None) -> SampledTokens:
-        if not edits_logits(batch):
-            return self._draw(logits, self._put(batch), config=self.config)
+        plan = self._plan(logits, batch, previous_token_ids)
+        if plan.edit is None:
+            return self._run("draw", logits, self._draw_now, logits, plan.draw_batch)
         # The edited logits are placed as the step's logits are (a jit output without
         # out_shardings is committed exactly when its inputs are), so the draw reads them with the
         # executable it already has.
-        edit = self._edit_for(logits)
+        edited = self._run(("edit", plan.width), logits, plan.edit, *plan.edit_args)
+        sampled = self._run("draw", logits, self._draw_now, edited, plan.draw_batch)
+        return self._run("logprobs", logits, self._logprobs, logits, sampled) if plan.wants_logprobs else sampled
+
+    def _draw_now(self, logits, batch):
+        return self._draw(logits, batch, config=self.config)
+
+    def _plan(self, logits, batch: SamplingBatch, previous_token_ids) -> _SamplingPlan:
+        """The programs `_sample` runs for this batch and what they are given (host side only)."""
+        if not edits_logits(batch):
+            return _SamplingPlan(None, (), None, self._put(batch), False)
         edit_args = (logits, self._put(batch))
         if batch.penalties is not None:
             if previous_token_ids is None:
@@ -629,14 +653,54 @@ class Sampler:
                 if previous_token_ids is None or previous_token_ids.shape != (rows,):
                     previous_token_ids = np.zeros(rows, np.int32)
             edit_args += (previous_token_ids,)
-        edited = edit(*edit_args)
-        wants_logprobs = bool(np.any(np.asarray(batch.num_logprobs) >= 0))
         draw_batch = dataclasses.replace(  # what process_logits applied, and logprobs read below
             batch, penalties=None, bias_ids=np.full(np.shape(batch.bias_ids), PAD_ID, np.int32),
             banned_ids=np.full(np.shape(batch.banned_ids), PAD_ID, np.int32),
             num_logprobs=np.full(np.shape(batch.num_logprobs), -1, np.int32))
-        sampled = self._draw(edited, self._put(draw_batch), config=self.config)
-        return self._logprobs(logits, sampled) if wants_logprobs else sampled
+        width = None if batch.penalties is None else np.shape(batch.penalties.token_ids)[1]
+        wants_logprobs = bool(np.any(np.asarray(batch.num_logprobs) >= 0))
+        return _SamplingPlan(self._edit_for(logits), edit_args, width, self._put(draw_batch), wants_logprobs)
+
+    def _run(self, program, logits, jitted, *args):
+        """`program`'s executable compiled ahead of time for logits of this shape and placement,
+        else the jitted function (which compiles on its first call of a shape)."""
+        compiled = self._compiled.get(self._program_key(program, logits))
+        return (jitted if compiled is None else compiled)(*args)
+
+    def _program_key(self, program, logits) -> tuple:
+        return program, logits.shape, None if self._whole is None else logits.sharding
+
+    def compile(self, cases: Sequence[tuple[jax.Array, SamplingBatch]]) -> int:
+        """Compile ahead of time, several at once, every program that sampling each (logits,
+        batch) runs: the logits as a step lays them out (arrays, or `jax.ShapeDtypeStruct`s with
+        their sharding), a penalised batch given the previous draw's token ids as a draw returns
+        them. Calls of those shapes then run the executables. Returns how many it compiled."""
+        draws, later = {}, {}
+        for logits, batch in cases:
+            plan = self._plan(logits, batch, None)
+            key = self._program_key("draw", logits)
+            if key not in self._compiled:
+                draws[key] = self._draw.lower(logits, plan.draw_batch, config=self.config)
+        self._compiled.update(compile_concurrently(draws, lambda key: contextlib.nullcontext()))
+        for logits, batch in cases:
+            drawn = self._compiled[self._program_key("draw", logits)].out_info  # SampledTokens of structs
+            if self._whole is None:
+                # An executable's outputs are committed to a device when some argument it was
+                # lowered with was, whatever it is called with; out_info's structs name one. Without
+                # them every program's outputs are as committed as the step's logits, as the jitted
+                # calls' were: else placeholder filling would meet token ids of both kinds.
+                drawn = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), drawn)
+            plan = self._plan(logits, batch, drawn.token_ids)
+            if plan.edit is not None:
+                key = self._program_key(("edit", plan.width), logits)
+                if key not in self._compiled and key not in later:
+                    later[key] = plan.edit.lower(*plan.edit_args)
+            if plan.wants_logprobs:
+                key = self._program_key("logprobs", logits)
+                if key not in self._compiled and key not in later:
+                    later[key] = self._logprobs.lower(logits, drawn)
+        self._compiled.update(compile_concurrently(later, lambda key: contextlib.nullcontext()))
+        return len(draws) + len(later)
 
     def _edit_for(self, logits):
         """The jitted `process_logits` for logits placed as these are (on a mesh, one per sharding)."""
@@ -648,15 +712,12 @@ class Sampler:
     def program_memory(self, logits: jax.ShapeDtypeStruct, penalised: SamplingBatch) -> int:
         """The most that sampling a step's logits ([B, V] float32, as the step lays them out) needs
         on a device besides them, in bytes: a batch that edits the logits (`penalised`: the
-        widest penalty history a batch can have) holds the edited copy through the draw and the
-        logprobs of the raw logits after it. Compiled, never run."""
-        rows = max(logits.shape[0], self.config.pad_rows)
-        edit = ProgramMemory.of(
-            self._edit_for(logits).lower(logits, self._put(penalised), np.zeros(rows, np.int32)).compile())
-        plain = dataclasses.replace(penalised, penalties=None)
-        compiled = self._draw.lower(logits, self._put(plain), config=self.config).compile()
-        draw = ProgramMemory.of(compiled)
-        logprobs = ProgramMemory.of(self._logprobs.lower(logits, compiled.out_info).compile())
+        widest penalty history a batch can have, with logprobs) holds the edited copy through the
+        draw and the logprobs of the raw logits after it. Compiled (`compile`), never run."""
+        self.compile([(logits, penalised)])
+        width = self._plan(logits, penalised, None).width
+        edit, draw, logprobs = (ProgramMemory.of(self._compiled[self._program_key(program, logits)])
+                                for program in (("edit", width), "draw", "logprobs"))
         return edit.outputs + max(edit.temp, draw.total, draw.outputs + logprobs.total)
 
     def _put(self, batch: SamplingBatch) -> SamplingBatch:
