@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Callable
 
 from dsv4_jax.config import DeepseekV4Config
-from dsv4_jax.partial_dirs import new_partial
+from dsv4_jax.partial_dirs import partial_for, publish
 
 BUILTIN_PRESET = "dsv4-tiny"
 BUILTIN_SEED = 0
@@ -45,16 +45,16 @@ def cached_checkpoint(name: str, write: Callable[[Path], object]) -> Path:
     first rename wins and the others drop theirs."""
     path = cache_root() / name
     if not (path / "config.json").is_file():
-        partial = new_partial(path)  # this writer's own (stale ones of killed writers removed)
-        try:
-            write(partial)
+        with partial_for(path) as partial:  # this writer's own (those of killed writers removed)
             try:
-                partial.rename(path)
-            except OSError:  # another writer's complete copy is already there
-                if not (path / "config.json").is_file():
-                    raise
-        finally:
-            shutil.rmtree(partial, ignore_errors=True)
+                write(partial)
+                try:
+                    publish(partial, path)
+                except OSError:  # another writer's complete copy is already there
+                    if not (path / "config.json").is_file():
+                        raise
+            finally:
+                shutil.rmtree(partial, ignore_errors=True)
     return path
 
 

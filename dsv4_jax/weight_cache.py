@@ -30,7 +30,7 @@ import jax
 import numpy as np
 
 from dsv4_jax.builtin import cache_root
-from dsv4_jax.partial_dirs import new_partial, remove_stale_partials
+from dsv4_jax.partial_dirs import partial_for, publish, remove_stale_partials
 
 if TYPE_CHECKING:
     from jax.sharding import Mesh, Sharding
@@ -139,7 +139,7 @@ def save(
     import orbax.checkpoint as ocp
 
     directory.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_partials(directory)  # before the free space is counted: a killed write's
+    remove_stale_partials(directory)  # before the free space is counted: a killed write's folder holds some
     size = sum(a.nbytes for a in arrays.values())
     free = shutil.disk_usage(directory.parent).free
     if size * FREE_SPACE_MARGIN > free:
@@ -148,27 +148,27 @@ def save(
             directory, size / 2**30, directory.parent, free / 2**30,
         )
         return False
-    partial = new_partial(directory)
-    try:
-        # Uncompressed: weights (random or trained, fp8 and fp4 above all) barely compress, and
-        # zstd on save and restore made the cache slower than the safetensors it replaces.
-        with ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_compression=False)) as checkpointer:
-            checkpointer.save((partial / STATE_DIR).resolve(), args=ocp.args.PyTreeSave(dict(arrays)))
-        meta = {
-            "key": dict(fields),
-            "mtp_enabled": mtp_enabled,
-            "warnings": warnings,
-            "leaves": {name: [list(a.shape), np.dtype(a.dtype).name] for name, a in arrays.items()},
-        }
-        (partial / META_FILE).write_text(json.dumps(meta, indent=1))
-        partial.rename(directory)  # atomic: the entry appears complete or not at all
-    except OSError as error:  # a full disk, or another process renamed the same entry in first
-        shutil.rmtree(partial, ignore_errors=True)
-        if find(directory) is not None:
-            return True
-        logger.warning("could not write the converted-weights cache %s: %s", directory, error)
-        return False
-    except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)
-        raise
+    with partial_for(directory) as partial:
+        try:
+            # Uncompressed: weights (random or trained, fp8 and fp4 above all) barely compress, and
+            # zstd on save and restore made the cache slower than the safetensors it replaces.
+            with ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_compression=False)) as checkpointer:
+                checkpointer.save((partial / STATE_DIR).resolve(), args=ocp.args.PyTreeSave(dict(arrays)))
+            meta = {
+                "key": dict(fields),
+                "mtp_enabled": mtp_enabled,
+                "warnings": warnings,
+                "leaves": {name: [list(a.shape), np.dtype(a.dtype).name] for name, a in arrays.items()},
+            }
+            (partial / META_FILE).write_text(json.dumps(meta, indent=1))
+            publish(partial, directory)  # atomic: the entry appears complete or not at all
+        except OSError as error:  # a full disk, or another process renamed the same entry in first
+            shutil.rmtree(partial, ignore_errors=True)
+            if find(directory) is not None:
+                return True
+            logger.warning("could not write the converted-weights cache %s: %s", directory, error)
+            return False
+        except BaseException:
+            shutil.rmtree(partial, ignore_errors=True)
+            raise
     return True

@@ -404,33 +404,40 @@ def test_warm_up_compiles_every_bucket_on_threads_and_steps_run_those_executable
     assert all(m.step.temp > 0 and (m.scores is not None) == (s > 1) for (b, s), m in memory.items())
 
 
-def test_compiles_run_at_once_and_fail_in_their_buckets_context():
-    """`compile_concurrently` compiles on its own threads, several at once, and raises a failed
-    compile inside `describe(key)` (the runner names the bucket and the attention backend there)."""
+def test_compiles_run_at_once_and_fail_in_their_buckets_context(monkeypatch):
+    """`compile_concurrently` compiles on its own threads, `DSV4_JAX_COMPILE_THREADS` at once (1:
+    one after another), and raises a failed compile inside `describe(key)` (the runner names the
+    bucket and the attention backend there)."""
     import contextlib
     import threading
+    import time
 
-    from dsv4_jax.engine.compiles import compile_concurrently
+    from dsv4_jax.engine.compiles import compile_concurrently, compile_threads
 
-    started, release, threads = [], threading.Event(), set()
+    lock, state = threading.Lock(), {"active": 0, "peak": 0, "threads": set()}
 
     class Lowered:
-        def __init__(self, fails: bool):
+        def __init__(self, fails: bool = False):
             self.fails = fails
 
         def compile(self):
-            threads.add(threading.current_thread().name)
-            started.append(self)
-            if len(started) == 2:
-                release.set()
-            assert release.wait(10), "the second compile never started while the first waited"
+            with lock:
+                state["active"] += 1
+                state["peak"] = max(state["peak"], state["active"])
+                state["threads"].add(threading.current_thread().name)
+            time.sleep(0.2)
+            with lock:
+                state["active"] -= 1
             if self.fails:
                 raise ValueError("refused by the compiler")
             return "executable"
 
-    assert compile_concurrently({"a": Lowered(False), "b": Lowered(False)}, lambda key: contextlib.nullcontext()) \
-        == {"a": "executable", "b": "executable"}
-    assert all(name.startswith("dsv4-compile") for name in threads)
+    for threads in (2, 1):
+        monkeypatch.setenv("DSV4_JAX_COMPILE_THREADS", str(threads))
+        state.update(peak=0, threads=set())
+        jobs = {key: Lowered() for key in "abc"}
+        assert compile_concurrently(jobs, lambda key: contextlib.nullcontext()) == dict.fromkeys("abc", "executable")
+        assert state["peak"] == threads and all(name.startswith("dsv4-compile") for name in state["threads"])
 
     @contextlib.contextmanager
     def naming(key):
@@ -439,17 +446,22 @@ def test_compiles_run_at_once_and_fail_in_their_buckets_context():
         except ValueError as err:
             raise RuntimeError(f"bucket {key}: {err}") from err
 
-    started.clear()
-    release.clear()
     with pytest.raises(RuntimeError, match=r"bucket b: refused by the compiler"):
-        compile_concurrently({"a": Lowered(False), "b": Lowered(True)}, naming)
+        compile_concurrently({"a": Lowered(), "b": Lowered(fails=True)}, naming)
+    for bad in ("0", "two", "-1"):
+        monkeypatch.setenv("DSV4_JAX_COMPILE_THREADS", bad)
+        with pytest.raises(ValueError, match="DSV4_JAX_COMPILE_THREADS must be a positive integer"):
+            compile_threads()
 
 
-def test_steps_compile_without_xlas_rematerialization_pass(monkeypatch):
+def test_steps_compile_without_xlas_rematerialization_pass(runner, monkeypatch):
     """The step's compiler options disable XLA's rematerialization pass and keep the passes
     XLA_FLAGS disables (a compile option replaces XLA_FLAGS' list)."""
     from dsv4_jax.engine.runner import step_compiler_options
 
+    bucket = runner.buckets.all[0]
+    lowered = runner._step.lower(runner.weights, runner.cache, *runner.padding_step(bucket))
+    assert dict(lowered._lowering._compiler_options_kvs) == step_compiler_options()  # what XLA is given
     monkeypatch.delenv("XLA_FLAGS", raising=False)
     assert step_compiler_options() == {"xla_disable_hlo_passes": "rematerialization"}
     monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_disable_hlo_passes=foo,bar")

@@ -235,45 +235,57 @@ def test_checkpoints_written_at_once_by_several_processes_appear_whole(tmp_path,
 
 def test_a_killed_writers_partial_folder_is_removed_by_the_next_writer(tmp_path, monkeypatch, caplog):
     """A writer killed mid-write (SIGKILL, the OOM killer) leaves its partial folder; a converted
-    V4-Flash entry is ~150 GB of it. The next writer of the entry on this host removes the folders
-    of writers that no longer run, and only those: not a running writer's, not another host's,
-    not another entry's."""
-    import socket
+    V4-Flash entry is ~150 GB of it. The next writer of the entry removes the folders whose
+    writer's lock it can take, and lock-less ones untouched for an hour (older versions' folders),
+    and only those: not a folder whose lock is held (a live writer, whatever its PID namespace),
+    not a young lock-less one (a writer about to lock or to rename), not another entry's."""
+    import fcntl
+    import time
 
     import jax
 
     from dsv4_jax import weight_cache
     from dsv4_jax.builtin import cached_checkpoint
+    from dsv4_jax.partial_dirs import LOCK_FILE, UNLOCKED_STALE_S
 
     monkeypatch.setenv("DSV4_JAX_CACHE", str(tmp_path))
-    host = socket.gethostname()
-    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
-                          check=True)
-    dead_pid, live_pid = int(gone.stdout), os.getppid()  # the child has exited; pytest's parent runs
-    folders = {
-        "killed": tmp_path / f"model.partial-{host}-{dead_pid}-abc123",
-        "running": tmp_path / f"model.partial-{host}-{live_pid}-def456",
-        "other host": tmp_path / f"model.partial-{host}x-{dead_pid}-ghi789",
-        "other entry": tmp_path / f"model2.partial-{host}-{dead_pid}-jkl012",
-        "not ours": tmp_path / "model.partial-notes",
-    }
-    for folder in folders.values():
+    folders = {name: tmp_path / f"{entry}.partial-{suffix}" for name, entry, suffix in (
+        ("killed", "model", "abc"), ("live", "model", "def"), ("young unlocked", "model", "ghi"),
+        ("old unlocked", "model", "12345"), ("other entry", "model2", "jkl"))}
+    for name, folder in folders.items():
         folder.mkdir()
         (folder / "weights.bin").write_bytes(b"\0" * 4096)
-    with caplog.at_level("WARNING"):
-        path = cached_checkpoint("model", lambda d: (d / "config.json").write_text("{}"))
+        if "unlocked" not in name:
+            (folder / LOCK_FILE).touch()
+    held = os.open(folders["live"] / LOCK_FILE, os.O_RDWR)
+    fcntl.flock(held, fcntl.LOCK_EX)  # another open file description: as another process's lock
+    old = time.time() - UNLOCKED_STALE_S - 60
+    os.utime(folders["old unlocked"], (old, old))
+    try:
+        with caplog.at_level("WARNING"):
+            path = cached_checkpoint("model", lambda d: (d / "config.json").write_text("{}"))
+    finally:
+        os.close(held)
     assert path == tmp_path / "model" and (path / "config.json").is_file()
-    assert {name for name, folder in folders.items() if folder.exists()} == {"running", "other host", "other entry",
-                                                                          "not ours"}
-    assert f"left by process {dead_pid}" in caplog.text
+    assert not (path / LOCK_FILE).exists()  # the entry keeps no lock file
+    assert {name for name, folder in folders.items() if folder.exists()} == {"live", "young unlocked", "other entry"}
+    assert caplog.text.count("left by a writer that stopped") == 2
 
-    # The converted-weights cache sweeps before it counts the disk's free space.
-    stale = tmp_path / f"ckpt-0123.partial-{host}-{dead_pid}-mno345"
+    # The converted-weights cache removes them before it counts the disk's free space.
+    stale = tmp_path / "ckpt-0123.partial-mno"
     stale.mkdir()
+    (stale / LOCK_FILE).touch()
+    disk_usage = shutil.disk_usage
+
+    def usage(path):
+        assert not stale.exists(), "free space counted before the killed write's folder was removed"
+        return disk_usage(path)
+
+    monkeypatch.setattr(weight_cache.shutil, "disk_usage", usage)
     arrays = {"w": jax.device_put(np.arange(6, dtype=np.float32))}
     assert weight_cache.save(tmp_path / "ckpt-0123", arrays, fields={}, mtp_enabled=False, warnings=[])
-    assert not stale.exists() and weight_cache.find(tmp_path / "ckpt-0123") is not None
-    assert not list(tmp_path.glob("ckpt-0123.partial-*"))
+    assert weight_cache.find(tmp_path / "ckpt-0123") is not None
+    assert not list(tmp_path.glob("ckpt-0123.partial-*")) and not (tmp_path / "ckpt-0123" / LOCK_FILE).exists()
 
 
 # ---- command-line entry points ----------------------------------------------------------------

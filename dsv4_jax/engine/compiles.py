@@ -120,11 +120,29 @@ def usable_cpus() -> int:
         return os.cpu_count() or 1
 
 
+COMPILE_THREADS_ENV = "DSV4_JAX_COMPILE_THREADS"
+# A bound, not a measured optimum (no GPU measurement yet): XLA:GPU times candidate kernels on
+# the device while it compiles, on buffers the size of their operands, so N compiles at once need
+# N times that memory beside pools sized to fill it, and time their candidates against each other.
+DEFAULT_COMPILE_THREADS = 4
+
+
+def compile_threads() -> int:
+    """How many programs `compile_concurrently` compiles at once: $DSV4_JAX_COMPILE_THREADS (1:
+    one after another), else the CPUs this process may use, at most DEFAULT_COMPILE_THREADS."""
+    value = os.environ.get(COMPILE_THREADS_ENV)
+    if value is None:
+        return max(1, min(usable_cpus(), DEFAULT_COMPILE_THREADS))
+    if not value.strip().isdigit() or int(value) < 1:
+        raise ValueError(f"{COMPILE_THREADS_ENV} must be a positive integer, got {value!r}")
+    return int(value)
+
+
 def compile_concurrently(jobs: dict, describe: Callable[[object], contextlib.AbstractContextManager]) -> dict:
-    """`{key: lowered.compile()}` of lowered programs, on threads (XLA compiles without holding
-    the GIL: on a GPU each step program took 11-15 s to compile, one after another). Errors are
-    raised in `describe(key)`'s context, the first key's first."""
-    workers = max(1, min(len(jobs), usable_cpus()))
+    """`{key: lowered.compile()}` of lowered programs, `compile_threads()` at once on threads (XLA
+    compiles without holding the GIL: on a GPU each step program took 11-15 s to compile, one
+    after another). Errors are raised in `describe(key)`'s context, the first key's first."""
+    workers = max(1, min(len(jobs), compile_threads()))
     with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="dsv4-compile") as pool:
         futures = {key: pool.submit(lowered.compile) for key, lowered in jobs.items()}
     out = {}

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from dsv4_jax.engine.compiles import compile_threads
 from dsv4_jax.engine.outputs import RequestOutput
 from dsv4_jax.engine.request import integer_token_ids
 from dsv4_jax.engine.runner import StepBuckets
@@ -247,6 +248,7 @@ class LLM:
 
         cls._check_arguments(dtype, max_model_len, max_num_seqs, max_num_batched_tokens, num_gpu_blocks_override,
                              gpu_memory_utilization, seed, block_size)
+        compile_threads()  # $DSV4_JAX_COMPILE_THREADS, read at warm-up: refused here if it is not a count
         if not isinstance(enable_expert_parallel, bool):
             raise ValueError(f"enable_expert_parallel must be a bool, got {enable_expert_parallel!r}")
         ParallelConfig(tensor_parallel_size, data_parallel_size, enable_expert_parallel)  # sizes >= 1

@@ -46,7 +46,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from dsv4_jax.engine.compiles import CompileCounter, ProgramMemory, compile_concurrently, usable_cpus
+from dsv4_jax.engine.compiles import CompileCounter, ProgramMemory, compile_concurrently, compile_threads
 from dsv4_jax.engine.host_memory import keep_freed_buffers
 from dsv4_jax.engine.sampler import prompt_scores
 from dsv4_jax.engine.sampling_params import MAX_LOGPROBS
@@ -500,7 +500,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         self.compile_buckets()
         logger.info("warm-up: %d buckets' steps and prompt scoring compiled in %.1fs (%d compiles at once)",
-                    len(buckets), time.perf_counter() - t0, min(len(buckets), usable_cpus()))
+                    len(buckets), time.perf_counter() - t0, min(len(buckets), compile_threads()))
         for i, (rank_rows, s) in enumerate(buckets):
             b = rank_rows * self.dp
             t0 = time.perf_counter()

@@ -677,7 +677,8 @@ class Sampler:
         them. Calls of those shapes then run the executables. Returns how many it compiled."""
         draws, later = {}, {}
         for logits, batch in cases:
-            plan = self._plan(logits, batch, None)
+            # The draw's batch: previous token ids only go to the edit (placeholders here).
+            plan = self._plan(logits, batch, np.zeros(max(logits.shape[0], self.config.pad_rows), np.int32))
             key = self._program_key("draw", logits)
             if key not in self._compiled:
                 draws[key] = self._draw.lower(logits, plan.draw_batch, config=self.config)
