@@ -17,7 +17,8 @@
 #       half of the GPU's memory): healthy, the fp8_ds_mla line, /v1/models, a chat completion
 #       with correct usage, TTFT, 160 streamed requests checked one by one, no compile after the
 #       warm-up, a clean SIGTERM (benchmarks/serve_check.py, killed at 240 s: on an H200 the
-#       start alone took over 100 s, 89 s of it compiling the programs that size the pools);
+#       start alone took over 100 s, 89 s of it compiling the programs that size the pools;
+#       a row summarizes the start-up's compiles and fails on an XLA rematerialization warning);
 #    c. the built-in tiny model through the runner on each Pallas backend, compiled for the GPU,
 #       against the same kernels in the Pallas interpreter on the GPU (pass/fail: greedy tokens
 #       equal where the top-1/top-2 gap exceeds 1e-3, logprobs within 1e-3) and against the xla

@@ -97,6 +97,20 @@ def compiles_after_warmup(log: Path) -> int | None:
     return sum(any(n in line for n in COMPILE_LINES) for line in lines[marks[-1] + 1:])
 
 
+def compile_summary(log: Path) -> str:
+    """The start-up's compiles from JAX_LOG_COMPILES lines: per program, how many and their
+    seconds (the most, the sum; compiles at once overlap), and XLA's rematerialization warnings."""
+    seconds: dict[str, list[float]] = {}
+    for line in log_lines(log, "Finished XLA compilation of "):
+        match = re.search(r"Finished XLA compilation of (\S+) in ([0-9.]+) sec", line)
+        if match:
+            seconds.setdefault(match.group(1), []).append(float(match.group(2)))
+    parts = [f"{name} {len(t)} x, max {max(t):.1f} s, sum {sum(t):.1f} s"
+             for name, t in sorted(seconds.items(), key=lambda item: -sum(item[1]))]
+    remat = len(log_lines(log, "hlo_rematerialization"))
+    return "; ".join(parts + [f"{remat} rematerialization warnings"])
+
+
 def chat_checks(base: str, table: Table) -> None:
     import httpx
 
@@ -187,6 +201,8 @@ def main(argv: list[str] | None = None) -> int:
                   " / ".join(kv[:3]) or "no KV line in the log")
         sizing = log_lines(args.log, "activations:", "sequence slots", "warm-up:", "ready:")
         table.row("pool sizing and warm-up logged", bool(sizing), " / ".join(sizing))
+        table.row("start-up compiles (steps without XLA's rematerialization pass)",
+                  not log_lines(args.log, "hlo_rematerialization"), compile_summary(args.log))
         chat_checks(base, table)
         load_check(base, args.requests, args.concurrency, args.log.with_name("serve_check_load.json"), table,
                    max(10.0, deadline - time.monotonic() - 30))

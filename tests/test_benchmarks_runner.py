@@ -69,3 +69,21 @@ def test_the_mid_config_keeps_flash_proportions(bench):
     # Flash: two sliding layers, then CSA and HCA alternating.
     assert mid.layer_types[:2] == flash.layer_types[:2] == (SLIDING, SLIDING)
     assert mid.layer_types[2:] == flash.layer_types[2 : mid.num_hidden_layers] == (CSA, HCA) * 3
+
+
+def test_serve_checks_compile_summary_reads_jax_log_compiles_lines(tmp_path):
+    """The GPU serving check's start-up row: per program its compiles, their longest and summed
+    seconds, and XLA's rematerialization warnings (lines as the H200's log had them)."""
+    spec = importlib.util.spec_from_file_location("benchmarks_serve_check", REPO / "benchmarks" / "serve_check.py")
+    serve_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(serve_check)
+    compile_summary = serve_check.compile_summary
+    log = tmp_path / "serve.log"
+    log.write_text(
+        "2026-12-04 18:06:17,070 WARNING jax._src.dispatch: Finished XLA compilation of jit(_step) in 15.543209791 sec\n"
+        "W1204 18:06:27.884215     780 hlo_rematerialization.cc:3363] Can't reduce memory use below 69.48GiB\n"
+        "2026-12-04 18:06:33,355 WARNING jax._src.dispatch: Finished XLA compilation of jit(_step) in 12.130897284 sec\n"
+        "2026-12-04 18:07:25,881 WARNING jax._src.dispatch: Finished XLA compilation of jit(_sample) in 5.367656946 sec\n"
+        "INFO:     127.0.0.1:42500 - \"GET /health HTTP/1.1\" 503 Service Unavailable\n")
+    assert compile_summary(log) == ("jit(_step) 2 x, max 15.5 s, sum 27.7 s; jit(_sample) 1 x, max 5.4 s, sum 5.4 s; "
+                                    "1 rematerialization warnings")
