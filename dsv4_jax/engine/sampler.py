@@ -625,15 +625,14 @@ class Sampler:
     def _sample(self, logits: jax.Array, batch: SamplingBatch, previous_token_ids: jax.Array | None) -> SampledTokens:
         plan = self._plan(logits, batch, previous_token_ids)
         if plan.edit is None:
-            return self._run("draw", logits, self._draw_now, logits, plan.draw_batch)
-        # The edited logits are placed as the step's logits are (a jit output without
-        # out_shardings is committed exactly when its inputs are), so the draw reads them with the
-        # executable it already has.
+            return self._run("draw", logits, self._draw_with_config, logits, plan.draw_batch)
+        # The edited logits are placed as the step's logits are, so the draw reads them with the
+        # executable of the step's logits.
         edited = self._run(("edit", plan.width), logits, plan.edit, *plan.edit_args)
-        sampled = self._run("draw", logits, self._draw_now, edited, plan.draw_batch)
+        sampled = self._run("draw", logits, self._draw_with_config, edited, plan.draw_batch)
         return self._run("logprobs", logits, self._logprobs, logits, sampled) if plan.wants_logprobs else sampled
 
-    def _draw_now(self, logits, batch):
+    def _draw_with_config(self, logits, batch):
         return self._draw(logits, batch, config=self.config)
 
     def _plan(self, logits, batch: SamplingBatch, previous_token_ids) -> _SamplingPlan:
@@ -716,7 +715,7 @@ class Sampler:
         widest penalty history a batch can have, with logprobs) holds the edited copy through the
         draw and the logprobs of the raw logits after it. Compiled (`compile`), never run."""
         self.compile([(logits, penalised)])
-        width = self._plan(logits, penalised, None).width
+        width = np.shape(penalised.penalties.token_ids)[1]
         edit, draw, logprobs = (ProgramMemory.of(self._compiled[self._program_key(program, logits)])
                                 for program in (("edit", width), "draw", "logprobs"))
         return edit.outputs + max(edit.temp, draw.total, draw.outputs + logprobs.total)
