@@ -3,8 +3,9 @@ here with one line and exit status 2), bind the port, then load and warm up the 
 while `/health` answers 503; serve until SIGTERM / SIGINT, then stop accepting (503), let what runs
 finish for a grace period, abort the rest and exit 0.
 
-JAX's persistent compilation cache is on (under `$DSV4_JAX_CACHE/jax-cache`, or
-`$JAX_COMPILATION_CACHE_DIR`), so a restart's warm-up loads executables instead of compiling them.
+JAX's persistent compilation cache is on for every program (`dsv4_jax.compilation_cache`: under
+`$DSV4_JAX_CACHE/jax-cache`, or `$JAX_COMPILATION_CACHE_DIR`), so a restart's warm-up loads
+executables instead of compiling them.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-import os
 import signal
 import sys
 import threading
@@ -34,15 +34,10 @@ def _configure_logging() -> None:
 
 
 def _enable_compilation_cache() -> None:
-    import jax
+    from dsv4_jax.compilation_cache import enable_compilation_cache
 
-    from dsv4_jax.builtin import cache_root
-
-    directory = os.environ.get("JAX_COMPILATION_CACHE_DIR") or str(cache_root() / "jax-cache")
-    jax.config.update("jax_compilation_cache_dir", directory)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-    logger.info("JAX compilation cache: %s", directory)
+    directory = enable_compilation_cache(every_program=True)
+    logger.info("JAX compilation cache: %s", directory or "off (JAX_ENABLE_COMPILATION_CACHE)")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

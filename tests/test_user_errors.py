@@ -357,3 +357,38 @@ def test_plan_bad_model_is_one_line(model_dir):
     (model_dir / "config.json").write_text("{")
     done = _run("dsv4_jax.plan", "--model", str(model_dir))
     _assert_one_line_error(done, "python -m dsv4_jax.plan", str(model_dir / "config.json"), "invalid JSON")
+
+
+def test_the_persistent_compilation_cache_is_on_unless_jax_is_told_otherwise(tmp_path, monkeypatch):
+    """`LLM` and `python -m serve` turn JAX's persistent compilation cache on before anything
+    compiles: in `$DSV4_JAX_CACHE/jax-cache` where JAX has no directory, JAX's own directory where
+    it has one, and not at all where JAX's switch is off (each case a fresh process: JAX reads the
+    settings once)."""
+    import subprocess
+    import sys
+
+    from dsv4_jax import LLM
+    from dsv4_jax import compilation_cache
+
+    script = ("import jax; from dsv4_jax.compilation_cache import enable_compilation_cache as e; "
+              "print(e(), jax.config.jax_compilation_cache_dir, jax.config.jax_persistent_cache_min_compile_time_secs)")
+    base = {k: v for k, v in os.environ.items() if not k.startswith("JAX_")} | {"JAX_PLATFORMS": "cpu",
+                                                                              "DSV4_JAX_CACHE": str(tmp_path)}
+    cases = {"unset": {}, "jax's directory": {"JAX_COMPILATION_CACHE_DIR": str(tmp_path / "mine")},
+             "switched off": {"JAX_ENABLE_COMPILATION_CACHE": "false"}}
+    out = {}
+    for name, env in cases.items():
+        done = subprocess.run([sys.executable, "-c", script], env=base | env, capture_output=True, text=True,
+                              timeout=120)
+        assert done.returncode == 0, done.stderr[-2000:]
+        out[name] = done.stdout.split()
+    default = str(tmp_path / "jax-cache")
+    assert out["unset"] == [default, default, "1.0"]  # JAX's thresholds kept (the server sets them to 0)
+    assert out["jax's directory"] == [str(tmp_path / "mine")] * 2 + ["1.0"]
+    assert out["switched off"] == ["None", "None", "1.0"]
+
+    calls = []
+    monkeypatch.setattr(compilation_cache, "enable_compilation_cache", lambda **kw: calls.append(kw))
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        LLM("dsv4-tiny", max_num_seqs=0)  # refused before anything loads, the cache already on
+    assert calls == [{}]

@@ -120,7 +120,12 @@ class LLM:
             raise ValueError("enable_prefix_caching: prefix caching is not built yet in dsv4-jax; "
                              "leave it unset or pass False")
         import dsv4_jax
+        from dsv4_jax.compilation_cache import enable_compilation_cache
         from dsv4_jax.distributed import DistributedConfig, StepChannel, initialize
+
+        # Before anything compiles (JAX reads the setting at the first compile): a restarted
+        # notebook then loads the warm-up's executables.
+        enable_compilation_cache()
 
         # Several hosts: jax.distributed starts before anything touches a device.
         self.distributed = DistributedConfig(nnodes, node_rank, master_addr, master_port, headless=node_rank > 0)
