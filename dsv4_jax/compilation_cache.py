@@ -18,8 +18,10 @@ logger = logging.getLogger(__name__)
 
 def enable_compilation_cache(*, every_program: bool = False) -> str | None:
     """Point JAX's persistent compilation cache at a directory where none is set; returns the
-    directory in use (None where JAX's switch is off). `every_program`: also cache programs that
-    compile in under a second, and small ones (the server: a restart then compiles nothing)."""
+    directory in use (None where JAX's switch is off). In our directory every program is cached,
+    also those that compile in under a second and small ones, so a restart compiles nothing; in
+    a directory JAX was given, JAX's thresholds stay as they are unless `every_program` (the
+    server)."""
     import jax
 
     from dsv4_jax.builtin import cache_root
@@ -30,6 +32,7 @@ def enable_compilation_cache(*, every_program: bool = False) -> str | None:
     if not directory:
         directory = str(cache_root() / "jax-cache")
         jax.config.update("jax_compilation_cache_dir", directory)
+        every_program = True
     if every_program:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
