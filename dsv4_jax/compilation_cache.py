@@ -11,10 +11,6 @@ process: a process that compiled something before left the cache as it found it.
 
 from __future__ import annotations
 
-import logging
-
-logger = logging.getLogger(__name__)
-
 
 def enable_compilation_cache(*, every_program: bool = False) -> str | None:
     """Point JAX's persistent compilation cache at a directory where none is set; returns the

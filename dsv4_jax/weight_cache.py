@@ -11,7 +11,7 @@ sizes, modification times, config.json included) and its resolved path, the comp
 `FORMAT_VERSION`; a changed checkpoint therefore gets a new key and is never served from a stale
 entry. An entry is written into a partial directory of its writer's own (`dsv4_jax.partial_dirs`)
 and renamed into place once complete, so a killed writer never leaves an entry that restores; the
-next writer of that entry on the host removes what a killed one left.
+next writer of that entry removes what a killed one left.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import jax
 import numpy as np
 
 from dsv4_jax.builtin import cache_root
-from dsv4_jax.partial_dirs import partial_for, publish, remove_stale_partials
+from dsv4_jax.partial_dirs import partial_for, publish
 
 if TYPE_CHECKING:
     from jax.sharding import Mesh, Sharding
@@ -138,17 +138,17 @@ def save(
     warning says so: the cache only saves time), and a failed write leaves no entry behind."""
     import orbax.checkpoint as ocp
 
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_partials(directory)  # before the free space is counted: a killed write's folder holds some
-    size = sum(a.nbytes for a in arrays.values())
-    free = shutil.disk_usage(directory.parent).free
-    if size * FREE_SPACE_MARGIN > free:
-        logger.warning(
-            "not writing the converted-weights cache %s: it needs %.1f GiB but %s has %.1f GiB free",
-            directory, size / 2**30, directory.parent, free / 2**30,
-        )
-        return False
+    # The free space is counted once partial_for has removed killed writers' folders (they hold some).
     with partial_for(directory) as partial:
+        size = sum(a.nbytes for a in arrays.values())
+        free = shutil.disk_usage(directory.parent).free
+        if size * FREE_SPACE_MARGIN > free:
+            shutil.rmtree(partial, ignore_errors=True)
+            logger.warning(
+                "not writing the converted-weights cache %s: it needs %.1f GiB but %s has %.1f GiB free",
+                directory, size / 2**30, directory.parent, free / 2**30,
+            )
+            return False
         try:
             # Uncompressed: weights (random or trained, fp8 and fp4 above all) barely compress, and
             # zstd on save and restore made the cache slower than the safetensors it replaces.

@@ -287,6 +287,13 @@ def test_a_killed_writers_partial_folder_is_removed_by_the_next_writer(tmp_path,
     assert weight_cache.find(tmp_path / "ckpt-0123") is not None
     assert not list(tmp_path.glob("ckpt-0123.partial-*")) and not (tmp_path / "ckpt-0123" / LOCK_FILE).exists()
 
+    # A disk without the room writes nothing and leaves no folder behind, only a warning.
+    monkeypatch.setattr(weight_cache.shutil, "disk_usage", lambda path: disk_usage(path)._replace(free=1))
+    with caplog.at_level("WARNING"):
+        assert not weight_cache.save(tmp_path / "ckpt-4567", arrays, fields={}, mtp_enabled=False, warnings=[])
+    assert "not writing the converted-weights cache" in caplog.text
+    assert not list(tmp_path.glob("ckpt-4567*"))
+
 
 # ---- command-line entry points ----------------------------------------------------------------
 @pytest.mark.parametrize("parser", [demo.make_parser(), plan.make_parser()], ids=["demo", "plan"])
