@@ -11,23 +11,33 @@ node is gone and exits at once.
 
 The channel listens on `--master-port` + 1 of the leader (the port itself is JAX's coordinator)
 and carries pickled host arrays: run it on a trusted network only, as vLLM's own channels.
+
+A node that fails before the channel is up (a bad flag, a missing checkpoint, the channel's port
+taken) says why in JAX's coordination service (`start_failures_announced`), which the others poll
+while they wait for the channel: every node then exits at once, naming the reason. Without it the
+others would wait out their own timeouts (minutes), and the failing node with them, in JAX's
+shutdown barrier.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
 import pickle
+import select
 import socket
 import struct
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterable, Iterator
 
 logger = logging.getLogger(__name__)
 
 HEARTBEAT_TIMEOUT_S = 10  # jax.distributed's default is 100 s
+POLL_S = 1.0  # how often a node waiting for the step channel looks for another node's start-up failure
+_START_FAILED = "dsv4_jax/start_failed/"  # + a node's rank: why that node stopped before the channel
 _LENGTH = struct.Struct("!Q")
 
 
@@ -85,6 +95,51 @@ def initialize(config: DistributedConfig) -> None:
                 jax.device_count(), jax.local_device_count())
 
 
+def _coordination_client() -> Any:
+    """JAX's coordination-service client, whose key-value store every node reaches (None without
+    jax.distributed). JAX has no public key-value API; this attribute has been stable since 0.4."""
+    from jax._src import distributed as jax_distributed
+
+    return jax_distributed.global_state.client
+
+
+@contextlib.contextmanager
+def start_failures_announced(config: DistributedConfig) -> Iterator[None]:
+    """This node's start-up up to the step channel: an exception is announced to the other nodes
+    (they stop waiting for the channel and exit naming it), then raised."""
+    try:
+        yield
+    except BaseException as error:
+        client = _coordination_client() if config.nnodes > 1 else None
+        if client is not None:
+            reason = " ".join(str(error).split()) or type(error).__name__
+            try:
+                client.key_value_set(f"{_START_FAILED}{config.node_rank}", reason)
+            except Exception as kv_error:  # noqa: BLE001  (the coordinator may be gone: the original error matters)
+                logger.warning("could not tell the other nodes why this one stopped: %s", kv_error)
+        raise
+
+
+def start_failures() -> dict[int, str]:
+    """{node rank: reason} of the nodes that announced a start-up failure (empty without
+    jax.distributed, or when the coordination service cannot be read)."""
+    client = _coordination_client()
+    if client is None:
+        return {}
+    try:
+        entries = client.key_value_dir_get(_START_FAILED)
+    except Exception:  # noqa: BLE001  (the caller keeps waiting with its own timeout)
+        return {}
+    return {int(key.rsplit("/", 1)[1]): reason for key, reason in entries}
+
+
+def _raise_if_failed(nodes: Iterable[int]) -> None:
+    failed = start_failures()
+    for node in nodes:
+        if node in failed:
+            raise RuntimeError(f"node {node} stopped before the step channel opened: {failed[node]}")
+
+
 def _exit_on_lost(node: int, reason: str) -> None:
     logger.critical("follower node %d is gone (%s): every step needs all nodes (a collective would wait for it "
                     "forever), so this process exits", node, reason)
@@ -108,13 +163,29 @@ class StepChannel:
         """Wait for every follower; each sends its node rank and `settings` (what must be the same
         on every node: model, dtype, mesh, limits). A follower whose settings differ gets the
         differences back and this raises a ValueError naming them, as the follower does."""
-        server = socket.create_server(config.channel_address, reuse_port=False)
-        server.settimeout(timeout_s)
+        try:
+            server = socket.create_server(config.channel_address, reuse_port=False)
+        except OSError as error:
+            why = os.strerror(error.errno) if error.errno else str(error)
+            host, port = config.channel_address
+            raise ValueError(f"--master-addr {host} --master-port {config.master_port}: node 0's step channel cannot "
+                             f"listen on {host}:{port} (--master-port + 1): {why}; start every node with a "
+                             f"--master-port whose next port is free on node 0, and node 0's address as "
+                             f"--master-addr") from None
+        server.settimeout(POLL_S)  # between accepts: has a follower announced that it stopped?
+        deadline = time.monotonic() + timeout_s
         sockets: dict[int, socket.socket] = {}
         differences: list[str] = []
         try:
             while len(sockets) < config.nnodes - 1:
-                conn, peer = server.accept()
+                try:
+                    conn, peer = server.accept()
+                except TimeoutError:
+                    _raise_if_failed(n for n in range(1, config.nnodes) if n not in sockets)
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"only {len(sockets)} of {config.nnodes - 1} followers connected to "
+                                           f"{config.channel_address} within {timeout_s:.0f}s") from None
+                    continue
                 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 conn.settimeout(30)  # a peer that connects and says nothing is not a follower
                 try:
@@ -125,14 +196,16 @@ class StepChannel:
                     continue
                 conn.settimeout(None)
                 if node in sockets or not 0 < node < config.nnodes:
+                    conn.close()
                     raise ValueError(f"a follower announced --node-rank {node}: the ranks of --nnodes {config.nnodes} "
                                      f"are 1..{config.nnodes - 1}, each once")
                 sockets[node] = conn
                 differences += [f"{name}: node 0 has {settings.get(name)!r}, node {node} has {theirs.get(name)!r}"
                                 for name in sorted(set(settings) | set(theirs)) if settings.get(name) != theirs.get(name)]
-        except TimeoutError:
-            raise RuntimeError(f"only {len(sockets)} of {config.nnodes - 1} followers connected to "
-                               f"{config.channel_address} within {timeout_s:.0f}s") from None
+        except BaseException:
+            for conn in sockets.values():  # the followers waiting for a verdict read the end of the channel
+                conn.close()
+            raise
         finally:
             server.close()
         verdict = "; ".join(differences) or None
@@ -153,19 +226,37 @@ class StepChannel:
         """Connect to the leader and send this node's rank and `settings`; a ValueError naming the
         differences when the leader's differ."""
         deadline = time.monotonic() + timeout_s
+        next_poll = time.monotonic() + POLL_S
         while True:
             try:
                 conn = socket.create_connection(config.channel_address, timeout=10)
                 break
             except OSError:
+                if time.monotonic() > next_poll:  # node 0 may have stopped before opening the channel
+                    _raise_if_failed([0])
+                    next_poll = time.monotonic() + POLL_S
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"could not reach the leader's step channel at {config.channel_address} "
                                        f"within {timeout_s:.0f}s") from None
                 time.sleep(0.2)
         conn.settimeout(None)
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        _write_message(conn, (config.node_rank, settings))
-        verdict = _read_message(conn)
+        try:
+            _write_message(conn, (config.node_rank, settings))
+            # Node 0 answers once every follower has joined; meanwhile it may stop, or what answered
+            # on its port may not be node 0 at all.
+            while not select.select([conn], [], [], POLL_S)[0]:
+                _raise_if_failed([0])
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"node 0's step channel at {config.channel_address} gave no verdict on "
+                                       f"the flags within {timeout_s:.0f}s") from None
+            verdict = _read_message(conn)
+        except BaseException as error:
+            conn.close()
+            if not isinstance(error, (OSError, EOFError)):
+                raise
+            _raise_if_failed([0])  # node 0 stopped while the nodes joined: its reason
+            raise RuntimeError(f"node 0 closed the step channel before its verdict on the flags ({error})") from None
         if verdict:
             conn.close()
             raise ValueError(f"the nodes must be started with the same model and flags: {verdict}")

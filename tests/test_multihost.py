@@ -9,6 +9,8 @@ parallelism over the four devices (node 1 runs `LLM.follow()`, as any follower d
 * When the follower dies, the server exits within 30 s saying which node is gone, instead of
   hanging in a collective.
 * Nodes started with different flags stop at the handshake, before loading, each naming the flag.
+* A node that stops before the step channel is up (its port taken, a missing model) stops the
+  others at once, each naming why, instead of leaving them waiting for minutes.
 
 One two-process run serves the first three (each process compiles every step and sampler program:
 a follower's compiles are never persistent-cache hits, since only process 0 writes the cache).
@@ -19,8 +21,10 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -75,6 +79,42 @@ def _kill(processes: list[subprocess.Popen]) -> None:
             process.wait(timeout=30)
 
 
+def master_port() -> int:
+    """A --master-port whose next port (the step channel's) is free too, below the kernel's
+    ephemeral range where there is one: outgoing connections (other tests' clients, gloo's) take
+    ephemeral ports, so a pair free_port() found may be taken again by the time node 0 binds it."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 0
+    draw = random.Random(os.getpid() ^ time.monotonic_ns())
+    for _ in range(100):
+        port = draw.randrange(10_000, low - 1) if low > 10_001 else free_port()
+        try:
+            with socket.socket() as coordinator, socket.socket() as channel:
+                coordinator.bind(("127.0.0.1", port))
+                channel.bind(("127.0.0.1", port + 1))
+            return port
+        except OSError:
+            continue
+    raise RuntimeError("no free pair of ports for --master-port")
+
+
+def _wait_all(processes: list[subprocess.Popen], logs: list[Path], timeout_s: float = 90) -> list[int]:
+    """Every process's exit status; a failure showing every log when one still runs after `timeout_s`
+    (the processes are killed either way)."""
+    deadline = time.monotonic() + timeout_s
+    try:
+        for process in processes:
+            process.wait(timeout=max(0.1, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"still running after {timeout_s:.0f}s:\n" +
+                    "\n".join(f"== {log.name} ==\n{log.read_text()[-2000:]}" for log in logs))
+    finally:
+        _kill(processes)
+    return [process.returncode for process in processes]
+
+
 def _serve(node_rank: int, master_port: int, log: Path, *flags: str) -> subprocess.Popen:
     role = ["--headless"] if node_rank else []
     return _start([sys.executable, "-m", "serve", str(shared_checkpoint()), *SERVER_FLAGS, "--master-port",
@@ -87,7 +127,7 @@ class ServerPair:
     def __init__(self):
         self.directory = tempfile.TemporaryDirectory(prefix="multihost-serve-")
         self.logs = Path(self.directory.name)
-        master, http_port = free_port(), free_port()
+        master, http_port = master_port(), free_port()
         self.follower = _serve(1, master, self.logs / "follower.log", "--max-num-seqs", "2")
         self.leader = _serve(0, master, self.logs / "leader.log", "--max-num-seqs", "2", "--port", str(http_port))
         self.base = f"http://127.0.0.1:{http_port}"
@@ -229,14 +269,42 @@ def test_a_dead_follower_stops_the_server_within_30_s(server_pair):
 def test_nodes_started_with_different_flags_stop_before_loading_naming_the_flag(checkpoint, tmp_path):
     """A follower with another --max-num-seqs would size other pools and compute wrong tokens in
     silence: both nodes stop at the handshake, before any weight is read, each naming the flag."""
-    master = free_port()
-    processes = [_serve(rank, master, tmp_path / f"{rank}.log", "--max-num-seqs", str(seqs), "--port", str(free_port()))
-                 for rank, seqs in ((1, 1), (0, 2))]
-    try:
-        codes = [p.wait(timeout=120) for p in processes]
-    finally:
-        _kill(processes)
-    for rank, code in zip((1, 0), codes):
-        log = (tmp_path / f"{rank}.log").read_text()
-        assert code != 0 and "--max-num-seqs: node 0 has 2, node 1 has 1" in log, log[-2000:]
-        assert "weights: read" not in log, log[-2000:]
+    master = master_port()
+    logs = [tmp_path / "1.log", tmp_path / "0.log"]
+    processes = [_serve(rank, master, log, "--max-num-seqs", str(seqs), "--port", str(free_port()))
+                 for rank, seqs, log in ((1, 1, logs[0]), (0, 2, logs[1]))]
+    for code, log in zip(_wait_all(processes, logs), logs):
+        text = log.read_text()
+        assert code != 0 and "--max-num-seqs: node 0 has 2, node 1 has 1" in text, text[-2000:]
+        assert "weights: read" not in text, text[-2000:]
+
+
+@pytest.mark.parametrize("failing", ["node 0's channel port is taken", "node 1's model is missing"])
+def test_a_node_stopping_before_the_step_channel_stops_the_others_naming_why(checkpoint, tmp_path, failing):
+    """Its reason reaches the others through JAX's coordination service. Before, they waited for
+    the channel until their own 5-minute timeouts, and the failed node with them (in JAX's
+    shutdown barrier): a CI run hung here on a taken port."""
+    master = master_port()
+    logs = [tmp_path / "1.log", tmp_path / "0.log"]
+    follower_model = "/nonexistent/model" if failing == "node 1's model is missing" else str(checkpoint)
+    with socket.socket() as squatter:  # bound without SO_REUSEADDR, as an outgoing connection's port
+        if failing == "node 0's channel port is taken":
+            squatter.bind(("127.0.0.1", master + 1))
+        processes = [
+            _start([sys.executable, "-m", "serve", follower_model, *SERVER_FLAGS, "--master-port", str(master),
+                    "--node-rank", "1", "--headless"], logs[0]),
+            _serve(0, master, logs[1], "--port", str(free_port())),
+        ]
+        codes = _wait_all(processes, logs)
+    follower, leader = (log.read_text() for log in logs)
+    if failing == "node 0's channel port is taken":
+        why = f"node 0's step channel cannot listen on 127.0.0.1:{master + 1} (--master-port + 1)"
+        assert why in leader, leader[-2000:]
+        assert f"node 0 stopped before the step channel opened: --master-addr 127.0.0.1 --master-port {master}: " \
+               f"{why}" in follower, follower[-2000:]
+    else:
+        why = "model directory or config file /nonexistent/model does not exist"
+        assert why in follower, follower[-2000:]
+        assert f"node 1 stopped before the step channel opened: {why}" in leader, leader[-2000:]
+    assert all(code != 0 for code in codes), codes
+    assert all("weights: read" not in log for log in (follower, leader))

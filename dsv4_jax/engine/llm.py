@@ -121,7 +121,7 @@ class LLM:
                              "leave it unset or pass False")
         import dsv4_jax
         from dsv4_jax.compilation_cache import enable_compilation_cache
-        from dsv4_jax.distributed import DistributedConfig, StepChannel, initialize
+        from dsv4_jax.distributed import DistributedConfig, StepChannel, initialize, start_failures_announced
 
         # Before anything compiles (JAX reads the setting at the first compile): a restarted
         # notebook then loads the warm-up's executables.
@@ -130,49 +130,52 @@ class LLM:
         # Several hosts: jax.distributed starts before anything touches a device.
         self.distributed = DistributedConfig(nnodes, node_rank, master_addr, master_port, headless=node_rank > 0)
         initialize(self.distributed)
-        if nnodes > 1 and load_format != "safetensors":
-            if load_format == "orbax":
-                raise ValueError("--load-format orbax is not supported across hosts yet (--nnodes > 1): "
-                                 "pass --load-format safetensors")
-            logger.info("--load-format auto with --nnodes %d: reading the safetensors (the converted-weights "
-                        "cache is one host's)", nnodes)
-            load_format = "safetensors"
-        import jax
+        # A failure up to the step channel is told to the other nodes, which would wait for it.
+        with start_failures_announced(self.distributed):
+            if nnodes > 1 and load_format != "safetensors":
+                if load_format == "orbax":
+                    raise ValueError("--load-format orbax is not supported across hosts yet (--nnodes > 1): "
+                                     "pass --load-format safetensors")
+                logger.info("--load-format auto with --nnodes %d: reading the safetensors (the converted-weights "
+                            "cache is one host's)", nnodes)
+                load_format = "safetensors"
+            import jax
 
-        from dsv4_jax.engine.engine import LLMEngine
-        from dsv4_jax.sharding import ParallelConfig, make_mesh, node_weight_bytes
-        from dsv4_jax.tokenizer import load_tokenizer
+            from dsv4_jax.engine.engine import LLMEngine
+            from dsv4_jax.sharding import ParallelConfig, make_mesh, node_weight_bytes
+            from dsv4_jax.tokenizer import load_tokenizer
 
-        path = self.check_arguments(model, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
-                                    attention_backend=attention_backend, max_model_len=max_model_len,
-                                    max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                    num_gpu_blocks_override=num_gpu_blocks_override,
-                                    gpu_memory_utilization=gpu_memory_utilization,
-                                    tensor_parallel_size=tensor_parallel_size,
-                                    data_parallel_size=data_parallel_size,
-                                    enable_expert_parallel=enable_expert_parallel, load_format=load_format,
-                                    seed=seed, block_size=block_size, tokenizer=tokenizer)
-        # generation_config.json's sampling defaults (vLLM's keys); followers never sample.
-        self.sampling_defaults = generation_defaults(path, generation_config) if node_rank == 0 else {}
-        max_model_len = self.resolve_max_model_len(path, max_model_len)
-        compute = checkpoint_dtype(path) if dtype == "auto" else dtype
-        self.parallel = ParallelConfig(tensor_parallel_size, data_parallel_size, enable_expert_parallel)
-        buckets = buckets or default_buckets(max_num_seqs, max_model_len, max_num_batched_tokens)
-        channel = None
-        if nnodes > 1:  # before anything runs a collective: every node must run the same program
-            from dsv4_jax.config import DeepseekV4Config
+            path = self.check_arguments(model, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
+                                        attention_backend=attention_backend, max_model_len=max_model_len,
+                                        max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                        num_gpu_blocks_override=num_gpu_blocks_override,
+                                        gpu_memory_utilization=gpu_memory_utilization,
+                                        tensor_parallel_size=tensor_parallel_size,
+                                        data_parallel_size=data_parallel_size,
+                                        enable_expert_parallel=enable_expert_parallel, load_format=load_format,
+                                        seed=seed, block_size=block_size, tokenizer=tokenizer)
+            # generation_config.json's sampling defaults (vLLM's keys); followers never sample.
+            self.sampling_defaults = generation_defaults(path, generation_config) if node_rank == 0 else {}
+            max_model_len = self.resolve_max_model_len(path, max_model_len)
+            compute = checkpoint_dtype(path) if dtype == "auto" else dtype
+            self.parallel = ParallelConfig(tensor_parallel_size, data_parallel_size, enable_expert_parallel)
+            buckets = buckets or default_buckets(max_num_seqs, max_model_len, max_num_batched_tokens)
+            channel = None
+            if nnodes > 1:  # before anything runs a collective: every node must run the same program
+                from dsv4_jax.config import DeepseekV4Config
 
-            settings = {  # what must be equal on every node (the model's path may differ, its config not)
-                "model config": DeepseekV4Config.from_json(path), "--dtype": compute, "--kv-cache-dtype": kv_cache_dtype,
-                "--attention-backend": attention_backend, "--max-model-len": max_model_len,
-                "--max-num-seqs": max_num_seqs, "--max-num-batched-tokens": max_num_batched_tokens,
-                "--block-size": block_size, "--num-gpu-blocks-override": num_gpu_blocks_override,
-                "--tensor-parallel-size": tensor_parallel_size, "--data-parallel-size": data_parallel_size,
-                "--enable-expert-parallel": enable_expert_parallel, "--seed": seed, "buckets": buckets,
-                "usable_blocks_cap": usable_blocks_cap,
-            }
-            channel = (StepChannel.leader(self.distributed, settings) if self.distributed.is_leader
-                       else StepChannel.follower(self.distributed, settings))
+                settings = {  # what must be equal on every node (the model's path may differ, its config not)
+                    "model config": DeepseekV4Config.from_json(path), "--dtype": compute,
+                    "--kv-cache-dtype": kv_cache_dtype,
+                    "--attention-backend": attention_backend, "--max-model-len": max_model_len,
+                    "--max-num-seqs": max_num_seqs, "--max-num-batched-tokens": max_num_batched_tokens,
+                    "--block-size": block_size, "--num-gpu-blocks-override": num_gpu_blocks_override,
+                    "--tensor-parallel-size": tensor_parallel_size, "--data-parallel-size": data_parallel_size,
+                    "--enable-expert-parallel": enable_expert_parallel, "--seed": seed, "buckets": buckets,
+                    "usable_blocks_cap": usable_blocks_cap,
+                }
+                channel = (StepChannel.leader(self.distributed, settings) if self.distributed.is_leader
+                           else StepChannel.follower(self.distributed, settings))
         mesh = make_mesh(self.parallel) if self.parallel.world_size > 1 else None
         self.model = dsv4_jax.load_model(path, dtype=compute, kv_cache_dtype=kv_cache_dtype,
                                          attention_backend=attention_backend, mesh=mesh,
