@@ -13,15 +13,15 @@ The channel listens on `--master-port` + 1 of the leader (the port itself is JAX
 and carries pickled host arrays: run it on a trusted network only, as vLLM's own channels.
 
 A node that fails before the channel is up (a bad flag, a missing checkpoint, the channel's port
-taken) says why in JAX's coordination service (`start_failures_announced`), which the others poll
-while they wait for the channel: every node then exits at once, naming the reason. Without it the
-others would wait out their own timeouts (minutes), and the failing node with them, in JAX's
-shutdown barrier.
+taken) says why in JAX's coordination service (`StartUp`), which the others poll while they wait
+for the channel: every node then exits at once, naming the reason. Without it the others would
+wait out their own timeouts (minutes), and the failing node with them, in JAX's shutdown barrier.
+After the channel is up a thread watches for such failures until the warm-up ends (the main
+thread may be waiting in a collective then), and a lost follower is reported with its reason.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import os
@@ -31,7 +31,7 @@ import socket
 import struct
 import threading
 import time
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable
 
 logger = logging.getLogger(__name__)
 
@@ -103,21 +103,50 @@ def _coordination_client() -> Any:
     return jax_distributed.global_state.client
 
 
-@contextlib.contextmanager
-def start_failures_announced(config: DistributedConfig) -> Iterator[None]:
-    """This node's start-up up to the step channel: an exception is announced to the other nodes
-    (they stop waiting for the channel and exit naming it), then raised."""
-    try:
-        yield
-    except BaseException as error:
-        client = _coordination_client() if config.nnodes > 1 else None
+class StartUp:
+    """A node's start-up in a multi-node run, from `initialize` to the end of warm-up, as a context.
+
+    An exception inside it is announced to the other nodes (they stop waiting and exit naming it)
+    and closes the step channel, then propagates. Once the channel is up (`watch`), a thread
+    watches for the other nodes' announcements: this node's main thread may then be inside a
+    collective that waits for the failed node (placing weights, measuring activations, warming
+    up), which gloo gives up after 30 s and a GPU collective may never give up, so the thread ends
+    the process, naming the node and its reason. With one node it does nothing."""
+
+    def __init__(self, config: DistributedConfig):
+        self.config = config
+        self._channel: StepChannel | None = None
+        self._done = threading.Event()
+
+    def __enter__(self) -> StartUp:
+        return self
+
+    def watch(self, channel: StepChannel) -> None:
+        """The channel is up: from here a failure elsewhere can leave this node in a collective."""
+        self._channel = channel
+        threading.Thread(target=self._watch_others, daemon=True, name="start-up-watch").start()
+
+    def _watch_others(self) -> None:
+        while not self._done.wait(POLL_S):
+            others = {node: why for node, why in start_failures().items() if node != self.config.node_rank}
+            if others and not self._done.is_set():
+                _exit_as_stopped(min(others), others[min(others)])
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, traceback: Any) -> None:
+        self._done.set()
+        if error is None or self.config.nnodes == 1:
+            return
+        reason = " ".join(str(error).split()) or type(error).__name__
+        # First in this node's log: once the others exit, JAX may end this process before it prints.
+        logger.error("node %d stopped while starting: %s (the other nodes are told)", self.config.node_rank, reason)
+        client = _coordination_client()
         if client is not None:
-            reason = " ".join(str(error).split()) or type(error).__name__
             try:
-                client.key_value_set(f"{_START_FAILED}{config.node_rank}", reason)
+                client.key_value_set(f"{_START_FAILED}{self.config.node_rank}", reason)
             except Exception as kv_error:  # noqa: BLE001  (the coordinator may be gone: the original error matters)
                 logger.warning("could not tell the other nodes why this one stopped: %s", kv_error)
-        raise
+        if self._channel is not None:  # the traceback keeps it alive: the peers would wait on it
+            self._channel.close()
 
 
 def start_failures() -> dict[int, str]:
@@ -141,8 +170,18 @@ def _raise_if_failed(nodes: Iterable[int]) -> None:
 
 
 def _exit_on_lost(node: int, reason: str) -> None:
+    said = start_failures().get(node)  # a follower that failed while starting said why first
+    if said:
+        _exit_as_stopped(node, said)
     logger.critical("follower node %d is gone (%s): every step needs all nodes (a collective would wait for it "
                     "forever), so this process exits", node, reason)
+    logging.shutdown()
+    os._exit(1)
+
+
+def _exit_as_stopped(node: int, reason: str) -> None:
+    logger.critical("node %d stopped while starting: %s. This node cannot go on without it (its collectives "
+                    "would wait for it), so this process exits", node, reason)
     logging.shutdown()
     os._exit(1)
 

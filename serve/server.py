@@ -48,7 +48,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     _enable_compilation_cache()
 
     from dsv4_jax import LLM
-    from dsv4_jax.distributed import initialize, start_failures_announced
+    from dsv4_jax.distributed import StartUp, initialize
 
     initialize(args.distributed)  # several hosts: before anything touches a device
     kwargs = engine_kwargs(args)
@@ -56,7 +56,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _follow(kwargs)
     if args.model_is_builtin:
         logger.info("no model given: serving the built-in %s (random weights, the real V4 tokenizer)", args.model)
-    with start_failures_announced(args.distributed):  # several hosts: the followers stop waiting, naming it
+    with StartUp(args.distributed):  # several hosts: a failure here is told to the followers
         model_dir = LLM.check_arguments(**kwargs)  # every check that needs no weights, before the port opens
         generation_defaults(args, model_dir)  # a bad generation_config.json fails here too, naming the flag
     if args.max_model_len is None:  # the model's own limit (at most 4096), reported as the server's

@@ -9,8 +9,9 @@ parallelism over the four devices (node 1 runs `LLM.follow()`, as any follower d
 * When the follower dies, the server exits within 30 s saying which node is gone, instead of
   hanging in a collective.
 * Nodes started with different flags stop at the handshake, before loading, each naming the flag.
-* A node that stops before the step channel is up (its port taken, a missing model) stops the
-  others at once, each naming why, instead of leaving them waiting for minutes.
+* A node that stops while starting (its channel port taken, a missing model, a truncated shard),
+  before the step channel is up or after, stops the others at once, each naming why, instead of
+  leaving them waiting for minutes.
 
 One two-process run serves the first three (each process compiles every step and sampler program:
 a follower's compiles are never persistent-cache hits, since only process 0 writes the cache).
@@ -23,6 +24,7 @@ import json
 import os
 import random
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -279,32 +281,35 @@ def test_nodes_started_with_different_flags_stop_before_loading_naming_the_flag(
         assert "weights: read" not in text, text[-2000:]
 
 
-@pytest.mark.parametrize("failing", ["node 0's channel port is taken", "node 1's model is missing"])
-def test_a_node_stopping_before_the_step_channel_stops_the_others_naming_why(checkpoint, tmp_path, failing):
-    """Its reason reaches the others through JAX's coordination service. Before, they waited for
-    the channel until their own 5-minute timeouts, and the failed node with them (in JAX's
-    shutdown barrier): a CI run hung here on a taken port."""
+@pytest.mark.parametrize("failing, cause", [(0, "its channel port is taken"), (1, "its model is missing"),
+                                            (0, "a shard is truncated"), (1, "a shard is truncated")])
+def test_a_node_stopping_while_starting_stops_the_others_naming_why(checkpoint, tmp_path, failing, cause):
+    """Its reason reaches the others through JAX's coordination service, before the step channel
+    is up (the others wait for it) and after (they may wait in a collective: placing the weights).
+    Before, they waited out their timeouts (5 minutes; gloo's 30 s in a collective), and the failed
+    node with them in JAX's shutdown barrier: a CI run hung here on a taken port."""
     master = master_port()
-    logs = [tmp_path / "1.log", tmp_path / "0.log"]
-    follower_model = "/nonexistent/model" if failing == "node 1's model is missing" else str(checkpoint)
-    with socket.socket() as squatter:  # bound without SO_REUSEADDR, as an outgoing connection's port
-        if failing == "node 0's channel port is taken":
-            squatter.bind(("127.0.0.1", master + 1))
-        processes = [
-            _start([sys.executable, "-m", "serve", follower_model, *SERVER_FLAGS, "--master-port", str(master),
-                    "--node-rank", "1", "--headless"], logs[0]),
-            _serve(0, master, logs[1], "--port", str(free_port())),
-        ]
-        codes = _wait_all(processes, logs)
-    follower, leader = (log.read_text() for log in logs)
-    if failing == "node 0's channel port is taken":
-        why = f"node 0's step channel cannot listen on 127.0.0.1:{master + 1} (--master-port + 1)"
-        assert why in leader, leader[-2000:]
-        assert f"node 0 stopped before the step channel opened: --master-addr 127.0.0.1 --master-port {master}: " \
-               f"{why}" in follower, follower[-2000:]
-    else:
+    logs = {1: tmp_path / "1.log", 0: tmp_path / "0.log"}
+    models = {0: str(checkpoint), 1: str(checkpoint)}
+    if cause == "its model is missing":
+        models[failing] = "/nonexistent/model"
         why = "model directory or config file /nonexistent/model does not exist"
-        assert why in follower, follower[-2000:]
-        assert f"node 1 stopped before the step channel opened: {why}" in leader, leader[-2000:]
+    elif cause == "a shard is truncated":  # found when the weights are read, after the handshake
+        models[failing] = str(shutil.copytree(checkpoint, tmp_path / "truncated"))
+        shard = sorted(Path(models[failing]).glob("*.safetensors"))[0]
+        shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+        why = f"{shard}: truncated file"
+    else:
+        why = f"node 0's step channel cannot listen on 127.0.0.1:{master + 1} (--master-port + 1)"
+    with socket.socket() as squatter:  # bound without SO_REUSEADDR, as an outgoing connection's port
+        if cause == "its channel port is taken":
+            squatter.bind(("127.0.0.1", master + 1))
+        processes = [_start([sys.executable, "-m", "serve", models[rank], *SERVER_FLAGS, "--master-port", str(master),
+                             "--node-rank", str(rank), *(["--headless"] if rank else ["--port", str(free_port())])],
+                            logs[rank]) for rank in (1, 0)]
+        codes = _wait_all(processes, list(logs.values()))
+    failed, other = logs[failing].read_text(), logs[1 - failing].read_text()
+    assert why in failed, failed[-2000:]
+    assert re.search(rf"node {failing} stopped (before the step channel opened|while starting): [^\n]*{re.escape(why)}",
+                     other), other[-2000:]
     assert all(code != 0 for code in codes), codes
-    assert all("weights: read" not in log for log in (follower, leader))

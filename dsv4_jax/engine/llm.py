@@ -121,7 +121,7 @@ class LLM:
                              "leave it unset or pass False")
         import dsv4_jax
         from dsv4_jax.compilation_cache import enable_compilation_cache
-        from dsv4_jax.distributed import DistributedConfig, StepChannel, initialize, start_failures_announced
+        from dsv4_jax.distributed import DistributedConfig, StartUp, StepChannel, initialize
 
         # Before anything compiles (JAX reads the setting at the first compile): a restarted
         # notebook then loads the warm-up's executables.
@@ -130,8 +130,8 @@ class LLM:
         # Several hosts: jax.distributed starts before anything touches a device.
         self.distributed = DistributedConfig(nnodes, node_rank, master_addr, master_port, headless=node_rank > 0)
         initialize(self.distributed)
-        # A failure up to the step channel is told to the other nodes, which would wait for it.
-        with start_failures_announced(self.distributed):
+        # A failure until the warm-up ends is told to the other nodes, which would wait for this one.
+        with StartUp(self.distributed) as start_up:
             if nnodes > 1 and load_format != "safetensors":
                 if load_format == "orbax":
                     raise ValueError("--load-format orbax is not supported across hosts yet (--nnodes > 1): "
@@ -176,51 +176,53 @@ class LLM:
                 }
                 channel = (StepChannel.leader(self.distributed, settings) if self.distributed.is_leader
                            else StepChannel.follower(self.distributed, settings))
-        mesh = make_mesh(self.parallel) if self.parallel.world_size > 1 else None
-        self.model = dsv4_jax.load_model(path, dtype=compute, kv_cache_dtype=kv_cache_dtype,
-                                         attention_backend=attention_backend, mesh=mesh,
-                                         parallel=self.parallel if mesh is not None else None,
-                                         load_format=load_format)
-        if mesh is not None:
-            logger.info("mesh: data %d x tensor %d over devices %s, routed experts %s", data_parallel_size,
-                        tensor_parallel_size, [d.id for d in mesh.devices.flat],
-                        "whole on each device (expert parallel)" if enable_expert_parallel
-                        else "split along their intermediate dimension")
-            held = node_weight_bytes(self.model.state)
-            logger.info("weights on this node's %d devices: %.2f MiB of the model's %.2f MiB (routed experts: "
-                        "%.2f of %.2f MiB)", jax.local_device_count(), held.local / 2**20, held.total / 2**20,
-                        held.local_experts / 2**20, held.total_experts / 2**20)
-        self.config = self.model.config
-        self.spec = self.model.kv_cache_spec
-        self.tokenizer = load_tokenizer(tokenizer or path)
-        # Every node measures its activations (the measurement puts small arrays on the whole mesh:
-        # a call every process must join), then takes the leader's pools (below).
-        self.plan, self.layout = self._size_pools(max_model_len, max_num_seqs, block_size, gpu_memory_utilization,
-                                                  num_gpu_blocks_override, buckets)
-        if channel is not None:  # the leader's pools are every node's (device memory may differ)
-            if self.distributed.is_leader:
-                channel.send(self.layout)
-            else:
-                self.layout = channel.receive()
-        self.engine = LLMEngine(
-            self.model, self.tokenizer, self.layout, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-            buckets=buckets,
-            attention_backend=self.spec.attention_backend, max_num_batched_tokens=max_num_batched_tokens,
-            seed=seed, usable_blocks_cap=usable_blocks_cap, async_scheduling=async_scheduling,
-        )
-        logger.info("KV cache per data-parallel rank (%d): %d sequence slots, %d compressed blocks of %d "
-                    "positions; %.1f MiB on the mesh", data_parallel_size, self.layout.num_seq_slots,
-                    self.layout.num_compressed_blocks, self.layout.block_size, self.cache_bytes / 2**20)
-        start = time.perf_counter()
-        compiled = self.engine.warmup()
-        logger.info("warm-up: %d compiles in %.1fs", compiled, time.perf_counter() - start)
-        self._ids = 0
-        self._channel = None
-        if channel is not None:  # every process warmed up the same way; from here the leader's steps are every node's
-            if self.distributed.is_leader:
-                self.engine.lead(channel)
-            else:
-                self._channel = channel
+                start_up.watch(channel)
+            mesh = make_mesh(self.parallel) if self.parallel.world_size > 1 else None
+            self.model = dsv4_jax.load_model(path, dtype=compute, kv_cache_dtype=kv_cache_dtype,
+                                             attention_backend=attention_backend, mesh=mesh,
+                                             parallel=self.parallel if mesh is not None else None,
+                                             load_format=load_format)
+            if mesh is not None:
+                logger.info("mesh: data %d x tensor %d over devices %s, routed experts %s", data_parallel_size,
+                            tensor_parallel_size, [d.id for d in mesh.devices.flat],
+                            "whole on each device (expert parallel)" if enable_expert_parallel
+                            else "split along their intermediate dimension")
+                held = node_weight_bytes(self.model.state)
+                logger.info("weights on this node's %d devices: %.2f MiB of the model's %.2f MiB (routed experts: "
+                            "%.2f of %.2f MiB)", jax.local_device_count(), held.local / 2**20, held.total / 2**20,
+                            held.local_experts / 2**20, held.total_experts / 2**20)
+            self.config = self.model.config
+            self.spec = self.model.kv_cache_spec
+            self.tokenizer = load_tokenizer(tokenizer or path)
+            # Every node measures its activations (the measurement puts small arrays on the whole mesh:
+            # a call every process must join), then takes the leader's pools (below).
+            self.plan, self.layout = self._size_pools(max_model_len, max_num_seqs, block_size, gpu_memory_utilization,
+                                                      num_gpu_blocks_override, buckets)
+            if channel is not None:  # the leader's pools are every node's (device memory may differ)
+                if self.distributed.is_leader:
+                    channel.send(self.layout)
+                else:
+                    self.layout = channel.receive()
+            self.engine = LLMEngine(
+                self.model, self.tokenizer, self.layout, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                buckets=buckets,
+                attention_backend=self.spec.attention_backend, max_num_batched_tokens=max_num_batched_tokens,
+                seed=seed, usable_blocks_cap=usable_blocks_cap, async_scheduling=async_scheduling,
+            )
+            logger.info("KV cache per data-parallel rank (%d): %d sequence slots, %d compressed blocks of %d "
+                        "positions; %.1f MiB on the mesh", data_parallel_size, self.layout.num_seq_slots,
+                        self.layout.num_compressed_blocks, self.layout.block_size, self.cache_bytes / 2**20)
+            start = time.perf_counter()
+            compiled = self.engine.warmup()
+            logger.info("warm-up: %d compiles in %.1fs", compiled, time.perf_counter() - start)
+            self._ids = 0
+            self._channel = None
+            # Every process warmed up the same way; from here the leader's steps are every node's.
+            if channel is not None:
+                if self.distributed.is_leader:
+                    self.engine.lead(channel)
+                else:
+                    self._channel = channel
 
     # ---- several hosts ----------------------------------------------------------------------------
     def follow(self) -> int:

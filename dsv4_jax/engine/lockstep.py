@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 import jax
 
-from dsv4_jax.distributed import StepChannel
+from dsv4_jax.distributed import StepChannel, start_failures
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +81,9 @@ class Lockstep:
             try:
                 message = channel.receive()
             except EOFError:
-                raise RuntimeError("the leader closed the step channel without stopping (did it die?)") from None
+                said = start_failures().get(0)  # node 0 failed while starting after this node had finished
+                raise RuntimeError(f"node 0 stopped while starting: {said}" if said else
+                                   "the leader closed the step channel without stopping (did it die?)") from None
             if message == _STOP:
                 channel.close()
                 return made
