@@ -12,26 +12,28 @@ node is gone and exits at once.
 The channel listens on `--master-port` + 1 of the leader (the port itself is JAX's coordinator)
 and carries pickled host arrays: run it on a trusted network only, as vLLM's own channels.
 
-A node that fails before the channel is up (a bad flag, a missing checkpoint, the channel's port
-taken) says why in JAX's coordination service (`StartUp`), which the others poll while they wait
-for the channel: every node then exits at once, naming the reason. Without it the others would
-wait out their own timeouts (minutes), and the failing node with them, in JAX's shutdown barrier.
-After the channel is up a thread watches for such failures until the warm-up ends (the main
-thread may be waiting in a collective then), and a lost follower is reported with its reason.
+A node that fails while starting (a flag that differs from node 0's, a missing checkpoint, the
+channel's port taken, a truncated shard) says why in JAX's coordination service, which every node
+has joined by then (`StartUp`, `announce_start_failure`): the nodes waiting for the channel poll
+it, and once the channel is up a thread does until the warm-up ends (the main thread may be
+waiting in a collective for the failed node). Every node then exits within seconds, naming the
+node and its reason. Without it the others would wait out their own timeouts (minutes), and the
+failed node with them, in JAX's shutdown barrier. (Flags that `python -m serve` refuses stop a
+node before it joins: the others wait for it in `jax.distributed.initialize`, 5 minutes.)
 """
 
 from __future__ import annotations
 
 import dataclasses
+import errno
 import logging
 import os
 import pickle
-import select
 import socket
 import struct
 import threading
 import time
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
 logger = logging.getLogger(__name__)
 
@@ -107,11 +109,13 @@ class StartUp:
     """A node's start-up in a multi-node run, from `initialize` to the end of warm-up, as a context.
 
     An exception inside it is announced to the other nodes (they stop waiting and exit naming it)
-    and closes the step channel, then propagates. Once the channel is up (`watch`), a thread
-    watches for the other nodes' announcements: this node's main thread may then be inside a
-    collective that waits for the failed node (placing weights, measuring activations, warming
-    up), which gloo gives up after 30 s and a GPU collective may never give up, so the thread ends
-    the process, naming the node and its reason. With one node it does nothing."""
+    and closes the step channel, then propagates; when another node announced first, the
+    exception is a consequence (a closed channel...) and becomes a RuntimeError naming that node.
+    Once the channel is up (`watch`), a thread watches for the other nodes' announcements: this
+    node's main thread may then be inside a collective that waits for the failed node (placing
+    weights, measuring activations, warming up), which gloo gives up after 30 s and a GPU
+    collective may never give up, so the thread ends the process, naming the node and its reason.
+    With one node it does nothing."""
 
     def __init__(self, config: DistributedConfig):
         self.config = config
@@ -128,61 +132,90 @@ class StartUp:
 
     def _watch_others(self) -> None:
         while not self._done.wait(POLL_S):
-            others = {node: why for node, why in start_failures().items() if node != self.config.node_rank}
-            if others and not self._done.is_set():
-                _exit_as_stopped(min(others), others[min(others)])
+            cause = _failure_elsewhere(self.config.node_rank)
+            if cause is not None and not self._done.is_set():
+                _exit_as_stopped(self.config.node_rank, *cause)
 
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, traceback: Any) -> None:
         self._done.set()
         if error is None or self.config.nnodes == 1:
             return
-        reason = " ".join(str(error).split()) or type(error).__name__
-        # First in this node's log: once the others exit, JAX may end this process before it prints.
-        logger.error("node %d stopped while starting: %s (the other nodes are told)", self.config.node_rank, reason)
-        client = _coordination_client()
-        if client is not None:
-            try:
-                client.key_value_set(f"{_START_FAILED}{self.config.node_rank}", reason)
-            except Exception as kv_error:  # noqa: BLE001  (the coordinator may be gone: the original error matters)
-                logger.warning("could not tell the other nodes why this one stopped: %s", kv_error)
+        cause = _failure_elsewhere(self.config.node_rank, wait_s=2 * POLL_S if _is_channel_error(error) else 0.0)
+        if cause is None:
+            announce_start_failure(self.config, " ".join(str(error).split()) or type(error).__name__)
         if self._channel is not None:  # the traceback keeps it alive: the peers would wait on it
             self._channel.close()
+        if cause is not None:
+            raise RuntimeError(f"node {cause[0]} stopped while starting: {cause[1]}") from error
+        if _is_channel_error(error):  # a peer gone without a word
+            raise RuntimeError(f"the step channel closed while node {self.config.node_rank} was starting ({error}): "
+                               f"did another node die?") from error
+
+
+def announce_start_failure(config: DistributedConfig, reason: str) -> None:
+    """Tell the other nodes why this one stops while starting (logged here first: once the others
+    exit, JAX may end this process before it prints anything)."""
+    logger.error("node %d stopped while starting (the other nodes are told): %s", config.node_rank, reason)
+    client = _coordination_client()
+    if client is None:
+        return
+    from jax.errors import JaxRuntimeError
+
+    try:
+        client.key_value_set(f"{_START_FAILED}{config.node_rank}", reason)
+    except JaxRuntimeError as error:  # the coordinator may be gone, or this node announced already
+        logger.warning("could not tell the other nodes why this one stopped: %s", error)
 
 
 def start_failures() -> dict[int, str]:
     """{node rank: reason} of the nodes that announced a start-up failure (empty without
-    jax.distributed, or when the coordination service cannot be read)."""
+    jax.distributed, or when the coordination service cannot be read: it may be gone)."""
     client = _coordination_client()
     if client is None:
         return {}
+    from jax.errors import JaxRuntimeError
+
     try:
         entries = client.key_value_dir_get(_START_FAILED)
-    except Exception:  # noqa: BLE001  (the caller keeps waiting with its own timeout)
+    except JaxRuntimeError:
         return {}
     return {int(key.rsplit("/", 1)[1]): reason for key, reason in entries}
 
 
-def _raise_if_failed(nodes: Iterable[int]) -> None:
-    failed = start_failures()
-    for node in nodes:
-        if node in failed:
-            raise RuntimeError(f"node {node} stopped before the step channel opened: {failed[node]}")
+def _failure_elsewhere(node_rank: int, wait_s: float = 0.0) -> tuple[int, str] | None:
+    """(node, reason) of the lowest other node that announced a start-up failure, polled for up to
+    `wait_s` (a node closes its sockets a moment before it announces why)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        others = {node: why for node, why in start_failures().items() if node != node_rank}
+        if others:
+            return min(others), others[min(others)]
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(min(0.2, wait_s))
+
+
+def _is_channel_error(error: BaseException) -> bool:
+    return isinstance(error, (EOFError, ConnectionError))
 
 
 def _exit_on_lost(node: int, reason: str) -> None:
+    """The leader's reaction to a follower's closed connection (the leader is node 0)."""
     said = start_failures().get(node)  # a follower that failed while starting said why first
     if said:
-        _exit_as_stopped(node, said)
+        _exit_as_stopped(0, node, said)
     logger.critical("follower node %d is gone (%s): every step needs all nodes (a collective would wait for it "
                     "forever), so this process exits", node, reason)
     logging.shutdown()
     os._exit(1)
 
 
-def _exit_as_stopped(node: int, reason: str) -> None:
-    logger.critical("node %d stopped while starting: %s. This node cannot go on without it (its collectives "
-                    "would wait for it), so this process exits", node, reason)
+def _exit_as_stopped(this_node: int, node: int, reason: str) -> None:
+    logger.critical("node %d stopped while starting, so node %d exits too (its collectives would wait for node %d):"
+                    " %s", node, this_node, node, reason)
     logging.shutdown()
+    if this_node == 0:  # the coordination service goes with node 0: let the other followers read why first
+        time.sleep(2 * POLL_S)
     os._exit(1)
 
 
@@ -205,12 +238,12 @@ class StepChannel:
         try:
             server = socket.create_server(config.channel_address, reuse_port=False)
         except OSError as error:
-            why = os.strerror(error.errno) if error.errno else str(error)
             host, port = config.channel_address
+            why = os.strerror(error.errno) if error.errno else str(error)
+            advice = ("--master-addr must be an address of node 0" if error.errno == errno.EADDRNOTAVAIL else
+                      "start every node with a --master-port whose next port is free on node 0")
             raise ValueError(f"--master-addr {host} --master-port {config.master_port}: node 0's step channel cannot "
-                             f"listen on {host}:{port} (--master-port + 1): {why}; start every node with a "
-                             f"--master-port whose next port is free on node 0, and node 0's address as "
-                             f"--master-addr") from None
+                             f"listen on {host}:{port} (--master-port + 1): {why}; {advice}") from None
         server.settimeout(POLL_S)  # between accepts: has a follower announced that it stopped?
         deadline = time.monotonic() + timeout_s
         sockets: dict[int, socket.socket] = {}
@@ -220,7 +253,10 @@ class StepChannel:
                 try:
                     conn, peer = server.accept()
                 except TimeoutError:
-                    _raise_if_failed(n for n in range(1, config.nnodes) if n not in sockets)
+                    cause = _failure_elsewhere(0)
+                    if cause is not None:
+                        raise RuntimeError(f"node {cause[0]} stopped before the step channel opened: "
+                                           f"{cause[1]}") from None
                     if time.monotonic() > deadline:
                         raise RuntimeError(f"only {len(sockets)} of {config.nnodes - 1} followers connected to "
                                            f"{config.channel_address} within {timeout_s:.0f}s") from None
@@ -265,6 +301,13 @@ class StepChannel:
         """Connect to the leader and send this node's rank and `settings`; a ValueError naming the
         differences when the leader's differ."""
         deadline = time.monotonic() + timeout_s
+        address = f"{config.channel_address[0]}:{config.channel_address[1]}"
+
+        def stop_if_another_failed() -> None:
+            cause = _failure_elsewhere(config.node_rank)
+            if cause is not None:
+                raise RuntimeError(f"node {cause[0]} stopped before the step channel opened: {cause[1]}")
+
         next_poll = time.monotonic() + POLL_S
         while True:
             try:
@@ -272,29 +315,36 @@ class StepChannel:
                 break
             except OSError:
                 if time.monotonic() > next_poll:  # node 0 may have stopped before opening the channel
-                    _raise_if_failed([0])
+                    stop_if_another_failed()
                     next_poll = time.monotonic() + POLL_S
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"could not reach the leader's step channel at {config.channel_address} "
+                    raise RuntimeError(f"could not reach node 0's step channel at {address} "
                                        f"within {timeout_s:.0f}s") from None
                 time.sleep(0.2)
-        conn.settimeout(None)
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
             _write_message(conn, (config.node_rank, settings))
-            # Node 0 answers once every follower has joined; meanwhile it may stop, or what answered
-            # on its port may not be node 0 at all.
-            while not select.select([conn], [], [], POLL_S)[0]:
-                _raise_if_failed([0])
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"node 0's step channel at {config.channel_address} gave no verdict on "
-                                       f"the flags within {timeout_s:.0f}s") from None
+            # Node 0 answers once every follower has joined; meanwhile a node may stop, or what
+            # answered on node 0's port may not be node 0 at all.
+            conn.settimeout(POLL_S)
+            while True:
+                try:
+                    conn.recv(1, socket.MSG_PEEK)  # the verdict's first byte, or b"" at the channel's end
+                    break
+                except TimeoutError:
+                    stop_if_another_failed()
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"node 0's step channel at {address} gave no verdict on the flags "
+                                           f"within {timeout_s:.0f}s") from None
+            conn.settimeout(None)
             verdict = _read_message(conn)
         except BaseException as error:
             conn.close()
             if not isinstance(error, (OSError, EOFError)):
                 raise
-            _raise_if_failed([0])  # node 0 stopped while the nodes joined: its reason
+            cause = _failure_elsewhere(config.node_rank, wait_s=2 * POLL_S)  # node 0 closes, then announces
+            if cause is not None:
+                raise RuntimeError(f"node {cause[0]} stopped before the step channel opened: {cause[1]}") from None
             raise RuntimeError(f"node 0 closed the step channel before its verdict on the flags ({error})") from None
         if verdict:
             conn.close()

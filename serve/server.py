@@ -13,8 +13,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import errno
 import logging
+import os
 import signal
+import socket
 import sys
 import threading
 from typing import Sequence
@@ -48,7 +51,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     _enable_compilation_cache()
 
     from dsv4_jax import LLM
-    from dsv4_jax.distributed import StartUp, initialize
+    from dsv4_jax.distributed import StartUp, announce_start_failure, initialize
 
     initialize(args.distributed)  # several hosts: before anything touches a device
     kwargs = engine_kwargs(args)
@@ -59,6 +62,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     with StartUp(args.distributed):  # several hosts: a failure here is told to the followers
         model_dir = LLM.check_arguments(**kwargs)  # every check that needs no weights, before the port opens
         generation_defaults(args, model_dir)  # a bad generation_config.json fails here too, naming the flag
+        # Bound before the model loads (uvicorn would bind after starting the lifespan, which loads).
+        listener = _listen(args.host, args.port)
     if args.max_model_len is None:  # the model's own limit (at most 4096), reported as the server's
         args = dataclasses.replace(args, max_model_len=LLM.resolve_max_model_len(model_dir, None))
         kwargs["max_model_len"] = args.max_model_len
@@ -75,11 +80,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     scope = "this machine only" if args.host in ("127.0.0.1", "localhost", "::1") else "the network"
     logger.info("listening on http://%s:%d (%s; vllm serve binds all interfaces by default, "
                 "pass --host 0.0.0.0 for that)", args.host, args.port, scope)
-    server.run()
+    try:
+        server.run(sockets=[listener])
+    finally:
+        if args.distributed.nnodes > 1 and state.engine is None and state.load_error is None:
+            # Stopped (a signal) while loading: the followers may be waiting for node 0 in a collective.
+            announce_start_failure(args.distributed, "node 0's server was stopped before its model was loaded")
     if state.load_error is not None:
         print(f"serve: error: {state.load_error}", file=sys.stderr)
         return 2
     return 0
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """The server's listening socket (as uvicorn makes it); a ValueError naming --host / --port."""
+    try:
+        return socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
+    except OSError as error:
+        why = os.strerror(error.errno) if error.errno and error.errno > 0 else str(error)
+        advice = {errno.EADDRINUSE: "pass a free --port", errno.EACCES: "pass a --port above 1023 (or run as root)",
+                  errno.EADDRNOTAVAIL: "--host must be an address of this machine"}.get(error.errno, "check --host")
+        raise ValueError(f"--host {host} --port {port}: cannot listen there: {why}; {advice}") from None
 
 
 def _follow(kwargs: dict) -> int:

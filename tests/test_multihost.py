@@ -20,6 +20,7 @@ Every process gets a hard timeout and its whole process group is killed at the e
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -81,25 +82,30 @@ def _kill(processes: list[subprocess.Popen]) -> None:
             process.wait(timeout=30)
 
 
-def master_port() -> int:
-    """A --master-port whose next port (the step channel's) is free too, below the kernel's
-    ephemeral range where there is one: outgoing connections (other tests' clients, gloo's) take
-    ephemeral ports, so a pair free_port() found may be taken again by the time node 0 binds it."""
+def quiet_port(span: int = 1) -> int:
+    """A port free now, with the `span - 1` after it (--master-port: the step channel's is next),
+    below the kernel's ephemeral range where there is one: outgoing connections (other tests'
+    clients, gloo's) take ephemeral ports, so a port free_port() found may be taken again by the
+    time a node binds it."""
     try:
         low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     except (OSError, ValueError, IndexError):
         low = 0
     draw = random.Random(os.getpid() ^ time.monotonic_ns())
     for _ in range(100):
-        port = draw.randrange(10_000, low - 1) if low > 10_001 else free_port()
+        port = draw.randrange(10_000, low - span) if low > 10_000 + span else free_port()
         try:
-            with socket.socket() as coordinator, socket.socket() as channel:
-                coordinator.bind(("127.0.0.1", port))
-                channel.bind(("127.0.0.1", port + 1))
+            with contextlib.ExitStack() as held:
+                for offset in range(span):
+                    held.enter_context(socket.socket()).bind(("127.0.0.1", port + offset))
             return port
         except OSError:
             continue
-    raise RuntimeError("no free pair of ports for --master-port")
+    raise RuntimeError(f"no {span} free ports in a row")
+
+
+def master_port() -> int:
+    return quiet_port(span=2)
 
 
 def _wait_all(processes: list[subprocess.Popen], logs: list[Path], timeout_s: float = 90) -> list[int]:
@@ -129,7 +135,7 @@ class ServerPair:
     def __init__(self):
         self.directory = tempfile.TemporaryDirectory(prefix="multihost-serve-")
         self.logs = Path(self.directory.name)
-        master, http_port = master_port(), free_port()
+        master, http_port = master_port(), quiet_port()
         self.follower = _serve(1, master, self.logs / "follower.log", "--max-num-seqs", "2")
         self.leader = _serve(0, master, self.logs / "leader.log", "--max-num-seqs", "2", "--port", str(http_port))
         self.base = f"http://127.0.0.1:{http_port}"
@@ -273,7 +279,7 @@ def test_nodes_started_with_different_flags_stop_before_loading_naming_the_flag(
     silence: both nodes stop at the handshake, before any weight is read, each naming the flag."""
     master = master_port()
     logs = [tmp_path / "1.log", tmp_path / "0.log"]
-    processes = [_serve(rank, master, log, "--max-num-seqs", str(seqs), "--port", str(free_port()))
+    processes = [_serve(rank, master, log, "--max-num-seqs", str(seqs), "--port", str(quiet_port()))
                  for rank, seqs, log in ((1, 1, logs[0]), (0, 2, logs[1]))]
     for code, log in zip(_wait_all(processes, logs), logs):
         text = log.read_text()
@@ -305,11 +311,11 @@ def test_a_node_stopping_while_starting_stops_the_others_naming_why(checkpoint, 
         if cause == "its channel port is taken":
             squatter.bind(("127.0.0.1", master + 1))
         processes = [_start([sys.executable, "-m", "serve", models[rank], *SERVER_FLAGS, "--master-port", str(master),
-                             "--node-rank", str(rank), *(["--headless"] if rank else ["--port", str(free_port())])],
+                             "--node-rank", str(rank), *(["--headless"] if rank else ["--port", str(quiet_port())])],
                             logs[rank]) for rank in (1, 0)]
         codes = _wait_all(processes, list(logs.values()))
     failed, other = logs[failing].read_text(), logs[1 - failing].read_text()
     assert why in failed, failed[-2000:]
-    assert re.search(rf"node {failing} stopped (before the step channel opened|while starting): [^\n]*{re.escape(why)}",
+    assert re.search(rf"node {failing} stopped (before the step channel opened|while starting)[^\n]*{re.escape(why)}",
                      other), other[-2000:]
     assert all(code != 0 for code in codes), codes

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -477,6 +478,21 @@ def test_bad_flags_fail_fast_with_one_line_and_status_2(chat_checkpoint, flags, 
     errors = [line for line in result.stderr.splitlines() if line.startswith("serve: error:")]
     assert result.returncode == 2 and len(errors) == 1 and names in errors[0], result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_a_taken_port_fails_before_the_model_loads_naming_the_flag(chat_checkpoint):
+    """uvicorn binds after starting the lifespan (which loads the model): the server binds first."""
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", 0))
+        squatter.listen()
+        port = squatter.getsockname()[1]
+        result = subprocess.run([sys.executable, "-m", "serve", str(chat_checkpoint), "--port", str(port)],
+                                capture_output=True, text=True, timeout=120, cwd=REPO,
+                                env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    errors = [line for line in result.stderr.splitlines() if line.startswith("serve: error:")]
+    assert result.returncode == 2 and errors == [f"serve: error: --host 127.0.0.1 --port {port}: cannot listen there: "
+                                                 f"Address already in use; pass a free --port"], result.stderr
+    assert "weights: read" not in result.stderr and "Traceback" not in result.stderr, result.stderr
 
 
 def test_forced_tool_prefix_follows_think_end_in_thinking_mode(chat_llm):

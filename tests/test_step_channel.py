@@ -1,9 +1,13 @@
-"""The step channel's host logic on one machine, without jax.distributed (tests/test_multihost.py
-runs the real multi-process cases): what a follower says when node 0 hangs up."""
+"""The multi-node start-up's host logic on one machine (tests/test_multihost.py runs the real
+multi-process cases): what a follower says when node 0 hangs up, and how a start-up failure is
+announced through JAX's coordination service."""
 
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
+import sys
 
 import pytest
 
@@ -27,3 +31,45 @@ def test_a_follower_whose_leader_hangs_up_names_the_leaders_announced_reason(mon
 
 def test_without_jax_distributed_no_node_has_announced_anything():
     assert distributed.start_failures() == {}
+
+
+ANNOUNCING = """
+import sys
+
+import jax
+
+jax.distributed.initialize(coordinator_address=f"127.0.0.1:{sys.argv[1]}", num_processes=1, process_id=0)
+from dsv4_jax.distributed import DistributedConfig, StartUp, start_failures
+
+try:
+    with StartUp(DistributedConfig(nnodes=2, node_rank=1, headless=True)):
+        raise ValueError("a shard is\\n  truncated")
+except ValueError:
+    pass
+print("announced", start_failures())
+try:  # node 0 failing afterwards on the closed channel: a consequence, named after node 1's cause
+    with StartUp(DistributedConfig(nnodes=2, node_rank=0)):
+        raise EOFError("the peer closed the step channel")
+except RuntimeError as error:
+    print("raised", error)
+print("announced", start_failures())
+"""
+
+
+def test_start_up_failures_travel_through_jaxs_coordination_service(tmp_path):
+    """JAX has no public key-value API: this pins the private one (`global_state.client`'s
+    key_value_set / key_value_dir_get) on the installed JAX, in one process of a real
+    jax.distributed run."""
+    script = tmp_path / "announcing.py"
+    script.write_text(ANNOUNCING)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    result = subprocess.run([sys.executable, str(script), str(port)], capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.splitlines() == [
+        "announced {1: 'a shard is truncated'}",
+        "raised node 1 stopped while starting: a shard is truncated",
+        "announced {1: 'a shard is truncated'}",  # node 0 said nothing of its own
+    ], result.stdout + result.stderr[-3000:]
