@@ -24,6 +24,8 @@ node before it joins: the others wait for it in `jax.distributed.initialize`, 5 
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import dataclasses
 import errno
 import logging
@@ -31,6 +33,7 @@ import os
 import pickle
 import socket
 import struct
+import sys
 import threading
 import time
 from typing import Any, Callable
@@ -39,7 +42,10 @@ logger = logging.getLogger(__name__)
 
 HEARTBEAT_TIMEOUT_S = 10  # jax.distributed's default is 100 s
 POLL_S = 1.0  # how often a node waiting for the step channel looks for another node's start-up failure
-_START_FAILED = "dsv4_jax/start_failed/"  # + a node's rank: why that node stopped before the channel
+_START_FAILED = "dsv4_jax/start_failed/"  # + a node's rank: why that node stopped while starting
+_LEFT = "dsv4_jax/left/"  # + a node's rank: it exited on another node's start-up failure
+_announced = threading.Event()  # this process announced a start-up failure
+_exiting = threading.Lock()  # held by the thread that ends the process on another node's failure
 _LENGTH = struct.Struct("!Q")
 
 
@@ -95,6 +101,7 @@ def initialize(config: DistributedConfig) -> None:
     )
     logger.info("jax.distributed: node %d of %d, %d devices in all (%d here)", config.node_rank, config.nnodes,
                 jax.device_count(), jax.local_device_count())
+    atexit.register(_exit_past_the_barrier_if_alone, config)  # runs before JAX's own exit (registered earlier)
 
 
 def _coordination_client() -> Any:
@@ -105,12 +112,21 @@ def _coordination_client() -> Any:
     return jax_distributed.global_state.client
 
 
+class PeerStopped(RuntimeError):
+    """Another node stopped while starting (`node`, its `reason`): this node stops as a consequence."""
+
+    def __init__(self, node: int, reason: str):
+        super().__init__(f"node {node} stopped while starting: {reason}")
+        self.node, self.reason = node, reason
+
+
 class StartUp:
     """A node's start-up in a multi-node run, from `initialize` to the end of warm-up, as a context.
 
     An exception inside it is announced to the other nodes (they stop waiting and exit naming it)
-    and closes the step channel, then propagates; when another node announced first, the
-    exception is a consequence (a closed channel...) and becomes a RuntimeError naming that node.
+    and closes the step channel, then propagates. One caused by another node's failure is not
+    announced: a `PeerStopped`, or a closed channel, which becomes the `PeerStopped` naming the
+    node that announced (else a RuntimeError asking whether another node died).
     Once the channel is up (`watch`), a thread watches for the other nodes' announcements: this
     node's main thread may then be inside a collective that waits for the failed node (placing
     weights, measuring activations, warming up), which gloo gives up after 30 s and a GPU
@@ -140,16 +156,20 @@ class StartUp:
         self._done.set()
         if error is None or self.config.nnodes == 1:
             return
-        cause = _failure_elsewhere(self.config.node_rank, wait_s=2 * POLL_S if _is_channel_error(error) else 0.0)
-        if cause is None:
+        consequence: BaseException | None = None
+        if isinstance(error, PeerStopped):  # the cause is announced already
+            pass
+        elif _is_channel_error(error):  # a peer hung up: it may be announcing why (it closes first)
+            cause = _failure_elsewhere(self.config.node_rank, wait_s=2 * POLL_S)
+            consequence = PeerStopped(*cause) if cause else RuntimeError(
+                f"the step channel closed while node {self.config.node_rank} was starting ({error}): did another "
+                f"node die?")
+        else:  # before closing the channel: a peer that reads its end looks for the reason at once
             announce_start_failure(self.config, " ".join(str(error).split()) or type(error).__name__)
         if self._channel is not None:  # the traceback keeps it alive: the peers would wait on it
             self._channel.close()
-        if cause is not None:
-            raise RuntimeError(f"node {cause[0]} stopped while starting: {cause[1]}") from error
-        if _is_channel_error(error):  # a peer gone without a word
-            raise RuntimeError(f"the step channel closed while node {self.config.node_rank} was starting ({error}): "
-                               f"did another node die?") from error
+        if consequence is not None:
+            raise consequence from error
 
 
 def announce_start_failure(config: DistributedConfig, reason: str) -> None:
@@ -165,6 +185,37 @@ def announce_start_failure(config: DistributedConfig, reason: str) -> None:
         client.key_value_set(f"{_START_FAILED}{config.node_rank}", reason)
     except JaxRuntimeError as error:  # the coordinator may be gone, or this node announced already
         logger.warning("could not tell the other nodes why this one stopped: %s", error)
+        return
+    _announced.set()
+
+
+def _exit_past_the_barrier_if_alone(config: DistributedConfig) -> None:
+    """At the exit of a node that announced a start-up failure: when every other node has exited
+    on it (`_exit_as_stopped`), JAX's shutdown barrier would wait for them until the heartbeat
+    timeout and then abort this process with a fatal error, so it ends here (status 1). Nodes that
+    stopped on it with an exception of their own join the barrier: then this returns."""
+    if not _announced.is_set():
+        return
+    deadline = time.monotonic() + 3 * POLL_S  # they read announcements each POLL_S
+    while time.monotonic() < deadline:
+        if _nodes_under(_LEFT) >= set(range(config.nnodes)) - {config.node_rank}:
+            logging.shutdown()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(1)
+        time.sleep(0.1)
+
+
+def _nodes_under(prefix: str) -> set[int]:
+    client = _coordination_client()
+    if client is None:
+        return set()
+    from jax.errors import JaxRuntimeError
+
+    try:
+        return {int(key.rsplit("/", 1)[1]) for key, _ in client.key_value_dir_get(prefix)}
+    except JaxRuntimeError:
+        return set()
 
 
 def start_failures() -> dict[int, str]:
@@ -211,9 +262,15 @@ def _exit_on_lost(node: int, reason: str) -> None:
 
 
 def _exit_as_stopped(this_node: int, node: int, reason: str) -> None:
+    if not _exiting.acquire(blocking=False):  # another thread is already ending the process
+        threading.Event().wait()
     logger.critical("node %d stopped while starting, so node %d exits too (its collectives would wait for node %d):"
                     " %s", node, this_node, node, reason)
     logging.shutdown()
+    client = _coordination_client()
+    if client is not None:  # the failed node need not wait for this one in JAX's shutdown barrier
+        with contextlib.suppress(Exception):
+            client.key_value_set(f"{_LEFT}{this_node}", "")
     if this_node == 0:  # the coordination service goes with node 0: let the other followers read why first
         time.sleep(2 * POLL_S)
     os._exit(1)
@@ -255,8 +312,7 @@ class StepChannel:
                 except TimeoutError:
                     cause = _failure_elsewhere(0)
                     if cause is not None:
-                        raise RuntimeError(f"node {cause[0]} stopped before the step channel opened: "
-                                           f"{cause[1]}") from None
+                        raise PeerStopped(*cause) from None
                     if time.monotonic() > deadline:
                         raise RuntimeError(f"only {len(sockets)} of {config.nnodes - 1} followers connected to "
                                            f"{config.channel_address} within {timeout_s:.0f}s") from None
@@ -306,7 +362,7 @@ class StepChannel:
         def stop_if_another_failed() -> None:
             cause = _failure_elsewhere(config.node_rank)
             if cause is not None:
-                raise RuntimeError(f"node {cause[0]} stopped before the step channel opened: {cause[1]}")
+                raise PeerStopped(*cause)
 
         next_poll = time.monotonic() + POLL_S
         while True:
@@ -344,7 +400,7 @@ class StepChannel:
                 raise
             cause = _failure_elsewhere(config.node_rank, wait_s=2 * POLL_S)  # node 0 closes, then announces
             if cause is not None:
-                raise RuntimeError(f"node {cause[0]} stopped before the step channel opened: {cause[1]}") from None
+                raise PeerStopped(*cause) from None
             raise RuntimeError(f"node 0 closed the step channel before its verdict on the flags ({error})") from None
         if verdict:
             conn.close()

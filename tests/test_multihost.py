@@ -316,6 +316,26 @@ def test_a_node_stopping_while_starting_stops_the_others_naming_why(checkpoint, 
         codes = _wait_all(processes, list(logs.values()))
     failed, other = logs[failing].read_text(), logs[1 - failing].read_text()
     assert why in failed, failed[-2000:]
-    assert re.search(rf"node {failing} stopped (before the step channel opened|while starting)[^\n]*{re.escape(why)}",
+    assert re.search(rf"node {failing} stopped while starting[^\n]*{re.escape(why)}",
                      other), other[-2000:]
     assert all(code != 0 for code in codes), codes
+
+
+def test_node_0_stopped_while_loading_stops_the_followers_naming_it(checkpoint, tmp_path):
+    """Ctrl-C on node 0 during a long load: its followers may be waiting for it in a collective
+    (on GPUs possibly for ever), so they exit too, naming it."""
+    master = master_port()
+    logs = [tmp_path / "1.log", tmp_path / "0.log"]
+    processes = [_serve(1, master, logs[0]), _serve(0, master, logs[1], "--port", str(quiet_port()))]
+    deadline = time.monotonic() + 90
+    while "step channel: 1 follower(s) connected" not in logs[1].read_text():  # from here node 0 loads
+        if time.monotonic() > deadline or processes[1].poll() is not None:
+            _kill(processes)
+            pytest.fail(logs[1].read_text()[-2000:])
+        time.sleep(0.05)
+    processes[1].send_signal(signal.SIGINT)
+    codes = _wait_all(processes, logs)
+    follower = logs[0].read_text()
+    assert "node 0 stopped while starting, so node 1 exits too" in follower, follower[-2000:]
+    assert "node 0's server was stopped before its model was loaded" in follower, follower[-2000:]
+    assert codes[0] != 0, codes
