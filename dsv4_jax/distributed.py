@@ -17,9 +17,10 @@ channel's port taken, a truncated shard) says why in JAX's coordination service,
 has joined by then (`StartUp`, `announce_start_failure`): the nodes waiting for the channel poll
 it, and once the channel is up a thread does until the warm-up ends (the main thread may be
 waiting in a collective for the failed node). Every node then exits within seconds, naming the
-node and its reason. Without it the others would wait out their own timeouts (minutes), and the
-failed node with them, in JAX's shutdown barrier. (Flags that `python -m serve` refuses stop a
-node before it joins: the others wait for it in `jax.distributed.initialize`, 5 minutes.)
+node and its reason, past JAX's shutdown barrier (`leave_failed_start`: the barrier would wait for
+nodes that left and then abort the process). Without it the others would wait out their own
+timeouts (minutes), and the failed node with them in that barrier. (Flags that `python -m serve`
+refuses stop a node before it joins: the others wait for it in `jax.distributed.initialize`.)
 """
 
 from __future__ import annotations
@@ -44,8 +45,10 @@ HEARTBEAT_TIMEOUT_S = 10  # jax.distributed's default is 100 s
 POLL_S = 1.0  # how often a node waiting for the step channel looks for another node's start-up failure
 _START_FAILED = "dsv4_jax/start_failed/"  # + a node's rank: why that node stopped while starting
 _LEFT = "dsv4_jax/left/"  # + a node's rank: it exited on another node's start-up failure
-_announced = threading.Event()  # this process announced a start-up failure
-_exiting = threading.Lock()  # held by the thread that ends the process on another node's failure
+_node: DistributedConfig | None = None  # this process's node, once `initialize` ran
+_announced = threading.Event()  # this node announced a start-up failure of its own
+_stopped_on_peer = threading.Event()  # this node stops because another one failed while starting
+_leaving = threading.RLock()  # held by the thread that ends the process after a failed start-up
 _LENGTH = struct.Struct("!Q")
 
 
@@ -101,7 +104,9 @@ def initialize(config: DistributedConfig) -> None:
     )
     logger.info("jax.distributed: node %d of %d, %d devices in all (%d here)", config.node_rank, config.nnodes,
                 jax.device_count(), jax.local_device_count())
-    atexit.register(_exit_past_the_barrier_if_alone, config)  # runs before JAX's own exit (registered earlier)
+    global _node
+    _node = config
+    atexit.register(leave_failed_start, 1)  # runs before JAX's own exit handler (registered at its import)
 
 
 def _coordination_client() -> Any:
@@ -157,13 +162,17 @@ class StartUp:
         if error is None or self.config.nnodes == 1:
             return
         consequence: BaseException | None = None
-        if isinstance(error, PeerStopped):  # the cause is announced already
-            pass
-        elif _is_channel_error(error):  # a peer hung up: it may be announcing why (it closes first)
-            cause = _failure_elsewhere(self.config.node_rank, wait_s=2 * POLL_S)
-            consequence = PeerStopped(*cause) if cause else RuntimeError(
-                f"the step channel closed while node {self.config.node_rank} was starting ({error}): did another "
-                f"node die?")
+        # A closed channel, or a collective's error once a peer left: the peer may be announcing why.
+        cause = _failure_elsewhere(self.config.node_rank, wait_s=2 * POLL_S) if _may_be_a_peers_doing(error) else None
+        if isinstance(error, PeerStopped):
+            _stopped_on_peer.set()
+        elif cause is not None or _stopped_on_peer.is_set():
+            _stopped_on_peer.set()
+            consequence = PeerStopped(*cause) if cause else None
+        elif _is_channel_error(error):  # a peer gone without a word
+            _stopped_on_peer.set()
+            consequence = RuntimeError(f"the step channel closed while node {self.config.node_rank} was starting "
+                                       f"({error}): did another node die?")
         else:  # before closing the channel: a peer that reads its end looks for the reason at once
             announce_start_failure(self.config, " ".join(str(error).split()) or type(error).__name__)
         if self._channel is not None:  # the traceback keeps it alive: the peers would wait on it
@@ -176,6 +185,7 @@ def announce_start_failure(config: DistributedConfig, reason: str) -> None:
     """Tell the other nodes why this one stops while starting (logged here first: once the others
     exit, JAX may end this process before it prints anything)."""
     logger.error("node %d stopped while starting (the other nodes are told): %s", config.node_rank, reason)
+    _announced.set()
     client = _coordination_client()
     if client is None:
         return
@@ -185,25 +195,34 @@ def announce_start_failure(config: DistributedConfig, reason: str) -> None:
         client.key_value_set(f"{_START_FAILED}{config.node_rank}", reason)
     except JaxRuntimeError as error:  # the coordinator may be gone, or this node announced already
         logger.warning("could not tell the other nodes why this one stopped: %s", error)
-        return
-    _announced.set()
 
 
-def _exit_past_the_barrier_if_alone(config: DistributedConfig) -> None:
-    """At the exit of a node that announced a start-up failure: when every other node has exited
-    on it (`_exit_as_stopped`), JAX's shutdown barrier would wait for them until the heartbeat
-    timeout and then abort this process with a fatal error, so it ends here (status 1). Nodes that
-    stopped on it with an exception of their own join the barrier: then this returns."""
-    if not _announced.is_set():
+def leave_failed_start(code: int) -> None:
+    """End this process now with status `code` if its multi-node start-up failed (it announced a
+    failure, or stops on another node's); return at once otherwise.
+
+    It leaves past JAX's shutdown barrier: every node of a failed start-up leaves this way, so the
+    barrier would wait for them until the heartbeat timeout and then abort the process with a
+    fatal error. Node 0 first waits (5 s at most) until every other node has announced or left:
+    the coordination service they read the reason from ends with node 0's process."""
+    config = _node
+    if config is None or not (_announced.is_set() or _stopped_on_peer.is_set()):
         return
-    deadline = time.monotonic() + 3 * POLL_S  # they read announcements each POLL_S
-    while time.monotonic() < deadline:
-        if _nodes_under(_LEFT) >= set(range(config.nnodes)) - {config.node_rank}:
-            logging.shutdown()
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(1)
-        time.sleep(0.1)
+    if not _leaving.acquire(blocking=False):  # another thread is ending the process
+        threading.Event().wait()
+    client = _coordination_client()
+    if client is not None:
+        with contextlib.suppress(Exception):  # best effort: the coordinator may be gone
+            client.key_value_set(f"{_LEFT}{config.node_rank}", "")
+    if config.is_leader:
+        deadline = time.monotonic() + 5 * POLL_S
+        others = set(range(1, config.nnodes))
+        while time.monotonic() < deadline and not others <= _nodes_under(_LEFT) | set(start_failures()):
+            time.sleep(0.1)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _nodes_under(prefix: str) -> set[int]:
@@ -235,7 +254,7 @@ def start_failures() -> dict[int, str]:
 
 def _failure_elsewhere(node_rank: int, wait_s: float = 0.0) -> tuple[int, str] | None:
     """(node, reason) of the lowest other node that announced a start-up failure, polled for up to
-    `wait_s` (a node closes its sockets a moment before it announces why)."""
+    `wait_s` (a peer's sockets may close a moment before its reason is readable)."""
     deadline = time.monotonic() + wait_s
     while True:
         others = {node: why for node, why in start_failures().items() if node != node_rank}
@@ -250,8 +269,17 @@ def _is_channel_error(error: BaseException) -> bool:
     return isinstance(error, (EOFError, ConnectionError))
 
 
+def _may_be_a_peers_doing(error: BaseException) -> bool:
+    """A closed channel, or a runtime error (a collective whose peer left); not a bad flag or file."""
+    from jax.errors import JaxRuntimeError
+
+    return _is_channel_error(error) or isinstance(error, JaxRuntimeError)
+
+
 def _exit_on_lost(node: int, reason: str) -> None:
     """The leader's reaction to a follower's closed connection (the leader is node 0)."""
+    if _announced.is_set() or _stopped_on_peer.is_set():  # a failed start-up: everyone is leaving
+        return
     said = start_failures().get(node)  # a follower that failed while starting said why first
     if said:
         _exit_as_stopped(0, node, said)
@@ -262,18 +290,13 @@ def _exit_on_lost(node: int, reason: str) -> None:
 
 
 def _exit_as_stopped(this_node: int, node: int, reason: str) -> None:
-    if not _exiting.acquire(blocking=False):  # another thread is already ending the process
+    """From a thread, while the main one may wait in a collective for the failed node."""
+    if not _leaving.acquire(blocking=False):  # another thread is ending the process
         threading.Event().wait()
     logger.critical("node %d stopped while starting, so node %d exits too (its collectives would wait for node %d):"
                     " %s", node, this_node, node, reason)
-    logging.shutdown()
-    client = _coordination_client()
-    if client is not None:  # the failed node need not wait for this one in JAX's shutdown barrier
-        with contextlib.suppress(Exception):
-            client.key_value_set(f"{_LEFT}{this_node}", "")
-    if this_node == 0:  # the coordination service goes with node 0: let the other followers read why first
-        time.sleep(2 * POLL_S)
-    os._exit(1)
+    _stopped_on_peer.set()
+    leave_failed_start(1)
 
 
 class StepChannel:

@@ -51,7 +51,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     _enable_compilation_cache()
 
     from dsv4_jax import LLM
-    from dsv4_jax.distributed import StartUp, announce_start_failure, initialize
+    from dsv4_jax.distributed import StartUp, initialize
 
     initialize(args.distributed)  # several hosts: before anything touches a device
     kwargs = engine_kwargs(args)
@@ -63,44 +63,80 @@ def main(argv: Sequence[str] | None = None) -> int:
         model_dir = LLM.check_arguments(**kwargs)  # every check that needs no weights, before the port opens
         generation_defaults(args, model_dir)  # a bad generation_config.json fails here too, naming the flag
         # Bound before the model loads (uvicorn would bind after starting the lifespan, which loads).
-        listener = _listen(args.host, args.port)
-    if args.max_model_len is None:  # the model's own limit (at most 4096), reported as the server's
-        args = dataclasses.replace(args, max_model_len=LLM.resolve_max_model_len(model_dir, None))
-        kwargs["max_model_len"] = args.max_model_len
-
-    from serve.app import build_app
-    from serve.state import ServingState
-
-    state = ServingState(args, served_model_names=tuple(args.served_model_name))
-    app = build_app(state)
-    server = _Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-                                    lifespan="on", timeout_graceful_shutdown=int(SHUTDOWN_GRACE_SECONDS) + 5),
-                     state)
-    app.router.lifespan_context = _lifespan(state, server, kwargs)
-    scope = "this machine only" if args.host in ("127.0.0.1", "localhost", "::1") else "the network"
-    logger.info("listening on http://%s:%d (%s; vllm serve binds all interfaces by default, "
-                "pass --host 0.0.0.0 for that)", args.host, args.port, scope)
+        listeners = _listen(args.host, args.port)
+    state = None
     try:
-        server.run(sockets=[listener])
+        if args.max_model_len is None:  # the model's own limit (at most 4096), reported as the server's
+            args = dataclasses.replace(args, max_model_len=LLM.resolve_max_model_len(model_dir, None))
+            kwargs["max_model_len"] = args.max_model_len
+
+        from serve.app import build_app
+        from serve.state import ServingState
+
+        state = ServingState(args, served_model_names=tuple(args.served_model_name))
+        app = build_app(state)
+        server = _Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+                                        lifespan="on", timeout_graceful_shutdown=int(SHUTDOWN_GRACE_SECONDS) + 5),
+                         state)
+        app.router.lifespan_context = _lifespan(state, server, kwargs)
+        scope = "this machine only" if args.host in ("127.0.0.1", "localhost", "::1") else "the network"
+        logger.info("listening on http://%s:%d (%s; vllm serve binds all interfaces by default, "
+                    "pass --host 0.0.0.0 for that)", args.host, listeners[0].getsockname()[1], scope)
+        server.run(sockets=listeners)
     finally:
-        if args.distributed.nnodes > 1 and state.engine is None and state.load_error is None:
-            # Stopped (a signal) while loading: the followers may be waiting for node 0 in a collective.
-            announce_start_failure(args.distributed, "node 0's server was stopped before its model was loaded")
+        if args.distributed.nnodes > 1:
+            _release_followers(args.distributed, state)
     if state.load_error is not None:
         print(f"serve: error: {state.load_error}", file=sys.stderr)
         return 2
     return 0
 
 
-def _listen(host: str, port: int) -> socket.socket:
-    """The server's listening socket (as uvicorn makes it); a ValueError naming --host / --port."""
+def _listen(host: str, port: int) -> list[socket.socket]:
+    """A bound socket for each address `host` names, as uvicorn's asyncio server binds them
+    (`localhost`: 127.0.0.1 and ::1, skipping a family this machine lacks); a ValueError naming
+    --host / --port."""
+    listeners: list[socket.socket] = []
     try:
-        return socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
+        found = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        for family, address in dict.fromkeys((family, address) for family, _, _, _, address in found):
+            listener = socket.socket(family, socket.SOCK_STREAM)
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                listener.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                listener.bind(address)
+            except OSError as error:
+                listener.close()
+                if error.errno == errno.EADDRNOTAVAIL and len(found) > 1:  # that family is off here
+                    continue
+                raise
+            listeners.append(listener)
     except OSError as error:
+        for listener in listeners:
+            listener.close()
         why = os.strerror(error.errno) if error.errno and error.errno > 0 else str(error)
         advice = {errno.EADDRINUSE: "pass a free --port", errno.EACCES: "pass a --port above 1023 (or run as root)",
                   errno.EADDRNOTAVAIL: "--host must be an address of this machine"}.get(error.errno, "check --host")
         raise ValueError(f"--host {host} --port {port}: cannot listen there: {why}; {advice}") from None
+    if not listeners:
+        raise ValueError(f"--host {host} --port {port}: cannot listen there: no address of this machine")
+    return listeners
+
+
+def _release_followers(node, state) -> None:
+    """Node 0 of several is leaving: its followers may wait for it (in the handshake, or in a
+    collective while loading). Once it served, the lifespan released them; once loaded, they are
+    sent the stop; a load that failed announced itself; else (a signal while loading, or an
+    error before it) the stop is announced, and every node leaves (`leave_failed_start`)."""
+    from dsv4_jax.distributed import announce_start_failure
+
+    if state is not None and state.engine is not None:
+        return
+    if state is not None and state.started_llm is not None:
+        state.started_llm.engine.stop_followers()
+    elif state is None or state.load_error is None:
+        announce_start_failure(node, "node 0's server stopped before its model was loaded")
 
 
 def _follow(kwargs: dict) -> int:
@@ -164,6 +200,7 @@ def _lifespan(state, server, kwargs: dict):
                 from dsv4_jax import LLM
 
                 llm = LLM(**kwargs)
+                state.started_llm = llm  # a stop before it serves must release its followers
             except BaseException as error:  # noqa: BLE001  (reported on the loop, then the server stops)
                 logger.debug("loading failed", exc_info=True)
                 loop.call_soon_threadsafe(_set, loaded, error)
@@ -219,4 +256,10 @@ async def _become_ready(state, server, loaded: asyncio.Future, engine_class) -> 
 
 
 def entry(argv: Sequence[str] | None = None) -> None:
-    run_main(main, argv, prog="serve")
+    try:
+        run_main(main, argv, prog="serve")
+    except SystemExit as done:  # several hosts, a failed start-up: leave past JAX's shutdown barrier
+        from dsv4_jax.distributed import leave_failed_start
+
+        leave_failed_start(done.code if isinstance(done.code, int) else int(done.code is not None))
+        raise

@@ -24,6 +24,7 @@ class ServingState:
     args: Any  # serve.args.ServerArgs
     served_model_names: tuple[str, ...]
     llm: Any = None  # dsv4_jax.LLM, once loaded
+    started_llm: Any = None  # the same, as soon as it is built (before the engine starts)
     engine: Any = None  # dsv4_jax.engine.async_engine.AsyncLLMEngine, once started
     limits: Any = None  # serve.protocol.ServerLimits, once the model is known
     metrics: Any = None  # serve.metrics.ServerMetrics

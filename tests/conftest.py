@@ -373,6 +373,31 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def quiet_port(span: int = 1) -> int:
+    """A port free now, with the `span - 1` after it (--master-port: the step channel's is next),
+    below the kernel's ephemeral range where there is one: outgoing connections (other tests'
+    clients, gloo's) take ephemeral ports, so a port free_port() found may be taken again by the
+    time a node binds it."""
+    import random
+    import socket
+
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 0
+    draw = random.Random(os.getpid() ^ time.monotonic_ns())
+    for _ in range(100):
+        port = draw.randrange(10_000, low - span) if low > 10_000 + span else free_port()
+        try:
+            with contextlib.ExitStack() as held:
+                for offset in range(span):
+                    held.enter_context(socket.socket()).bind(("127.0.0.1", port + offset))
+            return port
+        except OSError:
+            continue
+    raise RuntimeError(f"no {span} free ports in a row")
+
+
 @pytest.fixture(scope="session")
 def chat_server(chat_llm, chat_checkpoint, tmp_path_factory):
     """One `python -m serve` process for the session, with the chat_llm fixture's flags and this

@@ -20,10 +20,8 @@ Every process gets a hard timeout and its whole process group is killed at the e
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import random
 import re
 import shutil
 import signal
@@ -41,7 +39,7 @@ import numpy as np
 import pytest
 
 import dsv4_jax
-from conftest import REPO, child_xla_flags, free_port, in_background, started, wait_healthy  # tests/ is on sys.path
+from conftest import REPO, child_xla_flags, free_port, in_background, quiet_port, started, wait_healthy  # tests/ is on sys.path
 from sharding_worker import CONFIG
 
 ENV = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": child_xla_flags(2),
@@ -80,28 +78,6 @@ def _kill(processes: list[subprocess.Popen]) -> None:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait(timeout=30)
-
-
-def quiet_port(span: int = 1) -> int:
-    """A port free now, with the `span - 1` after it (--master-port: the step channel's is next),
-    below the kernel's ephemeral range where there is one: outgoing connections (other tests'
-    clients, gloo's) take ephemeral ports, so a port free_port() found may be taken again by the
-    time a node binds it."""
-    try:
-        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        low = 0
-    draw = random.Random(os.getpid() ^ time.monotonic_ns())
-    for _ in range(100):
-        port = draw.randrange(10_000, low - span) if low > 10_000 + span else free_port()
-        try:
-            with contextlib.ExitStack() as held:
-                for offset in range(span):
-                    held.enter_context(socket.socket()).bind(("127.0.0.1", port + offset))
-            return port
-        except OSError:
-            continue
-    raise RuntimeError(f"no {span} free ports in a row")
 
 
 def master_port() -> int:
@@ -337,5 +313,5 @@ def test_node_0_stopped_while_loading_stops_the_followers_naming_it(checkpoint, 
     codes = _wait_all(processes, logs)
     follower = logs[0].read_text()
     assert "node 0 stopped while starting, so node 1 exits too" in follower, follower[-2000:]
-    assert "node 0's server was stopped before its model was loaded" in follower, follower[-2000:]
+    assert "node 0's server stopped before its model was loaded" in follower, follower[-2000:]
     assert codes[0] != 0, codes

@@ -11,6 +11,7 @@ import sys
 
 import pytest
 
+from conftest import quiet_port  # tests/ is on sys.path
 from dsv4_jax import distributed
 from dsv4_jax.engine import lockstep
 from dsv4_jax.engine.lockstep import Lockstep
@@ -62,10 +63,7 @@ def test_start_up_failures_travel_through_jaxs_coordination_service(tmp_path):
     jax.distributed run."""
     script = tmp_path / "announcing.py"
     script.write_text(ANNOUNCING)
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    result = subprocess.run([sys.executable, str(script), str(port)], capture_output=True, text=True, timeout=120,
+    result = subprocess.run([sys.executable, str(script), str(quiet_port())], capture_output=True, text=True, timeout=120,
                             env={**os.environ, "JAX_PLATFORMS": "cpu"})
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.splitlines() == [
