@@ -217,7 +217,7 @@ def leave_failed_start(code: int) -> None:
     if config.is_leader:
         deadline = time.monotonic() + 5 * POLL_S
         others = set(range(1, config.nnodes))
-        while time.monotonic() < deadline and not others <= _nodes_under(_LEFT) | set(start_failures()):
+        while time.monotonic() < deadline and not others <= set(_by_node(_LEFT)) | set(start_failures()):
             time.sleep(0.1)
     logging.shutdown()
     sys.stdout.flush()
@@ -225,31 +225,24 @@ def leave_failed_start(code: int) -> None:
     os._exit(code)
 
 
-def _nodes_under(prefix: str) -> set[int]:
-    client = _coordination_client()
-    if client is None:
-        return set()
-    from jax.errors import JaxRuntimeError
-
-    try:
-        return {int(key.rsplit("/", 1)[1]) for key, _ in client.key_value_dir_get(prefix)}
-    except JaxRuntimeError:
-        return set()
-
-
 def start_failures() -> dict[int, str]:
     """{node rank: reason} of the nodes that announced a start-up failure (empty without
     jax.distributed, or when the coordination service cannot be read: it may be gone)."""
+    return _by_node(_START_FAILED)
+
+
+def _by_node(prefix: str) -> dict[int, str]:
+    """The key-value store's entries under `prefix`, by the node rank that ends each key."""
     client = _coordination_client()
     if client is None:
         return {}
     from jax.errors import JaxRuntimeError
 
     try:
-        entries = client.key_value_dir_get(_START_FAILED)
+        entries = client.key_value_dir_get(prefix)
     except JaxRuntimeError:
         return {}
-    return {int(key.rsplit("/", 1)[1]): reason for key, reason in entries}
+    return {int(key.rsplit("/", 1)[1]): value for key, value in entries}
 
 
 def _failure_elsewhere(node_rank: int, wait_s: float = 0.0) -> tuple[int, str] | None:
@@ -417,14 +410,12 @@ class StepChannel:
                                            f"within {timeout_s:.0f}s") from None
             conn.settimeout(None)
             verdict = _read_message(conn)
-        except BaseException as error:
+        except (OSError, EOFError) as error:  # StartUp names the node that stopped, if one said so
             conn.close()
-            if not isinstance(error, (OSError, EOFError)):
-                raise
-            cause = _failure_elsewhere(config.node_rank, wait_s=2 * POLL_S)  # node 0 closes, then announces
-            if cause is not None:
-                raise PeerStopped(*cause) from None
-            raise RuntimeError(f"node 0 closed the step channel before its verdict on the flags ({error})") from None
+            raise ConnectionError(f"node 0 closed the step channel before its verdict on the flags ({error})") from None
+        except BaseException:
+            conn.close()
+            raise
         if verdict:
             conn.close()
             raise ValueError(f"the nodes must be started with the same model and flags: {verdict}")
