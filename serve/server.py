@@ -100,7 +100,10 @@ def _listen(host: str, port: int) -> list[socket.socket]:
     try:
         found = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
         for family, address in dict.fromkeys((family, address) for family, _, _, _, address in found):
-            listener = socket.socket(family, socket.SOCK_STREAM)
+            try:
+                listener = socket.socket(family, socket.SOCK_STREAM)
+            except OSError:  # a family this kernel lacks (asyncio skips it too)
+                continue
             listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             if family == socket.AF_INET6:
                 listener.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)

@@ -212,3 +212,36 @@ def test_malformed_generation_config_names_the_file(tmp_path, content, named):
     with pytest.raises(ValueError) as err:
         generation_defaults(parse_args([]), tmp_path)
     assert str(tmp_path / "generation_config.json") in str(err.value) and named in str(err.value)
+
+
+def test_the_server_binds_every_address_of_its_host_or_names_the_flags():
+    """`python -m serve` binds before the model loads, as uvicorn's asyncio server would have bound:
+    every address the host names (one per family), each port given; a bad one is a ValueError
+    naming --host and --port with what to do."""
+    import socket
+
+    from serve.server import _listen
+
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+        everywhere = {socket.AF_INET, socket.AF_INET6}
+    except OSError:  # no IPv6 on this machine
+        everywhere = {socket.AF_INET}
+    for host, families in (("127.0.0.1", {socket.AF_INET}), ("", everywhere)):
+        listeners = _listen(host, 0)
+        try:
+            assert {listener.family for listener in listeners} == families, listeners
+        finally:
+            for listener in listeners:
+                listener.close()
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", 0))
+        squatter.listen()
+        port = squatter.getsockname()[1]
+        with pytest.raises(ValueError, match=rf"^--host 127\.0\.0\.1 --port {port}: cannot listen there: Address "
+                                             r"already in use; pass a free --port$"):
+            _listen("127.0.0.1", port)
+    with pytest.raises(ValueError, match=r"^--host 192\.0\.2\.1 --port 8000: cannot listen there: .*; --host must be "
+                                         r"an address of this machine$"):
+        _listen("192.0.2.1", 8000)  # TEST-NET-1: never this machine's
