@@ -26,7 +26,6 @@ refuses stop a node before it joins: the others wait for it in `jax.distributed.
 from __future__ import annotations
 
 import atexit
-import contextlib
 import dataclasses
 import errno
 import logging
@@ -186,14 +185,8 @@ def announce_start_failure(config: DistributedConfig, reason: str) -> None:
     exit, JAX may end this process before it prints anything)."""
     logger.error("node %d stopped while starting (the other nodes are told): %s", config.node_rank, reason)
     _announced.set()
-    client = _coordination_client()
-    if client is None:
-        return
-    from jax.errors import JaxRuntimeError
-
-    try:
-        client.key_value_set(f"{_START_FAILED}{config.node_rank}", reason)
-    except JaxRuntimeError as error:  # the coordinator may be gone, or this node announced already
+    error = _put(f"{_START_FAILED}{config.node_rank}", reason)
+    if error is not None:  # the coordinator may be gone, or this node announced already
         logger.warning("could not tell the other nodes why this one stopped: %s", error)
 
 
@@ -210,10 +203,7 @@ def leave_failed_start(code: int) -> None:
         return
     if not _leaving.acquire(blocking=False):  # another thread is ending the process
         threading.Event().wait()
-    client = _coordination_client()
-    if client is not None:
-        with contextlib.suppress(Exception):  # best effort: the coordinator may be gone
-            client.key_value_set(f"{_LEFT}{config.node_rank}", "")
+    _put(f"{_LEFT}{config.node_rank}", "")  # best effort: the coordinator may be gone
     if config.is_leader:
         deadline = time.monotonic() + 5 * POLL_S
         others = set(range(1, config.nnodes))
@@ -229,6 +219,20 @@ def start_failures() -> dict[int, str]:
     """{node rank: reason} of the nodes that announced a start-up failure (empty without
     jax.distributed, or when the coordination service cannot be read: it may be gone)."""
     return _by_node(_START_FAILED)
+
+
+def _put(key: str, value: str) -> Exception | None:
+    """Set `key` in the key-value store (nothing without jax.distributed); the store's error, if any."""
+    client = _coordination_client()
+    if client is None:
+        return None
+    from jax.errors import JaxRuntimeError
+
+    try:
+        client.key_value_set(key, value)
+    except JaxRuntimeError as error:
+        return error
+    return None
 
 
 def _by_node(prefix: str) -> dict[int, str]:
