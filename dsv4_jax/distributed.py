@@ -19,8 +19,9 @@ it, and once the channel is up a thread does until the warm-up ends (the main th
 waiting in a collective for the failed node). Every node then exits within seconds, naming the
 node and its reason, past JAX's shutdown barrier (`leave_failed_start`: the barrier would wait for
 nodes that left and then abort the process). Without it the others would wait out their own
-timeouts (minutes), and the failed node with them in that barrier. (Flags that `python -m serve`
-refuses stop a node before it joins: the others wait for it in `jax.distributed.initialize`.)
+timeouts (minutes), and the failed node with them in that barrier. (A node whose flags
+`python -m serve` refuses joins only to announce that: `serve.server`. One whose node flags are
+themselves bad cannot join: the others wait for it in `jax.distributed.initialize`.)
 """
 
 from __future__ import annotations

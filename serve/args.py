@@ -31,9 +31,10 @@ differs from vLLM (everything else has vLLM's name, meaning and default):
 Like vLLM, flags may be spelled with underscores (`--max_model_len`) and `--max-model-len` /
 `--max-num-batched-tokens` take human-readable sizes (1k = 1000, 1K = 1024, also m/M, g/G).
 
-Errors: a bad value or unknown flag is one line `serve: error: ...` and exit status 2. argparse's
-own errors print that line themselves; checks across flags raise a ValueError, which the entry
-point's `pallas_kernels.cli.run_main` prints the same way.
+Errors: a bad value or unknown flag is one line `serve: error: ...` and exit status 2. Every
+refusal, argparse's own included, is a ValueError, which the entry point's
+`pallas_kernels.cli.run_main` prints as that line: a node of several first tells the other nodes
+why it stops (`node_flags` reads where it would join from the command line alone).
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ import os
 import re
 import sys
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, NoReturn, Sequence
 
 from dsv4_jax.distributed import DistributedConfig
 from dsv4_jax.engine.sampling_params import MAX_LOGPROBS
@@ -216,8 +217,44 @@ def _json_object(text: str) -> dict[str, Any]:
 
 
 # ---- the parser ----------------------------------------------------------------------------------
+class _FlagParser(OneLineParser):
+    """argparse's usage errors as a ValueError: `run_main` prints it as the same one line, and a
+    node of several can tell the others first (`--help` still prints and exits 0)."""
+
+    def error(self, message: str) -> NoReturn:
+        raise ValueError(message)
+
+
+def _add_node_flags(add) -> None:
+    add("--nnodes", type=_positive_int, default=1,
+        help="hosts (processes) the model runs on; node 0 serves HTTP (default: %(default)s)")
+    add("--node-rank", type=int, default=0, help="this host's rank in [0, --nnodes) (default: %(default)s)")
+    add("--master-addr", default="127.0.0.1",
+        help="node 0's address: JAX's coordinator and the step channel (default: %(default)s)")
+    add("--master-port", type=_port, default=29500,
+        help="JAX's coordinator port on node 0; the step channel uses the next one (default: %(default)s)")
+    add("--headless", action="store_true",
+        help="a follower (--node-rank >= 1): no HTTP, it runs node 0's steps (default: off)")
+
+
+def node_flags(argv: Sequence[str] | None = None) -> DistributedConfig | None:
+    """Where this process joins a run over several nodes, read from `argv` (default:
+    sys.argv[1:]) alone, whatever its other flags: None for one node, or when these flags
+    themselves are bad. `--headless` is taken from the rank (a refusal may be its absence)."""
+    parser = _FlagParser(add_help=False, allow_abbrev=False)
+    _add_node_flags(parser.add_argument)
+    try:
+        namespace, _ = parser.parse_known_args(_dashed(sys.argv[1:] if argv is None else argv))
+        if namespace.nnodes == 1:
+            return None
+        return DistributedConfig(namespace.nnodes, namespace.node_rank, namespace.master_addr, namespace.master_port,
+                                 headless=namespace.node_rank > 0)
+    except ValueError:  # argparse's errors, and the config's own checks
+        return None
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = OneLineParser(
+    parser = _FlagParser(
         prog=USAGE_PROG, error_prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
         allow_abbrev=False,  # a prefix of one of our flags must not silently stand for it
     )
@@ -300,15 +337,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--no-async-scheduling", action="store_true",
         help="schedule each step only after the last one's tokens reach the host (default: off, i.e. the next "
              "step is scheduled while the device runs this one)")
-    add("--nnodes", type=_positive_int, default=1,
-        help="hosts (processes) the model runs on; node 0 serves HTTP (default: %(default)s)")
-    add("--node-rank", type=int, default=0, help="this host's rank in [0, --nnodes) (default: %(default)s)")
-    add("--master-addr", default="127.0.0.1",
-        help="node 0's address: JAX's coordinator and the step channel (default: %(default)s)")
-    add("--master-port", type=_port, default=29500,
-        help="JAX's coordinator port on node 0; the step channel uses the next one (default: %(default)s)")
-    add("--headless", action="store_true",
-        help="a follower (--node-rank >= 1): no HTTP, it runs node 0's steps (default: off)")
+    _add_node_flags(add)
     add_debug_flag(parser)
     for flag, (takes_value, why) in IGNORED_FLAGS.items():
         _add_presence_flag(parser, flag, takes_value,
@@ -364,8 +393,8 @@ def _model(namespace: argparse.Namespace) -> str | None:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> ServerArgs:
-    """Parse and check `argv` (default: sys.argv[1:]). Bad values exit 2 with one line; conflicts
-    between flags and refused flags raise a ValueError naming them (run_main makes it one line)."""
+    """Parse and check `argv` (default: sys.argv[1:]). A bad value, an unknown or refused flag
+    and a conflict between flags raise a ValueError naming them (run_main makes it one line)."""
     parser = build_parser()
     namespace, extra = parser.parse_known_args(_dashed(sys.argv[1:] if argv is None else argv))
     unknown = [arg.partition("=")[0] for arg in extra if arg.startswith("-")]

@@ -20,7 +20,7 @@ import signal
 import socket
 import sys
 import threading
-from typing import Sequence
+from typing import NoReturn, Sequence
 
 import uvicorn
 
@@ -45,9 +45,15 @@ def _enable_compilation_cache() -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     _configure_logging()
-    from serve.args import engine_kwargs, generation_defaults, parse_args
+    from serve.args import engine_kwargs, generation_defaults, node_flags, parse_args
 
-    args = parse_args(argv)
+    try:
+        args = parse_args(argv)
+    except ValueError as refused:
+        node = node_flags(argv)
+        if node is not None:
+            _stop_on_refused_flags(node, refused)
+        raise
     _enable_compilation_cache()
 
     from dsv4_jax import LLM
@@ -90,6 +96,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"serve: error: {state.load_error}", file=sys.stderr)
         return 2
     return 0
+
+
+def _stop_on_refused_flags(node, refused: ValueError) -> NoReturn:
+    """A node of several whose flags are refused: the others would wait for it in
+    `jax.distributed.initialize` for minutes, so it joins them there to say why, then stops
+    (status 2, leaving past JAX's shutdown barrier as any failed start-up does)."""
+    from dsv4_jax.distributed import announce_start_failure, initialize
+
+    reason = one_line(refused)
+    print(f"serve: error: {reason}", file=sys.stderr)  # now: joining waits until every node has started
+    logger.info("node %d of %d: joining the others at %s:%d to tell them why it stops", node.node_rank,
+                node.nnodes, node.master_addr, node.master_port)
+    try:
+        initialize(node)
+    except Exception as error:  # noqa: BLE001  (the coordinator unreachable: the refusal was printed)
+        logger.warning("could not tell the other nodes why this one stopped: %s", one_line(error))
+    else:
+        announce_start_failure(node, reason)
+    raise SystemExit(2)
 
 
 def _listen(host: str, port: int) -> list[socket.socket]:

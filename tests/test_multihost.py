@@ -264,16 +264,26 @@ def test_nodes_started_with_different_flags_stop_before_loading_naming_the_flag(
 
 
 @pytest.mark.parametrize("failing, cause", [(0, "its channel port is taken"), (1, "its model is missing"),
-                                            (0, "a shard is truncated"), (1, "a shard is truncated")])
+                                            (0, "a shard is truncated"), (1, "a shard is truncated"),
+                                            (0, "a flag's value is refused"), (1, "--headless is missing")])
 def test_a_node_stopping_while_starting_stops_the_others_naming_why(checkpoint, tmp_path, failing, cause):
     """Its reason reaches the others through JAX's coordination service, before the step channel
     is up (the others wait for it) and after (they may wait in a collective: placing the weights).
     Before, they waited out their timeouts (5 minutes; gloo's 30 s in a collective), and the failed
-    node with them in JAX's shutdown barrier: a CI run hung here on a taken port."""
+    node with them in JAX's shutdown barrier: a CI run hung here on a taken port. A node whose
+    flags `python -m serve` refuses joins the others only to say so (they would wait for it in
+    `jax.distributed.initialize` for 5 minutes)."""
     master = master_port()
     logs = {1: tmp_path / "1.log", 0: tmp_path / "0.log"}
     models = {0: str(checkpoint), 1: str(checkpoint)}
-    if cause == "its model is missing":
+    flags = {0: ["--port", str(quiet_port())], 1: ["--headless"]}
+    if cause == "a flag's value is refused":
+        flags[failing] += ["--max-num-seqs", "two"]
+        why = "argument --max-num-seqs: 'two' is not an integer"
+    elif cause == "--headless is missing":
+        flags[failing] = []
+        why = "--node-rank 1 runs the leader's steps and serves nothing: pass --headless"
+    elif cause == "its model is missing":
         models[failing] = "/nonexistent/model"
         why = "model directory or config file /nonexistent/model does not exist"
     elif cause == "a shard is truncated":  # found when the weights are read, after the handshake
@@ -287,14 +297,15 @@ def test_a_node_stopping_while_starting_stops_the_others_naming_why(checkpoint, 
         if cause == "its channel port is taken":
             squatter.bind(("127.0.0.1", master + 1))
         processes = [_start([sys.executable, "-m", "serve", models[rank], *SERVER_FLAGS, "--master-port", str(master),
-                             "--node-rank", str(rank), *(["--headless"] if rank else ["--port", str(quiet_port())])],
-                            logs[rank]) for rank in (1, 0)]
+                             "--node-rank", str(rank), *flags[rank]], logs[rank]) for rank in (1, 0)]
         codes = _wait_all(processes, list(logs.values()))
     failed, other = logs[failing].read_text(), logs[1 - failing].read_text()
     assert why in failed, failed[-2000:]
     assert re.search(rf"node {failing} stopped while starting[^\n]*{re.escape(why)}",
                      other), other[-2000:]
     assert all(code != 0 for code in codes), codes
+    if "refused" in cause or "missing" in cause:  # the failing node stops before its model loads
+        assert "weights: read" not in failed + other, (failed + other)[-2000:]
 
 
 def test_node_0_stopped_while_loading_stops_the_followers_naming_it(checkpoint, tmp_path):

@@ -22,6 +22,7 @@ from serve.args import (
     build_parser,
     engine_kwargs,
     generation_defaults,
+    node_flags,
     parse_args,
 )
 
@@ -159,6 +160,19 @@ def test_bad_command_line_is_one_line_naming_the_flag(argv, named, capsys):
 
 def test_half_precision_points_to_bfloat16_or_float32(capsys):
     assert "bfloat16 or float32" in _error_line(["--dtype", "float16"], capsys)
+
+
+def test_a_node_with_refused_flags_still_knows_where_to_join():
+    """A node of several tells the others why its flags are refused (they would wait for it in
+    jax.distributed.initialize): where to join comes from the node flags alone, whatever else fails."""
+    node = ["--nnodes", "2", "--master-addr", "10.0.0.1", "--master_port=1234"]
+    refused = ["--max-num-seqs", "many", "--quantization", "fp8", "-tp", "2"]
+    assert node_flags([*refused, *node, "--node-rank", "1"]) == DistributedConfig(2, 1, "10.0.0.1", 1234, headless=True)
+    assert node_flags([*node, "--headless"]) == DistributedConfig(2, 0, "10.0.0.1", 1234)  # --headless refused here
+    assert node_flags(refused) is None  # one node: nobody waits
+    assert node_flags([*node, "--node-rank", "2"]) is None  # nowhere to join
+    assert node_flags([*node, "--master-port", "0"]) is None
+    assert node_flags(["--nnode", "2"]) is None  # no prefix matching here either
 
 
 # ---- what the server makes of them -------------------------------------------------------------

@@ -116,9 +116,6 @@ class LLM:
         disable_log_stats: bool = True,  # logging goes through the `logging` module
         enable_prefix_caching: bool | None = None,  # not built: only off (False or None) is accepted
     ):
-        if enable_prefix_caching:
-            raise ValueError("enable_prefix_caching: prefix caching is not built yet in dsv4-jax; "
-                             "leave it unset or pass False")
         import dsv4_jax
         from dsv4_jax.compilation_cache import enable_compilation_cache
         from dsv4_jax.distributed import DistributedConfig, StartUp, StepChannel, initialize
@@ -132,6 +129,9 @@ class LLM:
         initialize(self.distributed)
         # A failure until the warm-up ends is told to the other nodes, which would wait for this one.
         with StartUp(self.distributed) as start_up:
+            if enable_prefix_caching:
+                raise ValueError(f"enable_prefix_caching={enable_prefix_caching!r}: prefix caching is not built yet "
+                                 "in dsv4-jax; leave it unset or pass False")
             if nnodes > 1 and load_format != "safetensors":
                 if load_format == "orbax":
                     raise ValueError("--load-format orbax is not supported across hosts yet (--nnodes > 1): "
