@@ -308,6 +308,26 @@ def test_a_node_stopping_while_starting_stops_the_others_naming_why(checkpoint, 
         assert "weights: read" not in failed + other, (failed + other)[-2000:]
 
 
+def test_with_three_nodes_a_follower_stopping_stops_node_0_and_the_other_follower(checkpoint, tmp_path):
+    """Node 1's model is missing: node 0 and node 2 (which hears of it from the coordination
+    service, not from node 1) both exit naming node 1, node 0 last (the service ends with it)."""
+    master = master_port()
+    flags = [*SERVER_FLAGS, "--master-port", str(master)]
+    flags[flags.index("-dp") + 1], flags[flags.index("--nnodes") + 1] = "3", "3"  # 3 nodes x 2 devices
+    flags.remove("--enable-expert-parallel")
+    logs = [tmp_path / f"{rank}.log" for rank in range(3)]
+    models = [str(checkpoint), "/nonexistent/model", str(checkpoint)]
+    processes = [_start([sys.executable, "-m", "serve", models[rank], *flags, "--node-rank", str(rank),
+                         *(["--headless"] if rank else ["--port", str(quiet_port())])], logs[rank]) for rank in (2, 1, 0)]
+    codes = _wait_all(processes, logs)
+    why = "model directory or config file /nonexistent/model does not exist"
+    assert why in logs[1].read_text(), logs[1].read_text()[-2000:]
+    for rank in (0, 2):
+        text = logs[rank].read_text()
+        assert re.search(rf"node 1 stopped while starting[^\n]*{re.escape(why)}", text), text[-2000:]
+    assert all(code != 0 for code in codes), codes
+
+
 def test_node_0_stopped_while_loading_stops_the_followers_naming_it(checkpoint, tmp_path):
     """Ctrl-C on node 0 during a long load: its followers may be waiting for it in a collective
     (on GPUs possibly for ever), so they exit too, naming it."""
