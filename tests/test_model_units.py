@@ -220,7 +220,7 @@ def _moe_flops(n_experts: int, tokens: int) -> float:
 def test_moe_flops_do_not_grow_with_the_number_of_experts(tokens, monkeypatch):
     # The batched tiles (GPUs): XLA's cost analysis sees them all. CPUs run loops whose trip
     # counts it cannot see (test_expert_loop_runs_only_used_tiles).
-    monkeypatch.setattr("dsv4_jax.model.moe.cpu_schedules", lambda: False)
+    monkeypatch.setattr("dsv4_jax.model.moe.cpu_loop", lambda: False)
     small, large = _moe_flops(8, tokens), _moe_flops(16, tokens)
     config = dsv4_tiny_test()
     useful = 3 * 2 * tokens * config.num_experts_per_tok * config.hidden_size * config.moe_intermediate_size
@@ -291,9 +291,8 @@ def test_program_size_does_not_grow_with_stacked_depth():
 @pytest.mark.parametrize(
     "tokens,expert_format",
     # GPU schedule: 2 or 8 pairs over 8 experts: 1-row tiles; 64 or 80 pairs: 8-row tiles; 800
-    # pairs: 64-row tiles. CPU schedules: 2 pairs: a loop over 8-row tiles; 8 and 64 pairs: rounds
-    # of 16 rows per expert (64: the crowded expert takes two); 80 and 800 pairs: a loop over 16-
-    # and 128-row tiles (the crowded expert's rows span tiles).
+    # pairs: 64-row tiles. CPU loop: 2 to 64 pairs: 8-row tiles; 80 and 800 pairs: 16- and 128-row
+    # tiles (the crowded expert's rows span tiles).
     [(1, None), (4, None), (32, None), (40, None), (400, None), (40, "fp4"), (40, "fp8"), (32, "fp8")],
 )
 def test_grouped_expert_matmul_equals_a_plain_loop(tokens, expert_format, on_cpu, monkeypatch):
@@ -302,9 +301,9 @@ def test_grouped_expert_matmul_equals_a_plain_loop(tokens, expert_format, on_cpu
     from dsv4_jax.model.moe import RoutedExperts, swiglu, tile_plan
     from dsv4_jax.presets import quantized
 
-    monkeypatch.setattr(moe, "cpu_schedules", lambda: on_cpu)
+    monkeypatch.setattr(moe, "cpu_loop", lambda: on_cpu)
     ran = []
-    for name in ("_expert_rounds", "_run_tiles_one_at_a_time", "_run_used_tiles"):
+    for name in ("_run_tiles_one_at_a_time", "_run_used_tiles"):
         real = getattr(moe, name)
         monkeypatch.setattr(moe, name, lambda *a, _real=real, _name=name: ran.append(_name) or _real(*a))
 
@@ -344,18 +343,15 @@ def test_grouped_expert_matmul_equals_a_plain_loop(tokens, expert_format, on_cpu
             want[t] += weights[t, k] * (w2[i] @ h)
     tiles = {1: 8, 4: 8, 32: 8, 40: 16, 400: 128} if on_cpu else {1: 1, 4: 1, 32: 8, 40: 8, 400: 64}
     assert tile_plan(tokens * 2, config.n_routed_experts, on_cpu)[0] == tiles[tokens]
-    # The schedule that ran: rounds only for decode-sized shares of experts stored as computed.
-    rounds = on_cpu and tokens in (4, 32) and expert_format is None
-    assert ran == ["_expert_rounds" if rounds else "_run_tiles_one_at_a_time" if on_cpu else "_run_used_tiles"]
+    assert ran == ["_run_tiles_one_at_a_time" if on_cpu else "_run_used_tiles"]
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-4)
 
 
 def test_expert_loop_runs_only_used_tiles(monkeypatch):
-    """CPU schedules. With pairs for under half the experts the loop makes as many iterations as
-    there are tiles holding pairs (whole tiles per expert), not the planned count (a possible
-    tile for every expert); with decode-sized shares every expert takes its pairs in rounds, as
-    many as the busiest expert needs. Both equal the plain per-pair sum; padding tokens' pairs run
-    in no tile."""
+    """The CPU loop makes as many iterations as there are tiles holding pairs (whole tiles per
+    expert), not the planned count (a possible tile for every expert), with pairs for under half
+    the experts and for more than all of them, and equals the plain per-pair sum; padding tokens'
+    pairs run in no tile."""
     from dsv4_jax.model import moe
 
     config = dsv4_tiny_test()
@@ -393,8 +389,10 @@ def test_expert_loop_runs_only_used_tiles(monkeypatch):
     assert tile == moe.CPU_MIN_TILE and counts[1] > tile
     assert trips == [int(np.sum(-(-counts // tile)))] and trips[0] < planned
     trips.clear()
-    counts = run(40)  # 80 pairs: rounds of 16 rows per expert; expert 1's 40 pairs take three
-    assert trips == [-(-counts.max() // moe.CPU_ROUND_ROWS)] == [3]
+    counts = run(40)  # 80 pairs over 64 experts (a decode-sized step): 8-row tiles, expert 1's 40 take five
+    tile, planned = moe.tile_plan(80, e, on_cpu=True)
+    assert tile == moe.CPU_MIN_TILE and -(-counts[1] // tile) == 5
+    assert trips == [int(np.sum(-(-counts // tile)))] and trips[0] < planned
 
 
 @pytest.mark.parametrize("transposed", [False, True], ids=["out_in", "in_out"])

@@ -12,19 +12,15 @@ fewer weight reads (below).
 
 Only the tiles that hold pairs run. On GPUs they run in chunks of many tiles (one batched matmul
 over the chunk's gathered weights, chunks past the used tiles skipped). XLA:CPU copies every
-gathered tile's weights before a batched matmul and runs few-row batches slowly, so CPUs take
-one of two schedules instead (`cpu_schedules`), by how many pairs each expert gets on average:
-* from 1/2 to `CPU_ROUND_ROWS` / 2 (decode-sized steps, most experts in use), with experts stored
-  in the compute dtype: rounds in which every expert takes up to `CPU_ROUND_ROWS` of its pairs
-  and all experts multiply at once with their weights read in place, one batched matmul per
-  projection (`_expert_rounds`; usually one round, whose cost does not depend on how many experts
-  are in use; up to `CPU_ROUND_ROWS` x experts matmul rows for a few useful ones). Experts that
-  need dequantising or converting take the loop: rounds would convert all of them every step;
-* otherwise (few experts in use, or prefill-sized steps): a loop over the tiles holding pairs,
-  one expert's weights per iteration (`_run_tiles_one_at_a_time`), tiles of at least
-  `CPU_MIN_TILE` rows.
-Mid-size benchmark model (64 experts, top-6), 2026-12-01: a 32-row decode step 1065 ms batched
-tiles, 342 ms the loop, 290 ms rounds; a 32 x 32-token prefill step 2.5 s the loop, 2.8 s rounds.
+gathered tile's weights before a batched matmul and runs few-row batches slowly, so on CPUs
+(`cpu_loop`) a loop runs the tiles holding pairs, one expert's weights per iteration
+(`_run_tiles_one_at_a_time`), tiles of at least `CPU_MIN_TILE` rows: its cost follows the experts
+in use. Mid-size benchmark model (64 experts, top-6, bf16), decode step: 2026-12-01 (an Intel
+Xeon) 1065 ms batched tiles, 342 ms the loop at 32 rows; 2026-12-05 (an AMD EPYC, 2 cores) the
+loop 125 ms at 8 rows and 231-235 ms at 32, against 210-213 and 252-258 ms for rounds that
+multiplied every expert by up to 16 of its pairs at once (weights read in place; removed: their
+cost did not shrink with the experts in use, and was 15% under the loop's only on that Xeon at
+32 rows).
 """
 
 from __future__ import annotations
@@ -45,18 +41,14 @@ from dsv4_jax.sharding import DATA, EMBED, EXPERTS, HASH_VOCAB, MOE_FFN, ROUTER,
 
 # Tiles at most this many at a time through the experts (bounds the gathered-weight memory).
 _TILES_PER_STEP = 64
-# CPU schedules (module docstring). Rows per tile at least: XLA:CPU's one-row bf16 dots are about
+# The CPU loop (module docstring). Rows per tile at least: XLA:CPU's one-row bf16 dots are about
 # 3x slower than few-row ones, and more rows cost a loop iteration more (mid-size model, batch 2
 # decode step: 104 ms with 8-row tiles, 125 ms with 16).
 CPU_MIN_TILE = 8
-# Rows per expert in a round: twice the largest average share that takes rounds, so the busiest
-# expert usually fits one round (XLA:CPU multiplies 8 or 16 rows by all the experts in the same
-# time).
-CPU_ROUND_ROWS = 16
 
 
-def cpu_schedules() -> bool:
-    """Whether the routed experts take XLA:CPU's schedules (module docstring)."""
+def cpu_loop() -> bool:
+    """Whether the routed experts take XLA:CPU's loop (module docstring)."""
     return jax.default_backend() == "cpu"
 
 
@@ -241,7 +233,7 @@ class RoutedExperts(nnx.Module):
     ) -> jax.Array:  # [tokens, hidden] float32
         run = functools.partial(
             grouped_experts, fmt=self.w1.format, block=self.w1.block, limit=limit, n_experts=self.n_experts,
-            on_cpu=cpu_schedules(),
+            on_cpu=cpu_loop(),
         )
         stored = (self.w1.arrays(), self.w2.arrays(), self.w3.arrays())
         mesh = options.mesh
@@ -290,7 +282,7 @@ def grouped_experts(
     limit: float,
     n_experts: int,  # routed experts in the model (the tile plan counts them all)
     first: int | jax.Array,  # global id of stored's expert 0: pairs of other experts weigh nothing
-    on_cpu: bool = False,  # XLA:CPU's schedules (module docstring)
+    on_cpu: bool = False,  # XLA:CPU's loop (module docstring)
 ) -> jax.Array:  # [tokens, hidden] float32
     """The grouped matmul of the pairs whose expert is stored here (module docstring)."""
     tokens, k = experts.shape
@@ -311,12 +303,6 @@ def grouped_experts(
     sorted_token = order // k
     sorted_weight = pair_weight[order]
     dtype = x.dtype
-    # Rounds read the stored experts in place, so only when nothing needs dequantising or
-    # converting; the average share is pairs / n_experts (with expert parallelism too).
-    in_place = fmt is None and stored[0][0].dtype == dtype
-    if on_cpu and in_place and n_experts <= 2 * pairs <= n_experts * CPU_ROUND_ROWS:
-        every = tuple(s[0] for s in stored)
-        return _expert_rounds(x, sorted_expert, sorted_token, sorted_weight, every, CPU_ROUND_ROWS, limit)
     if tile == 1:
         dest, tile_expert = jnp.arange(pairs), sorted_expert
     else:
@@ -373,45 +359,6 @@ def _run_used_tiles(run_tiles, tiles: tuple[jax.Array, ...], used: jax.Array, ch
 
     y = jax.lax.map(one, (jnp.arange(n_chunks), chunks))
     return y.reshape(n_chunks * chunk, *y.shape[2:])[:n_tiles]
-
-
-def _expert_rounds(
-    x: jax.Array,  # [tokens, hidden]
-    sorted_expert: jax.Array,  # [pairs] local expert of each pair, sorted (other devices' = local)
-    sorted_token: jax.Array,  # [pairs]
-    sorted_weight: jax.Array,  # [pairs] float32
-    every: tuple[jax.Array, jax.Array, jax.Array],  # w1, w2, w3 of every local expert, in x's dtype
-    capacity: int,  # rows per expert per round
-    limit: float,
-) -> jax.Array:  # [tokens, hidden] float32
-    """Rounds in which every expert takes up to `capacity` of its pairs and all experts multiply
-    at once, their weights read in place (one batched matmul per projection, no copies): as many
-    rounds as the busiest expert needs, usually one."""
-    w1, w2, w3 = every
-    local, hidden = w1.shape[0], x.shape[-1]
-    counts = jnp.bincount(sorted_expert, length=local + 1)[:local]
-    expert = jnp.minimum(sorted_expert, local - 1)
-    rank = jnp.arange(sorted_expert.shape[0]) - (jnp.cumsum(counts) - counts)[expert]  # within its expert
-    rounds = (jnp.max(counts) + capacity - 1) // capacity
-    slots = local * capacity
-
-    def one_round(r, out):
-        take = (sorted_expert < local) & (rank // capacity == r)
-        slot = jnp.where(take, expert * capacity + rank % capacity, slots)  # slot `slots`: dropped
-        token = jnp.zeros((slots + 1,), jnp.int32).at[slot].set(sorted_token.astype(jnp.int32))[:slots]
-        weight = jnp.zeros((slots + 1,), jnp.float32).at[slot].set(sorted_weight)[:slots]
-        filled = jnp.zeros((slots + 1,), bool).at[slot].set(True)[:slots]
-        xs = jnp.where(filled[:, None], x[token], 0).reshape(local, capacity, hidden)  # empty slots: zeros
-        g = jnp.einsum("ecd,efd->ecf", xs, w1, preferred_element_type=jnp.float32)
-        u = jnp.einsum("ecd,efd->ecf", xs, w3, preferred_element_type=jnp.float32)
-        h = swiglu(g.astype(x.dtype).astype(jnp.float32), u.astype(x.dtype).astype(jnp.float32), limit)
-        h = h * weight.reshape(local, capacity, 1)
-        y = jnp.einsum("ecf,edf->ecd", h.astype(x.dtype), w2, preferred_element_type=jnp.float32)
-        y = y.astype(x.dtype).astype(jnp.float32)  # rounded as the tile schedules' outputs are
-        # Empty slots add nothing anywhere (an unused expert's weights never reach a real row).
-        return out.at[jnp.where(filled, token, out.shape[0])].add(y.reshape(slots, hidden), mode="drop")
-
-    return jax.lax.fori_loop(0, rounds, one_round, jnp.zeros((x.shape[0], hidden), jnp.float32))
 
 
 def _run_tiles_one_at_a_time(run_tiles, tiles: tuple[jax.Array, ...], used: jax.Array) -> jax.Array:
