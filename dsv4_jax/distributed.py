@@ -37,7 +37,7 @@ import struct
 import sys
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, NoReturn
 
 logger = logging.getLogger(__name__)
 
@@ -89,8 +89,9 @@ class DistributedConfig:
         return self.master_addr, self.master_port + 1
 
 
-def initialize(config: DistributedConfig) -> None:
-    """`jax.distributed.initialize` for `config` (once per process; nothing for one node)."""
+def initialize(config: DistributedConfig, timeout_s: int = 300) -> None:
+    """`jax.distributed.initialize` for `config` (once per process; nothing for one node),
+    waiting up to `timeout_s` for every node to join (JAX's default)."""
     if config.nnodes == 1:
         return
     import jax
@@ -100,7 +101,7 @@ def initialize(config: DistributedConfig) -> None:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU collectives across processes
     jax.distributed.initialize(
         coordinator_address=f"{config.master_addr}:{config.master_port}", num_processes=config.nnodes,
-        process_id=config.node_rank, heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT_S,
+        process_id=config.node_rank, heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT_S, initialization_timeout=timeout_s,
     )
     logger.info("jax.distributed: node %d of %d, %d devices in all (%d here)", config.node_rank, config.nnodes,
                 jax.device_count(), jax.local_device_count())
@@ -189,6 +190,42 @@ def announce_start_failure(config: DistributedConfig, reason: str) -> None:
     error = _put(f"{_START_FAILED}{config.node_rank}", reason)
     if error is not None:  # the coordinator may be gone, or this node announced already
         logger.warning("could not tell the other nodes why this one stopped: %s", error)
+
+
+def join_to_announce(config: DistributedConfig, reason: str, code: int, timeout_s: int = 60) -> NoReturn:
+    """A node that stops before its start-up began (its flags refused): the other nodes would
+    wait for it in `jax.distributed.initialize` for minutes, so it joins them only to announce
+    `reason`, then exits with status `code`. It waits up to `timeout_s` for them to start (a
+    stale process must not announce into a later launch); Ctrl-C ends the wait."""
+    joined, failure = threading.Event(), []
+
+    def join() -> None:
+        try:  # JAX's own timeout aborts the process (a fatal error): this one's ends the wait first
+            initialize(config, timeout_s=timeout_s + 30)
+        except Exception as error:  # noqa: BLE001  (reported below)
+            failure.append(error)
+        joined.set()
+
+    logger.info("node %d of %d: telling the other nodes why it stops (waiting up to %d s for them at %s:%d)",
+                config.node_rank, config.nnodes, timeout_s, config.master_addr, config.master_port)
+    threading.Thread(target=join, daemon=True, name="announce-join").start()
+    deadline = time.monotonic() + timeout_s
+    try:
+        while not joined.wait(0.2) and time.monotonic() < deadline:  # short waits: Ctrl-C gets through
+            pass
+    except KeyboardInterrupt:
+        failure.append(KeyboardInterrupt())
+    if not joined.is_set() and not failure:
+        failure.append(TimeoutError(f"not every node joined within {timeout_s} s"))
+    if failure:  # not joined: JAX's exit handler would shut down a client that never connected
+        logger.warning("could not tell the other nodes why this one stopped: %s",
+                       " ".join(str(failure[0]).split()) or type(failure[0]).__name__)
+        logging.shutdown()
+        sys.stderr.flush()
+        os._exit(code)
+    announce_start_failure(config, reason)
+    leave_failed_start(code)
+    os._exit(code)  # unreachable: leave_failed_start exits once a failure was announced
 
 
 def leave_failed_start(code: int) -> None:

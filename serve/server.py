@@ -99,22 +99,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _stop_on_refused_flags(node, refused: ValueError) -> NoReturn:
-    """A node of several whose flags are refused: the others would wait for it in
-    `jax.distributed.initialize` for minutes, so it joins them there to say why, then stops
-    (status 2, leaving past JAX's shutdown barrier as any failed start-up does)."""
-    from dsv4_jax.distributed import announce_start_failure, initialize
+    """A node of several whose flags are refused: printed at once, then told to the other nodes,
+    which would wait for it in `jax.distributed.initialize` (`join_to_announce`; status 2)."""
+    from dsv4_jax.distributed import join_to_announce
 
     reason = one_line(refused)
-    print(f"serve: error: {reason}", file=sys.stderr)  # now: joining waits until every node has started
-    logger.info("node %d of %d: joining the others at %s:%d to tell them why it stops", node.node_rank,
-                node.nnodes, node.master_addr, node.master_port)
-    try:
-        initialize(node)
-    except Exception as error:  # noqa: BLE001  (the coordinator unreachable: the refusal was printed)
-        logger.warning("could not tell the other nodes why this one stopped: %s", one_line(error))
-    else:
-        announce_start_failure(node, reason)
-    raise SystemExit(2)
+    print(f"serve: error: {reason}", file=sys.stderr)
+    join_to_announce(node, reason, code=2)
 
 
 def _listen(host: str, port: int) -> list[socket.socket]:

@@ -168,10 +168,12 @@ def test_a_node_with_refused_flags_still_knows_where_to_join():
     node = ["--nnodes", "2", "--master-addr", "10.0.0.1", "--master_port=1234"]
     refused = ["--max-num-seqs", "many", "--quantization", "fp8", "-tp", "2"]
     assert node_flags([*refused, *node, "--node-rank", "1"]) == DistributedConfig(2, 1, "10.0.0.1", 1234, headless=True)
-    assert node_flags([*node, "--headless"]) == DistributedConfig(2, 0, "10.0.0.1", 1234)  # --headless refused here
+    assert node_flags([*node, "--node-rank", "1"]) == DistributedConfig(2, 1, "10.0.0.1", 1234, headless=True)
     assert node_flags(refused) is None  # one node: nobody waits
+    assert node_flags([*node, "--headless"]) is None  # a follower without its rank: not node 0
     assert node_flags([*node, "--node-rank", "2"]) is None  # nowhere to join
     assert node_flags([*node, "--master-port", "0"]) is None
+    assert node_flags([*node, "--node-rank", "1", "--node_rank=0"]) is None  # which one?
     assert node_flags(["--nnode", "2"]) is None  # no prefix matching here either
 
 

@@ -71,3 +71,17 @@ def test_start_up_failures_travel_through_jaxs_coordination_service(tmp_path):
         "raised node 1 stopped while starting: a shard is truncated",
         "announced {1: 'a shard is truncated'}",  # node 0 said nothing of its own
     ], result.stdout + result.stderr[-3000:]
+
+
+def test_a_refused_node_gives_up_telling_absent_nodes_in_its_own_time(tmp_path):
+    """A node whose flags are refused joins the others only to say why (`join_to_announce`); with
+    no other node started it gives up after its own timeout with its refusal's status, before
+    JAX's connect timeout would abort the process with a fatal error."""
+    script = ("import sys; from dsv4_jax.distributed import DistributedConfig, join_to_announce; "
+              "join_to_announce(DistributedConfig(2, 1, master_port=int(sys.argv[1]), headless=True), 'refused', "
+              "code=2, timeout_s=2)")
+    result = subprocess.run([sys.executable, "-c", script, str(quiet_port())], capture_output=True, text=True,
+                            timeout=120, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "could not tell the other nodes why this one stopped: not every node joined within 2 s" in result.stderr
+    assert "Terminating process" not in result.stderr and "Check failure" not in result.stderr, result.stderr[-3000:]
