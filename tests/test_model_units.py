@@ -334,7 +334,8 @@ def test_grouped_expert_matmul_equals_a_plain_loop(tokens, expert_format, on_cpu
     picks = np.stack([rng.choice(e, 2, replace=False) for _ in range(tokens)]).astype(np.int32)
     picks[: tokens // 2, 0] = 3  # a crowded expert: several tiles of one expert
     weights = rng.random((tokens, 2)).astype(np.float32)
-    got = np.asarray(experts(jnp.asarray(x), jnp.asarray(picks), jnp.asarray(weights), 1.0))
+    # One compiled call (eagerly, every op of the schedule compiled on its own: ~30 per case).
+    got = np.asarray(jax.jit(lambda *a: experts(*a, 1.0))(jnp.asarray(x), jnp.asarray(picks), jnp.asarray(weights)))
     want = np.zeros((tokens, d))
     for t in range(tokens):
         for k in range(2):
