@@ -38,7 +38,9 @@ FIXTURES = REPO / "tests" / "fixtures"
 # steps for the smallest and the largest pools twice (the engine's model and the built-in one).
 # 1716 -> 1722 (2026-12-04): test_runner_backends builds two runners whose start-up step fails
 # (a Pallas kernel refused, then the xla backend's own error): their caches' allocations compile.
-COMPILE_COUNT_CAP = int(os.environ.get("DSV4_COMPILE_COUNT_CAP", "1722"))
+# 1722 -> 1383 (2026-12-05): the grouped-expert parity cases run compiled, not op by op (1714 ->
+# 1375 compiles on CI; the same 8 above it).
+COMPILE_COUNT_CAP = int(os.environ.get("DSV4_COMPILE_COUNT_CAP", "1383"))
 
 # ---- two lanes ---------------------------------------------------------------------------------
 # pyproject's addopts run the suite as two pytest-xdist workers (`-n 2 --dist loadscope`): CI has
