@@ -19,9 +19,11 @@ it, and once the channel is up a thread does until the warm-up ends (the main th
 waiting in a collective for the failed node). Every node then exits within seconds, naming the
 node and its reason, past JAX's shutdown barrier (`leave_failed_start`: the barrier would wait for
 nodes that left and then abort the process). Without it the others would wait out their own
-timeouts (minutes), and the failed node with them in that barrier. (A node whose flags
-`python -m serve` refuses joins only to announce that: `serve.server`. One whose node flags are
-themselves bad cannot join: the others wait for it in `jax.distributed.initialize`.)
+timeouts (minutes), and the failed node with them in that barrier. A node whose flags
+`python -m serve` refuses joins only to announce that (`join_to_announce`, waiting up to 60 s for
+the others; Ctrl-C ends the wait). One whose node flags are themselves bad, or that has
+`--headless` without `--node-rank`, cannot join: the others wait for it in
+`jax.distributed.initialize`.
 """
 
 from __future__ import annotations
@@ -197,30 +199,36 @@ def join_to_announce(config: DistributedConfig, reason: str, code: int, timeout_
     wait for it in `jax.distributed.initialize` for minutes, so it joins them only to announce
     `reason`, then exits with status `code`. It waits up to `timeout_s` for them to start (a
     stale process must not announce into a later launch); Ctrl-C ends the wait."""
-    joined, failure = threading.Event(), []
+    outcome: list[BaseException | None] = []  # the join's: None once joined, else why not; first one wins
+    decided = threading.Lock()
+
+    def settle(result: BaseException | None) -> None:
+        with decided:
+            if not outcome:
+                outcome.append(result)
 
     def join() -> None:
         try:  # JAX's own timeout aborts the process (a fatal error): this one's ends the wait first
             initialize(config, timeout_s=timeout_s + 30)
         except Exception as error:  # noqa: BLE001  (reported below)
-            failure.append(error)
-        joined.set()
+            settle(error)
+        settle(None)
 
     logger.info("node %d of %d: telling the other nodes why it stops (waiting up to %d s for them at %s:%d)",
                 config.node_rank, config.nnodes, timeout_s, config.master_addr, config.master_port)
     threading.Thread(target=join, daemon=True, name="announce-join").start()
     deadline = time.monotonic() + timeout_s
     try:
-        while not joined.wait(0.2) and time.monotonic() < deadline:  # short waits: Ctrl-C gets through
-            pass
+        while not outcome and time.monotonic() < deadline:
+            time.sleep(0.2)  # short waits: Ctrl-C gets through
     except KeyboardInterrupt:
-        failure.append(KeyboardInterrupt())
-    if not joined.is_set() and not failure:
-        failure.append(TimeoutError(f"not every node joined within {timeout_s} s"))
-    if failure:  # not joined: JAX's exit handler would shut down a client that never connected
+        settle(KeyboardInterrupt())
+    settle(TimeoutError(f"not every node joined within {timeout_s} s"))  # unless decided already
+    if outcome[0] is not None:  # not joined: JAX's exit handler would shut down a client that never connected
         logger.warning("could not tell the other nodes why this one stopped: %s",
-                       " ".join(str(failure[0]).split()) or type(failure[0]).__name__)
+                       " ".join(str(outcome[0]).split()) or type(outcome[0]).__name__)
         logging.shutdown()
+        sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
     announce_start_failure(config, reason)

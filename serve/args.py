@@ -239,18 +239,15 @@ def _add_node_flags(add) -> None:
 
 def node_flags(argv: Sequence[str] | None = None) -> DistributedConfig | None:
     """Where this process joins a run over several nodes, read from `argv` (default:
-    sys.argv[1:]) alone, whatever its other flags: None for one node, or when these flags are
-    bad, given twice, or do not say which node this is (`--headless` on rank 0: a follower whose
-    rank is missing must not join as node 0). A rank above 0 without `--headless` joins as the
-    follower it names (the refusal is that flag's absence)."""
-    argv = _dashed(sys.argv[1:] if argv is None else argv)
+    sys.argv[1:]) alone, whatever its other flags (a flag given twice counts its last value, as
+    in `parse_args`): None for one node, or when these flags are bad or do not say which node
+    this is (`--headless` on rank 0: a follower whose rank is missing must not join as node 0). A
+    rank above 0 without `--headless` joins as the follower it names (the refusal is that flag's
+    absence)."""
     parser = _FlagParser(add_help=False, allow_abbrev=False)
     _add_node_flags(parser.add_argument)
-    named = [arg.partition("=")[0] for arg in argv]
-    if any(named.count(flag) > 1 for flag in ("--nnodes", "--node-rank", "--master-addr", "--master-port")):
-        return None
     try:
-        namespace, _ = parser.parse_known_args(argv)
+        namespace, _ = parser.parse_known_args(_dashed(sys.argv[1:] if argv is None else argv))
         if namespace.nnodes == 1 or (namespace.headless and namespace.node_rank == 0):
             return None
         return DistributedConfig(namespace.nnodes, namespace.node_rank, namespace.master_addr, namespace.master_port,

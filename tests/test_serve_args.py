@@ -173,7 +173,9 @@ def test_a_node_with_refused_flags_still_knows_where_to_join():
     assert node_flags([*node, "--headless"]) is None  # a follower without its rank: not node 0
     assert node_flags([*node, "--node-rank", "2"]) is None  # nowhere to join
     assert node_flags([*node, "--master-port", "0"]) is None
-    assert node_flags([*node, "--node-rank", "1", "--node_rank=0"]) is None  # which one?
+    twice = [*node, "--node-rank", "0", "--node_rank=1", "--headless"]  # the last one counts, as in parse_args
+    assert node_flags([*twice, *refused]) == parse_args(twice).distributed == DistributedConfig(
+        2, 1, "10.0.0.1", 1234, headless=True)
     assert node_flags(["--nnode", "2"]) is None  # no prefix matching here either
 
 

@@ -5,9 +5,11 @@ announced through JAX's coordination service."""
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -85,3 +87,29 @@ def test_a_refused_node_gives_up_telling_absent_nodes_in_its_own_time(tmp_path):
     assert result.returncode == 2, result.stderr[-3000:]
     assert "could not tell the other nodes why this one stopped: not every node joined within 2 s" in result.stderr
     assert "Terminating process" not in result.stderr and "Check failure" not in result.stderr, result.stderr[-3000:]
+
+
+def test_ctrl_c_ends_a_refused_nodes_wait_for_the_others(tmp_path):
+    """The wait runs in JAX's connect, in C++: Ctrl-C must still end it at once, with the refusal's
+    status."""
+    script = ("import logging, sys; logging.basicConfig(level=logging.INFO); "
+              "from dsv4_jax.distributed import DistributedConfig, join_to_announce; "
+              "join_to_announce(DistributedConfig(2, 1, master_port=int(sys.argv[1]), headless=True), 'refused', "
+              "code=2, timeout_s=60)")
+    log = tmp_path / "node.log"
+    with open(log, "w") as out:
+        node = subprocess.Popen([sys.executable, "-c", script, str(quiet_port())], stdout=out, stderr=subprocess.STDOUT,
+                                env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    try:
+        deadline = time.monotonic() + 60
+        while "Connecting to JAX distributed service" not in log.read_text():
+            assert time.monotonic() < deadline and node.poll() is None, log.read_text()[-3000:]
+            time.sleep(0.05)
+        time.sleep(0.5)  # inside the connect
+        node.send_signal(signal.SIGINT)
+        waited = time.monotonic()
+        assert node.wait(timeout=10) == 2, log.read_text()[-3000:]
+        assert time.monotonic() - waited < 3, log.read_text()[-3000:]
+    finally:
+        node.kill()
+    assert "could not tell the other nodes why this one stopped: KeyboardInterrupt" in log.read_text()

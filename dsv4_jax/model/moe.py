@@ -17,7 +17,7 @@ gathered tile's weights before a batched matmul and runs few-row batches slowly,
 (`_run_tiles_one_at_a_time`), tiles of at least `CPU_MIN_TILE` rows: its cost follows the experts
 in use. Mid-size benchmark model (64 experts, top-6, bf16), decode step: 2026-12-01 (an Intel
 Xeon) 1065 ms batched tiles, 342 ms the loop at 32 sequences; 2026-12-05 (an AMD EPYC, 2 cores)
-the loop 125 ms at 8 sequences and 231-235 ms at 32, against 210-213 and 252-258 ms for rounds
+the loop 125 ms at 8 sequences and 226-235 ms at 32, against 200-213 and 252-258 ms for rounds
 that multiplied every expert by up to 16 of its pairs at once (weights read in place; removed:
 their cost did not shrink with the experts in use, and was 15% under the loop's only on that
 Xeon at 32 sequences).
