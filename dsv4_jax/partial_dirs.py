@@ -94,9 +94,13 @@ def partial_for(entry: Path) -> Iterator[Path]:
     umask = os.umask(0)
     os.umask(umask)
     partial.chmod(0o777 & ~umask)
-    fd = os.open(partial / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o666 & ~umask)
+    # Locked before it appears under its name: another writer's sweep that opened an unlocked
+    # lock file would take this folder for a dead writer's and remove it.
+    unnamed = partial / f"{LOCK_FILE}.new"
+    fd = os.open(unnamed, os.O_RDWR | os.O_CREAT, 0o666 & ~umask)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
+        os.rename(unnamed, partial / LOCK_FILE)
         yield partial
     finally:
         with contextlib.suppress(OSError):

@@ -92,7 +92,9 @@ def test_a_refused_node_gives_up_telling_absent_nodes_in_its_own_time(tmp_path):
 def test_ctrl_c_ends_a_refused_nodes_wait_for_the_others(tmp_path):
     """The wait runs in JAX's connect, in C++: Ctrl-C must still end it at once, with the refusal's
     status."""
-    script = ("import logging, sys; logging.basicConfig(level=logging.INFO); "
+    # SIGINT's default (KeyboardInterrupt) as in a terminal: a background job (CI) starts with it ignored.
+    script = ("import logging, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+              "logging.basicConfig(level=logging.INFO); "
               "from dsv4_jax.distributed import DistributedConfig, join_to_announce; "
               "join_to_announce(DistributedConfig(2, 1, master_port=int(sys.argv[1]), headless=True), 'refused', "
               "code=2, timeout_s=60)")

@@ -233,6 +233,27 @@ def test_checkpoints_written_at_once_by_several_processes_appear_whole(tmp_path,
 
 
 
+def test_a_sweep_just_before_a_writer_locks_its_folder_keeps_the_folder(tmp_path, monkeypatch):
+    """Another writer's sweep right before this writer takes its lock (CI hit it with four
+    threads: a lock file that already had its name but no lock yet looked like a dead writer's,
+    and the folder was removed under its writer)."""
+    import fcntl
+
+    from dsv4_jax import partial_dirs
+
+    entry, real_flock, swept = tmp_path / "model", fcntl.flock, []
+
+    def flock(fd, operation):
+        if operation == fcntl.LOCK_EX and not swept:  # this writer's own lock, about to be taken
+            swept.append(partial_dirs.remove_stale_partials(entry))
+        return real_flock(fd, operation)
+
+    monkeypatch.setattr(fcntl, "flock", flock)
+    with partial_dirs.partial_for(entry) as partial:
+        assert swept == [[]] and partial.is_dir()
+        (partial / "config.json").write_text("{}")
+
+
 def test_a_killed_writers_partial_folder_is_removed_by_the_next_writer(tmp_path, monkeypatch, caplog):
     """A writer killed mid-write (SIGKILL, the OOM killer) leaves its partial folder; a converted
     V4-Flash entry is ~150 GB of it. The next writer of the entry removes the folders whose
