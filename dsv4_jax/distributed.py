@@ -41,6 +41,8 @@ import threading
 import time
 from typing import Any, Callable, NoReturn
 
+from pallas_kernels.cli import one_line
+
 logger = logging.getLogger(__name__)
 
 HEARTBEAT_TIMEOUT_S = 10  # jax.distributed's default is 100 s
@@ -177,7 +179,7 @@ class StartUp:
             consequence = RuntimeError(f"the step channel closed while node {self.config.node_rank} was starting "
                                        f"({error}): did another node die?")
         else:  # before closing the channel: a peer that reads its end looks for the reason at once
-            announce_start_failure(self.config, " ".join(str(error).split()) or type(error).__name__)
+            announce_start_failure(self.config, one_line(error))
         if self._channel is not None:  # the traceback keeps it alive: the peers would wait on it
             self._channel.close()
         if consequence is not None:
@@ -225,15 +227,20 @@ def join_to_announce(config: DistributedConfig, reason: str, code: int, timeout_
         settle(KeyboardInterrupt())
     settle(TimeoutError(f"not every node joined within {timeout_s} s"))  # unless decided already
     if outcome[0] is not None:  # not joined: JAX's exit handler would shut down a client that never connected
-        logger.warning("could not tell the other nodes why this one stopped: %s",
-                       " ".join(str(outcome[0]).split()) or type(outcome[0]).__name__)
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+        logger.warning("could not tell the other nodes why this one stopped: %s", one_line(outcome[0]))
+        _exit_now(code)
     announce_start_failure(config, reason)
     leave_failed_start(code)
-    os._exit(code)  # unreachable: leave_failed_start exits once a failure was announced
+    _exit_now(code)  # unreachable: leave_failed_start exits once a failure was announced
+
+
+def _exit_now(code: int) -> NoReturn:
+    """End the process with status `code`, logs and streams flushed, skipping the exit handlers
+    (JAX's shutdown barrier would wait for nodes that are gone, then abort the process)."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def leave_failed_start(code: int) -> None:
@@ -255,10 +262,7 @@ def leave_failed_start(code: int) -> None:
         others = set(range(1, config.nnodes))
         while time.monotonic() < deadline and not others <= set(_by_node(_LEFT)) | set(start_failures()):
             time.sleep(0.1)
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    _exit_now(code)
 
 
 def start_failures() -> dict[int, str]:
@@ -328,8 +332,7 @@ def _exit_on_lost(node: int, reason: str) -> None:
         _exit_as_stopped(0, node, said)
     logger.critical("follower node %d is gone (%s): every step needs all nodes (a collective would wait for it "
                     "forever), so this process exits", node, reason)
-    logging.shutdown()
-    os._exit(1)
+    _exit_now(1)
 
 
 def _exit_as_stopped(this_node: int, node: int, reason: str) -> None:
