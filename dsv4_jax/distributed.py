@@ -1,7 +1,7 @@
 """Several hosts (vLLM's `--nnodes`, `--node-rank`, `--master-addr`, `--master-port`): one JAX
 program over every host's devices.
 
-`initialize` starts `jax.distributed` (before anything touches a device) with a 10 s heartbeat
+`initialize` starts `jax.distributed` (before anything touches a device) with a 60 s heartbeat
 timeout instead of JAX's 100 s, and gloo collectives on CPU. Process 0 (the leader) runs the
 scheduler and serves HTTP; every other process (a follower, `--headless`) runs the same device
 calls in the same order, as the leader sends them over a `StepChannel`: each collective then has
@@ -45,7 +45,11 @@ from pallas_kernels.cli import one_line
 
 logger = logging.getLogger(__name__)
 
-HEARTBEAT_TIMEOUT_S = 10  # jax.distributed's default is 100 s
+# jax.distributed's default is 100 s. The step channel finds a dead node at once; the heartbeat is
+# the last resort (a node killed before the channel is up, a hung one), so it must outlast a host
+# that stops for a while: with 10 s, an idle pair on a loaded CI machine was called dead (both
+# nodes at once, a stall) and aborted; tests/test_multihost.py stops both nodes for 20 s.
+HEARTBEAT_TIMEOUT_S = 60
 POLL_S = 1.0  # how often a node waiting for the step channel looks for another node's start-up failure
 _START_FAILED = "dsv4_jax/start_failed/"  # + a node's rank: why that node stopped while starting
 _LEFT = "dsv4_jax/left/"  # + a node's rank: it exited on another node's start-up failure

@@ -6,6 +6,7 @@ parallelism over the four devices (node 1 runs `LLM.follow()`, as any follower d
 * Node 0 answers, and its greedy tokens, logprobs and prompt logprobs follow the single-device
   dense forward fed the same tokens (the engine's comparison rule), while a stream the client
   drops is aborted mid-batch: the follower runs only what node 0 schedules, so it keeps step.
+* Both nodes stopped for 20 s (a stalled host) still answer: a stall is not a death.
 * When the follower dies, the server exits within 30 s saying which node is gone, instead of
   hanging in a collective.
 * Nodes started with different flags stop at the handshake, before loading, each naming the flag.
@@ -13,7 +14,7 @@ parallelism over the four devices (node 1 runs `LLM.follow()`, as any follower d
   before the step channel is up or after, stops the others at once, each naming why, instead of
   leaving them waiting for minutes.
 
-One two-process run serves the first three (each process compiles every step and sampler program:
+One two-process run serves the first four (each process compiles every step and sampler program:
 a follower's compiles are never persistent-cache hits, since only process 0 writes the cache).
 Every process gets a hard timeout and its whole process group is killed at the end.
 """
@@ -233,6 +234,26 @@ def test_node_0_answers_as_one_dense_forward_while_a_dropped_stream_is_aborted(s
     aborted_tokens = generated_sum - len(PROMPTS) * GENERATED - 1
     assert 2 <= aborted_tokens < ABORTED_MAX_TOKENS, metrics
     assert re.search(r"^vllm:num_requests_running\{[^}]*\} 0(\.0)?$", metrics, re.M), metrics
+
+
+STALL_S = 20  # a host that stops running for this long (a paused VM, a stepped clock) is not dead
+
+
+def test_the_nodes_outlive_a_stall_of_both_hosts(server_pair):
+    """Both processes stopped for STALL_S, then resumed: JAX's coordination service must not call
+    them dead. With a 10 s heartbeat timeout it did (a CI run, 2026-12-05: an idle pair aborted,
+    both nodes 'stopped sending heartbeats' at once), killing a healthy server."""
+    leader, follower, base = server_pair.leader, server_pair.follower, server_pair.base
+    for process in (leader, follower):
+        os.killpg(process.pid, signal.SIGSTOP)
+    time.sleep(STALL_S)
+    for process in (follower, leader):
+        os.killpg(process.pid, signal.SIGCONT)
+    time.sleep(5)  # the heartbeats' next rounds
+    assert leader.poll() is None and follower.poll() is None, (server_pair.logs / "leader.log").read_text()[-3000:]
+    done = httpx.post(f"{base}/v1/completions", timeout=120,
+                      json={"prompt": [5, 17, 42], "max_tokens": 2, "temperature": 0})
+    assert done.status_code == 200, done.text
 
 
 def test_a_dead_follower_stops_the_server_within_30_s(server_pair):
