@@ -51,6 +51,10 @@ logger = logging.getLogger(__name__)
 # nodes at once, a stall) and aborted; tests/test_multihost.py stops both nodes for 20 s.
 HEARTBEAT_TIMEOUT_S = 60
 POLL_S = 1.0  # how often a node waiting for the step channel looks for another node's start-up failure
+# How long node 0 of a failed start-up waits for the others to read why and leave (they poll every
+# POLL_S; one gone without a word costs the whole wait). A few polls would do, but a stalled
+# machine's nodes miss some.
+LEAVE_WAIT_S = 15.0
 _START_FAILED = "dsv4_jax/start_failed/"  # + a node's rank: why that node stopped while starting
 _LEFT = "dsv4_jax/left/"  # + a node's rank: it exited on another node's start-up failure
 _node: DistributedConfig | None = None  # this process's node, once `initialize` ran
@@ -253,8 +257,8 @@ def leave_failed_start(code: int) -> None:
 
     It leaves past JAX's shutdown barrier: every node of a failed start-up leaves this way, so the
     barrier would wait for them until the heartbeat timeout and then abort the process with a
-    fatal error. Node 0 first waits (5 s at most) until every other node has announced or left:
-    the coordination service they read the reason from ends with node 0's process."""
+    fatal error. Node 0 first waits (LEAVE_WAIT_S at most) until every other node has announced or
+    left: the coordination service they read the reason from ends with node 0's process."""
     config = _node
     if config is None or not (_announced.is_set() or _stopped_on_peer.is_set()):
         return
@@ -262,7 +266,7 @@ def leave_failed_start(code: int) -> None:
         threading.Event().wait()
     _put(f"{_LEFT}{config.node_rank}", "")  # best effort: the coordinator may be gone
     if config.is_leader:
-        deadline = time.monotonic() + 5 * POLL_S
+        deadline = time.monotonic() + LEAVE_WAIT_S
         others = set(range(1, config.nnodes))
         while time.monotonic() < deadline and not others <= set(_by_node(_LEFT)) | set(start_failures()):
             time.sleep(0.1)

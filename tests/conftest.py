@@ -413,7 +413,7 @@ def chat_server(chat_llm, chat_checkpoint, tmp_path_factory):
 
     import httpx
 
-    port = free_port()
+    port = quiet_port()
     log_path = tmp_path_factory.mktemp("server") / "server.log"
     env = {**os.environ, "DSV4_TEST_FORCED_OUTPUT": "1", "JAX_PLATFORMS": "cpu",
            "JAX_COMPILATION_CACHE_DIR": jax.config.jax_compilation_cache_dir}

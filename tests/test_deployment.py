@@ -16,7 +16,7 @@ import httpx
 import jax
 import pytest
 
-from conftest import REPO, child_xla_flags, free_port, in_background, started, wait_healthy  # tests/ is on sys.path
+from conftest import REPO, child_xla_flags, in_background, quiet_port, started, wait_healthy  # tests/ is on sys.path
 
 NAME = "DeepSeek-V4-Flash"
 
@@ -35,7 +35,7 @@ class DeploymentServer:
             sliding_window=4, compress_ratios=(16,), index_topk=2, vocab_size=129280, num_hidden_layers=1,
             num_nextn_predict_layers=0, max_position_embeddings=4096)
         model = str(write_random_checkpoint(Path(self.directory.name) / "ckpt", config, seed=5))
-        self.port = free_port()
+        self.port = quiet_port()  # bound tens of seconds later: off the ephemeral range
         command = [sys.executable, "-m", "serve", model, "--tensor-parallel-size", "2", "--trust-remote-code",
                    "--served-model-name", NAME, "--port", str(self.port), "--tokenizer", model,
                    "--gpu-memory-utilization", "0.9", "--max-num-seqs", "4", "--dtype", "auto",

@@ -40,7 +40,7 @@ import numpy as np
 import pytest
 
 import dsv4_jax
-from conftest import REPO, child_xla_flags, free_port, in_background, quiet_port, started, wait_healthy  # tests/ is on sys.path
+from conftest import REPO, child_xla_flags, in_background, quiet_port, started, wait_healthy  # tests/ is on sys.path
 from sharding_worker import CONFIG
 
 ENV = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": child_xla_flags(2),

@@ -26,7 +26,7 @@ import time
 import httpx
 import numpy as np
 import pytest
-from conftest import CHAT_SERVER_FLAGS, REPO, free_port  # tests/ is on sys.path
+from conftest import CHAT_SERVER_FLAGS, REPO, quiet_port  # tests/ is on sys.path
 
 from dsv4_jax import SamplingParams
 
@@ -92,7 +92,9 @@ def harmless(server, load, reference):
     _assert_metrics_back_to_zero(server, load)
 
 
-def _assert_metrics_back_to_zero(server, load, within: float = 5.0) -> None:
+def _assert_metrics_back_to_zero(server, load, within: float = 30.0) -> None:
+    # Milliseconds when it works; a leaked request never frees its blocks, so a bound that
+    # outlasts a stalled CI machine still catches it.
     names = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")
     deadline = time.monotonic() + within
     while any((values := load.metrics(server["base"]))[name] for name in names):
@@ -281,7 +283,8 @@ def test_a_huge_prompt_is_refused_without_stalling_the_server(chat_server, load,
         finally:
             stop.set()
             poller.join()
-    assert latencies and max(latencies) < 4.0, sorted(latencies)[-5:]
+    # The event loop blocked on a huge body for 13-20 s before; a stalled CI machine may take seconds.
+    assert latencies and max(latencies) < 8.0, sorted(latencies)[-5:]
 
 
 # ---- every invalid parameter of every endpoint ---------------------------------------------------------------------
@@ -442,7 +445,7 @@ def test_prompts_over_max_model_len_are_400s_with_the_numbers(chat_server, load,
 def _start_second_server(checkpoint, log_path) -> tuple[subprocess.Popen, str]:
     import jax
 
-    port = free_port()
+    port = quiet_port()
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_COMPILATION_CACHE_DIR": jax.config.jax_compilation_cache_dir}
     with open(log_path, "w") as log:
         process = subprocess.Popen([sys.executable, "-m", "serve", str(checkpoint), *CHAT_SERVER_FLAGS,
@@ -535,6 +538,8 @@ def test_sigterm_and_sigint_stop_accepting_finish_in_flight_streams_and_exit_0(c
                 process.wait()
     record_property("shutdown_outcomes", outcomes)
     print("shutdown outcomes:", outcomes)
+    # A scenario thread that raised left no outcome: that is a failure too, not a pass.
+    assert set(outcomes) == {"SIGTERM", "SIGINT"}, outcomes
     for name, outcome in outcomes.items():
         log = servers[getattr(signal, name)][2].read_text()
         assert outcome["exit_status"] == 0, (name, log[-3000:])

@@ -48,7 +48,7 @@ def test_64_clients_100_requests_are_well_formed_and_match_the_offline_engine(lo
     assert sum(ties["diverged at a near-tie"].values()) <= 5, ties  # most requests compared to the end
     assert sum(len(set(ref.token_ids)) > 1 for ref in reference) > 50  # not a model that repeats one token
     assert run.max_running <= 8 and run.max_waiting > 0, (run.max_running, run.max_waiting)
-    deadline = time.monotonic() + 2.0
+    deadline = time.monotonic() + 30  # nothing runs or waits: milliseconds, unless the machine stalls
     while (after := load.metrics(chat_server["base"])) and any(
             after[name] for name in ("vllm:num_requests_running", "vllm:num_requests_waiting",
                                      "vllm:kv_cache_usage_perc")):

@@ -110,8 +110,9 @@ def test_ctrl_c_ends_a_refused_nodes_wait_for_the_others(tmp_path):
         time.sleep(0.5)  # inside the connect
         node.send_signal(signal.SIGINT)
         waited = time.monotonic()
-        assert node.wait(timeout=10) == 2, log.read_text()[-3000:]
-        assert time.monotonic() - waited < 3, log.read_text()[-3000:]
+        assert node.wait(timeout=30) == 2, log.read_text()[-3000:]
+        # ~0.2 s when Ctrl-C ends the wait; without it the node would wait out its 60 s.
+        assert time.monotonic() - waited < 20, log.read_text()[-3000:]
     finally:
         node.kill()
     assert "could not tell the other nodes why this one stopped: KeyboardInterrupt" in log.read_text()
