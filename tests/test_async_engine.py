@@ -114,7 +114,7 @@ def test_requests_come_and_go_while_a_step_waits_for_the_device(llm):
 
         def held(launched):  # the device "computes" until the test says so
             parked.set()
-            assert release.wait(120), "the event loop was blocked while the step thread waited"
+            assert release.wait(60), "the event loop was blocked while the step thread waited"
             real_wait(launched)
 
         engine._wait = held
@@ -132,7 +132,7 @@ def test_requests_come_and_go_while_a_step_waits_for_the_device(llm):
         return waited, first_outputs, second_outputs
 
     waited, first_outputs, second_outputs = asyncio.run(main())
-    # Milliseconds when the lock is not held; blocked, they would wait for the release (120 s).
+    # Milliseconds when the lock is not held; blocked, they would wait for the release (60 s).
     assert waited < 30
     aborted = first_outputs[-1].outputs[0]
     assert aborted.finish_reason == "abort" and aborted.token_ids == [] and aborted.text == ""

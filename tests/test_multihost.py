@@ -244,13 +244,17 @@ def test_the_nodes_outlive_a_stall_of_both_hosts(server_pair):
     them dead. With a 10 s heartbeat timeout it did (a CI run, 2026-12-05: an idle pair aborted,
     both nodes 'stopped sending heartbeats' at once), killing a healthy server."""
     leader, follower, base = server_pair.leader, server_pair.follower, server_pair.base
-    for process in (leader, follower):
-        os.killpg(process.pid, signal.SIGSTOP)
-    time.sleep(STALL_S)
-    for process in (follower, leader):
-        os.killpg(process.pid, signal.SIGCONT)
+    try:
+        for process in (leader, follower):
+            os.killpg(process.pid, signal.SIGSTOP)
+        time.sleep(STALL_S)
+    finally:  # never leave a node stopped for the tests after this one
+        for process in (follower, leader):
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGCONT)
     time.sleep(5)  # the heartbeats' next rounds
-    assert leader.poll() is None and follower.poll() is None, (server_pair.logs / "leader.log").read_text()[-3000:]
+    assert leader.poll() is None and follower.poll() is None, \
+        "\n".join((server_pair.logs / f"{name}.log").read_text()[-2000:] for name in ("leader", "follower"))
     done = httpx.post(f"{base}/v1/completions", timeout=120,
                       json={"prompt": [5, 17, 42], "max_tokens": 2, "temperature": 0})
     assert done.status_code == 200, done.text

@@ -414,7 +414,7 @@ def test_compiles_run_at_once_and_fail_in_their_buckets_context(monkeypatch):
 
     from dsv4_jax.engine.compiles import compile_concurrently, compile_threads
 
-    lock, state = threading.Lock(), {"active": 0, "peak": 0, "threads": set(), "want": 1}
+    lock, state = threading.Lock(), {"active": 0, "peak": 0, "threads": set(), "want": 1, "deadline": 0.0}
 
     class Lowered:
         def __init__(self, fails: bool = False):
@@ -427,8 +427,7 @@ def test_compiles_run_at_once_and_fail_in_their_buckets_context(monkeypatch):
                 state["threads"].add(threading.current_thread().name)
             # Until as many run at once as the threads allow (not a fixed sleep, which a loaded
             # machine may outlast before the second thread starts); a serial run waits it out.
-            deadline = time.monotonic() + 30
-            while state["peak"] < state["want"] and time.monotonic() < deadline:
+            while state["peak"] < state["want"] and time.monotonic() < state["deadline"]:
                 time.sleep(0.01)
             time.sleep(0.2)  # long enough for a thread the limit should hold back to show up
             with lock:
@@ -439,7 +438,7 @@ def test_compiles_run_at_once_and_fail_in_their_buckets_context(monkeypatch):
 
     for threads in (2, 1):
         monkeypatch.setenv("DSV4_JAX_COMPILE_THREADS", str(threads))
-        state.update(peak=0, threads=set(), want=threads)
+        state.update(peak=0, threads=set(), want=threads, deadline=time.monotonic() + 30)
         jobs = {key: Lowered() for key in "abc"}
         assert compile_concurrently(jobs, lambda key: contextlib.nullcontext()) == dict.fromkeys("abc", "executable")
         assert state["peak"] == threads and all(name.startswith("dsv4-compile") for name in state["threads"])
