@@ -329,15 +329,39 @@ def _check_harmless(body: dict) -> None:
     _as_string(body.get("request_id"), "request_id")
 
 
-def _refuse_unsupported(body: dict, names: tuple[str, ...], n: int) -> None:
-    """400 for known fields that ask for something this server does not do."""
-    harmless_values = {
-        "use_beam_search": (False,),
-        "modalities": (["text"],),
-        "echo": (False,),  # chat only: vLLM's echo prepends the last message
-        "suffix": ("",),
-        "best_of": (n,),  # best_of == n is plain sampling
-        "response_format": ({"type": "text"},),  # completions only: asks for nothing
+def _refuse_unsupported(body: dict, names: tuple[str, ...], n: int, add_special_tokens: bool) -> None:
+    """400 for known fields that ask for something this server does not do (accepting them would
+    give an answer that silently ignores what they ask); a field holding a value that asks for
+    nothing passes. `add_special_tokens`: the endpoint's default (vLLM's: False for chat, True for
+    completions)."""
+
+    def one_of(*values):  # equal, of the same type (True is no 1 here)
+        return lambda value: any(value == ok and type(value) is type(ok) for ok in values)
+
+    def number(value) -> bool:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+    harmless = {
+        "use_beam_search": one_of(False),
+        "modalities": one_of(["text"]),
+        "echo": one_of(False),  # chat only: vLLM's echo prepends the last message
+        "suffix": one_of(""),
+        "best_of": one_of(n),  # best_of == n is plain sampling
+        "response_format": one_of({"type": "text"}),  # completions only: asks for nothing
+        # vLLM's extra sampling and prompt fields:
+        "bad_words": one_of([]),
+        "logits_processors": one_of([]),
+        "documents": one_of([]),
+        "return_token_ids": one_of(False),
+        "length_penalty": number,  # read by beam search only, which is refused
+        # Only spaces between special tokens shown one after another, which the V4 tokenizer's
+        # decoder never puts there.
+        "spaces_between_special_tokens": lambda value: isinstance(value, bool),
+        "priority": lambda value: number(value) and value == 0,  # vLLM: others need its priority policy
+        "add_generation_prompt": one_of(True),
+        "continue_final_message": one_of(False),
+        # A chat prompt's special tokens come from the V4 encoder; a completion prompt gets its BOS.
+        "add_special_tokens": one_of(add_special_tokens),
     }
     hints = {
         "functions": "; use tools",
@@ -347,7 +371,7 @@ def _refuse_unsupported(body: dict, names: tuple[str, ...], n: int) -> None:
     }
     for name in names:
         value = body.get(name)
-        if value is None or any(value == ok and type(value) is type(ok) for ok in harmless_values.get(name, ())):
+        if value is None or (name in harmless and harmless[name](value)):
             continue
         raise _invalid(name, f"'{name}' is not supported by dsv4-jax{hints.get(name, '')}")
 
@@ -593,6 +617,20 @@ def _chat_options(body: dict, limits: ServerLimits) -> tuple[dict, str | None]:
     return kwargs, effort
 
 
+# vLLM's extra request fields that dsv4-jax does not implement (both endpoints).
+_VLLM_UNSUPPORTED = (
+    "allowed_token_ids",
+    "bad_words",
+    "logits_processors",
+    "truncate_prompt_tokens",
+    "spaces_between_special_tokens",
+    "length_penalty",
+    "priority",
+    "add_special_tokens",
+    "return_token_ids",
+)
+# How a chat prompt is laid out: the V4 encoder's own way only (chat and /tokenize).
+_CHAT_PROMPT_UNSUPPORTED = ("add_generation_prompt", "continue_final_message", "chat_template", "documents")
 _CHAT_UNSUPPORTED = (
     "audio",
     "modalities",
@@ -609,6 +647,8 @@ _CHAT_UNSUPPORTED = (
     "guided_choice",
     "guided_grammar",
     "structured_outputs",
+    *_VLLM_UNSUPPORTED,
+    *_CHAT_PROMPT_UNSUPPORTED,
 )
 _SAMPLING_FIELDS = (
     "n",
@@ -658,7 +698,7 @@ def parse_chat_request(body: Any, limits: ServerLimits) -> ChatRequest:
     model = _model(body, limits)
     _check_harmless(body)
     n = _as_int(body.get("n"), "n", low=1, high=limits.max_n) or 1
-    _refuse_unsupported(body, _CHAT_UNSUPPORTED, n)
+    _refuse_unsupported(body, _CHAT_UNSUPPORTED, n, add_special_tokens=False)
     messages = _messages(body.get("messages"))
     tool_choice, tools = _tool_choice(body.get("tool_choice"), _tools(body.get("tools")), limits)
     chat_template_kwargs, reasoning_effort = _chat_options(body, limits)
@@ -736,6 +776,7 @@ _COMPLETION_UNSUPPORTED = (
     "guided_choice",
     "guided_grammar",
     "structured_outputs",
+    *_VLLM_UNSUPPORTED,
 )
 COMPLETION_FIELDS = frozenset(
     ("model", "prompt", "echo", "prompt_logprobs", *_SAMPLING_FIELDS, *_HARMLESS, *_COMPLETION_UNSUPPORTED)
@@ -748,7 +789,7 @@ def parse_completion_request(body: Any, limits: ServerLimits) -> CompletionReque
     model = _model(body, limits)
     _check_harmless(body)
     n = _as_int(body.get("n"), "n", low=1, high=limits.max_n) or 1
-    _refuse_unsupported(body, _COMPLETION_UNSUPPORTED, n)
+    _refuse_unsupported(body, _COMPLETION_UNSUPPORTED, n, add_special_tokens=True)
     if body.get("prompt") is None:
         raise _invalid("prompt", "prompt is required")
     prompts = _prompts(body["prompt"], limits.vocab_size)
@@ -802,6 +843,7 @@ TOKENIZE_FIELDS = frozenset(
         "reasoning_effort",
         "add_special_tokens",
         "return_token_strs",
+        *_CHAT_PROMPT_UNSUPPORTED,
     )
 )
 
@@ -815,6 +857,8 @@ def parse_tokenize_request(body: Any, limits: ServerLimits) -> TokenizeRequest:
     if (prompt is None) == (messages is None):
         raise OpenAIError("A tokenize request takes either prompt or messages", param="prompt")
     chat_template_kwargs, reasoning_effort = _chat_options(body, limits)
+    if messages is not None:  # tokenized as the chat endpoint would lay the prompt out
+        _refuse_unsupported(body, _CHAT_PROMPT_UNSUPPORTED, 1, add_special_tokens=False)
     return TokenizeRequest(
         model=model,
         prompt=_as_string(prompt, "prompt"),

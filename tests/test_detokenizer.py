@@ -75,6 +75,38 @@ def test_stop_strings_count_only_after_min_tokens(tokenizer):
     assert "".join(pieces) + tail == "END one two " and detok.stopped_by == "END"
 
 
+def _one_token(tokenizer, text: str) -> int:
+    (token,) = tokenizer.encode(text, add_special_tokens=False).ids  # the case needs it as one token
+    return token
+
+
+def test_a_stop_string_may_begin_in_the_min_tokens_text_and_must_end_after_it(tokenizer):
+    """vLLM looks for stop strings from the first token past min_tokens on, in a window that ends
+    in the new text and may begin before it (vllm/v1/engine/detokenizer.py, check_stop_strings)."""
+    hello, world, c = (_one_token(tokenizer, t) for t in ("Hello", " world", "c"))
+    detok = IncrementalDetokenizer(tokenizer, stop=["o w"], stop_after_tokens=1)
+    pieces, tail = feed(detok, [hello, world])
+    assert "".join(pieces) + tail == "Hell" and detok.stopped_by == "o w"
+    # A stop string wholly inside the min_tokens' text is never found, also not by the next token.
+    ab = _one_token(tokenizer, "ab")
+    detok = IncrementalDetokenizer(tokenizer, stop=["ab", "xyzw"], stop_after_tokens=1)
+    pieces, tail = feed(detok, [ab, c])
+    assert "".join(pieces) + tail == "abc" and detok.stopped_by is None
+
+
+def test_of_stop_strings_completed_by_one_token_the_first_to_end_wins(tokenizer):
+    """What one character at a time would have found: the match that ends first, then the first
+    listed (current vLLM's check_stop_strings)."""
+    the = _one_token(tokenizer, " the")
+    detok = IncrementalDetokenizer(tokenizer, stop=["the", "h"])
+    pieces, tail = feed(detok, [the])
+    assert "".join(pieces) + tail == " t" and detok.stopped_by == "h"  # "h" ends before "the" does
+    for stop in (["he", "e"], ["e", "he"]):  # both end at "e": the first listed
+        detok = IncrementalDetokenizer(tokenizer, stop=stop, include_stop_str_in_output=True)
+        pieces, tail = feed(detok, [the])
+        assert "".join(pieces) + tail == " the" and detok.stopped_by == stop[0]
+
+
 def test_a_decoder_whose_text_is_not_prefix_stable_never_fails_the_request():
     """`DecodeStream` raises when a token changes text it already returned; the request keeps going
     with a fresh window at that token (here: each token's own text)."""

@@ -321,6 +321,14 @@ def test_max_tokens_and_stop_token_ids(llm, greedy_run):
     (kept,) = _generate(llm, [prompt], SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[stop],
                                                       include_stop_str_in_output=True))
     assert kept.outputs[0].token_ids == c.token_ids and kept.outputs[0].text == decode(greedy.token_ids[: k + 1])
+    # The stop token as the max_tokens-th token: still a stop, its text left out (vLLM >= 0.11.1
+    # checks stop tokens before the length).
+    (last,) = _generate(llm, [prompt], SamplingParams(temperature=0.0, max_tokens=k + 1, stop_token_ids=[stop]))
+    assert (last.outputs[0].token_ids, last.outputs[0].text) == (c.token_ids, c.text)
+    assert (last.outputs[0].finish_reason, last.outputs[0].stop_reason) == ("stop", stop)
+    (kept_last,) = _generate(llm, [prompt], SamplingParams(temperature=0.0, max_tokens=k + 1, stop_token_ids=[stop],
+                                                           include_stop_str_in_output=True))
+    assert (kept_last.outputs[0].text, kept_last.outputs[0].finish_reason) == (kept.outputs[0].text, "stop")
 
 
 def test_min_tokens_bans_stop_tokens_until_reached(llm, greedy_run):
@@ -404,6 +412,13 @@ def test_eos_stops_unless_ignore_eos(llm, greedy_run):
     assert stopped.outputs[0].token_ids == [EOS]
     assert (stopped.outputs[0].finish_reason, stopped.outputs[0].stop_reason) == ("stop", None)
     assert ignored.outputs[0].token_ids == [EOS] * 5 and ignored.outputs[0].finish_reason == "length"
+    # EOS as the max_tokens-th token is a stop too (vLLM checks it before the length).
+    (last,) = _generate(llm, [prompt], SamplingParams(temperature=0.0, max_tokens=1, logit_bias=force_eos))
+    assert (last.outputs[0].token_ids, last.outputs[0].text, last.outputs[0].finish_reason) == ([EOS], "", "stop")
+    # min_tokens bans EOS with ignore_eos too (vLLM: its stop-id set holds EOS whatever ignore_eos).
+    (late,) = _generate(llm, [prompt], SamplingParams(temperature=0.0, max_tokens=5, logit_bias=force_eos,
+                                                      ignore_eos=True, min_tokens=3))
+    assert EOS not in late.outputs[0].token_ids[:3] and late.outputs[0].token_ids[3:] == [EOS, EOS]
 
 
 def test_async_scheduling_gives_the_synchronous_outputs(llm, greedy_run, monkeypatch):
@@ -412,7 +427,7 @@ def test_async_scheduling_gives_the_synchronous_outputs(llm, greedy_run, monkeyp
     exact, and a token sampled after a request stopped is dropped."""
     prompt, free = greedy_run
     stop_at = next(i for i in range(2, 12) if free.token_ids[i] not in free.token_ids[:i])
-    prompts = [prompt, _prompt(31, 5), _prompt(32, 40), _prompt(33, 17), _prompt(7, 9), _prompt(34, 6)]
+    prompts = [prompt, _prompt(31, 5), _prompt(32, 40), _prompt(33, 17), _prompt(7, 9), _prompt(34, 6), prompt]
     penalties = dict(repetition_penalty=1.5, frequency_penalty=0.6, presence_penalty=0.4)
     params = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2,
                              stop_token_ids=[free.token_ids[stop_at]]),
@@ -421,7 +436,10 @@ def test_async_scheduling_gives_the_synchronous_outputs(llm, greedy_run, monkeyp
               SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True, logprobs=2),
               # Penalised rows read their pending token on the device while steps overlap.
               SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2, **penalties),
-              SamplingParams(temperature=1.0, seed=11, max_tokens=10, ignore_eos=True, logprobs=2, **penalties)]
+              SamplingParams(temperature=1.0, seed=11, max_tokens=10, ignore_eos=True, logprobs=2, **penalties),
+              # The stop token as the max_tokens-th token: "stop", also when the next step was launched.
+              SamplingParams(temperature=0.0, max_tokens=stop_at + 1, ignore_eos=True, logprobs=2,
+                             stop_token_ids=[free.token_ids[stop_at]])]
     taken = []
     take = llm.engine.scheduler._take_as_done
     monkeypatch.setattr(llm.engine.scheduler, "_take_as_done", lambda output: (taken.append(1), take(output)))
@@ -436,9 +454,11 @@ def test_async_scheduling_gives_the_synchronous_outputs(llm, greedy_run, monkeyp
     for a, b, p in zip(sync, overlapped, params):
         assert_same_under_gap_rule(a, b, greedy=p.temperature == 0)
         assert (b.finish_reason, len(b.token_ids)) == (a.finish_reason, len(a.token_ids))
-    # The stop token ends the first request exactly there; the others run to max_tokens.
+    # The stop token ends the first request exactly there; the others run to max_tokens (the last
+    # one's max_tokens-th token is that stop token).
     assert overlapped[0].token_ids == free.token_ids[: stop_at + 1] and overlapped[0].finish_reason == "stop"
-    assert [len(c.token_ids) for c in overlapped[1:]] == [12, 9, 7, 12, 10]
+    assert [len(c.token_ids) for c in overlapped[1:-1]] == [12, 9, 7, 12, 10]
+    assert (overlapped[-1].token_ids, overlapped[-1].finish_reason) == (overlapped[0].token_ids, "stop")
 
 
 def test_forced_requests_overlap_steps_and_give_the_synchronous_outputs(llm, greedy_run, monkeypatch):
@@ -876,7 +896,7 @@ def test_generate_takes_vllms_prompt_forms_and_closes_its_bar(chat_llm):
         def close(self):
             self.closed = True
 
-    chat_llm.generate(["Hello", "Bye"], dataclasses.replace(params, n=2, seed=1), use_tqdm=Bar)
+    chat_llm.generate(["Hello", "Bye"], dataclasses.replace(params, n=2, seed=1, temperature=1.0), use_tqdm=Bar)
     assert (bars[-1].total, bars[-1].n, bars[-1].closed) == (4, 4, True)  # completions, as vLLM's bar
     # A step that raises (Ctrl-C in a notebook) closes the bar and leaves the engine as new.
     def interrupted():

@@ -56,8 +56,8 @@ def _processed_reference(logits: np.ndarray, row: SamplingRow, eos_ids) -> np.nd
     p, x = row.params, logits.astype(np.float64).copy()
     for token, bias in (p.logit_bias or {}).items():
         x[token] += bias
-    if len(row.output_token_ids) < p.min_tokens:
-        x[list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_ids))] = -np.inf
+    if len(row.output_token_ids) < p.min_tokens:  # EOS too with ignore_eos: vLLM's stop-id set always holds it
+        x[list(p.stop_token_ids) + list(eos_ids)] = -np.inf
     seen = np.zeros(len(x), bool)
     seen[list(row.prompt_token_ids) + list(row.output_token_ids)] = True
     r = p.repetition_penalty
@@ -346,8 +346,10 @@ def test_min_tokens_bans_eos_and_stop_ids_until_reached():
     cases = [  # (row, expected token); one row per call reuses the B = 1 compile of the seed tests
         (SamplingRow(params, 0, output_token_ids=[1, 2]), 30),  # below min_tokens: EOS and 20 banned
         (SamplingRow(params, 1, output_token_ids=[1, 2, 3]), EOS),  # reached: nothing banned
-        (SamplingRow(SamplingParams(temperature=0, min_tokens=3, ignore_eos=True), 2), EOS),  # vLLM: EOS not banned
-        (SamplingRow(SamplingParams(temperature=0, min_tokens=3, ignore_eos=True, stop_token_ids=[EOS]), 3), 20),
+        # vLLM bans EOS below min_tokens with ignore_eos too (its stop-id set always holds EOS).
+        (SamplingRow(SamplingParams(temperature=0, min_tokens=3, ignore_eos=True), 2), 20),
+        (SamplingRow(SamplingParams(temperature=0, min_tokens=3, ignore_eos=True), 3, output_token_ids=[1, 2, 3]),
+         EOS),
     ]
     for row, expected in cases:
         assert _run(logits, [row], eos_token_ids=[EOS]).token_ids[0] == expected, row
@@ -444,6 +446,7 @@ def test_real_vocabulary_greedy_top_k_and_logprobs():
         ({"stop_token_ids": [-1]}, "stop_token_ids", "[-1]"),
         ({"stop_token_ids": 5}, "stop_token_ids", "5"),
         ({"ignore_eos": 1}, "ignore_eos", "1"),
+        ({"n": 2, "temperature": 0}, "n", "1 when using greedy sampling (temperature 0), got 2"),  # vLLM refuses too
     ],
 )
 def test_sampling_params_errors_name_the_argument_and_value(kwargs, name, shown):
@@ -461,6 +464,11 @@ def test_sampling_params_defaults_and_normalisation():
     assert SamplingParams(top_k=-1).top_k == 0
     assert SamplingParams(stop="###").stop == ["###"]
     assert SamplingParams(max_tokens=None, min_tokens=100).min_tokens == 100
+    # vLLM's: seed -1 is no seed; a positive temperature below 0.01 is 0.01 (only 0 is greedy).
+    assert SamplingParams(seed=-1).seed is None and SamplingParams(seed=-2).seed == -2
+    assert [SamplingParams(temperature=t).temperature for t in (0.0, 1e-6, 0.005, 0.01, 0.02)] == [
+        0.0, 0.01, 0.01, 0.01, 0.02]
+    assert not SamplingParams(temperature=1e-6, n=2).greedy
 
 
 def test_token_ids_outside_the_vocabulary_are_rejected():
@@ -476,6 +484,7 @@ def test_choices_of_a_request_take_seed_plus_index_within_int64():
     assert [SamplingParams(n=3, seed=5).for_child(i).seed for i in range(3)] == [5, 6, 7]
     assert [SamplingParams(n=3, seed=top - 1).for_child(i).seed for i in range(3)] == [top - 1, top, -(2**63)]
     assert SamplingParams(n=2).for_child(1).seed is None and SamplingParams(n=2, seed=1).for_child(1).n == 1
+    assert [SamplingParams(n=2, seed=-2).for_child(i).seed for i in range(2)] == [-2, -1]  # -1 a child's seed here
 
 
 def test_a_top_k_past_the_vocabulary_is_off_whatever_its_size():

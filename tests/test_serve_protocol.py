@@ -404,6 +404,15 @@ def test_chat_template_kwargs_and_reasoning_effort():
     chat_refused("reasoning_effort", "unsupported", reasoning_effort="extreme")
 
 
+def test_vllms_sampling_rules_hold_for_requests():
+    """As a vLLM server: seed -1 is no seed, a temperature below 0.01 is 0.01, and n > 1 with
+    greedy sampling is refused (naming n)."""
+    assert chat(seed=-1).params.seed is None and complete(seed=-1).params.seed is None
+    assert chat(temperature=0.001).params.temperature == 0.01
+    chat_refused("n", "greedy sampling", n=2, temperature=0)
+    assert refused(parse_completion_request, {"prompt": "x", "n": 3, "temperature": 0.0}).param == "n"
+
+
 # ---- known, unsupported and unknown fields ------------------------------------------------------
 
 
@@ -425,6 +434,18 @@ def test_chat_template_kwargs_and_reasoning_effort():
         ("guided_choice", ["a"]),
         ("guided_grammar", "root ::= 'a'"),
         ("structured_outputs", {"json": {}}),
+        # vLLM's extra fields: accepted and ignored, they would answer without what they ask.
+        ("allowed_token_ids", [5, 6]),
+        ("bad_words", ["Hello"]),
+        ("logits_processors", ["my.module:Processor"]),
+        ("truncate_prompt_tokens", 8),
+        ("priority", 1),
+        ("return_token_ids", True),
+        ("add_special_tokens", True),  # chat's default is False
+        ("add_generation_prompt", False),
+        ("continue_final_message", True),
+        ("chat_template", "{{ messages }}"),
+        ("documents", [{"text": "x"}]),
     ],
 )
 def test_known_but_unsupported_chat_fields_are_400(field, value):
@@ -443,6 +464,16 @@ def test_harmless_and_unknown_fields():
         best_of=2,
         n=2,
         echo=False,
+        bad_words=[],
+        logits_processors=[],
+        spaces_between_special_tokens=False,  # the V4 decoder puts no spaces between special tokens
+        length_penalty=0.5,  # beam search only
+        priority=0.0,
+        documents=[],
+        return_token_ids=False,
+        add_special_tokens=False,
+        add_generation_prompt=True,
+        continue_final_message=False,
         frobnicate=1,
         dsv4_test_forced_output="x",  # the app strips it; here it is just unknown
     )
@@ -483,10 +514,19 @@ def test_completion_logprobs_echo_and_unsupported():
         ({"echo": "yes"}, "echo"),
         ({"max_tokens": 0}, "max_tokens"),
         ({"stream_options": {}}, "stream_options"),
+        ({"allowed_token_ids": [5]}, "allowed_token_ids"),
+        ({"bad_words": ["x"]}, "bad_words"),
+        ({"truncate_prompt_tokens": 4}, "truncate_prompt_tokens"),
+        ({"add_special_tokens": False}, "add_special_tokens"),  # completions' default is True
+        ({"add_generation_prompt": False}, None),  # chat-only: unknown here, ignored
     ):
+        if param is None:
+            assert complete(**fields).ignored_fields == tuple(fields)
+            continue
         error = refused(parse_completion_request, {"prompt": "x", **fields})
         assert error.param == param, (fields, error.body())
     assert complete(suffix="", response_format={"type": "text"}, extra=1).ignored_fields == ("extra",)
+    assert complete(add_special_tokens=True, bad_words=[], length_penalty=1).ignored_fields == ()
     streamed = complete(stream=True, stream_options={"include_usage": True}, return_tokens_as_token_ids=True)
     assert (streamed.stream, streamed.include_usage, streamed.return_tokens_as_token_ids) == (True, True, True)
 
@@ -514,6 +554,11 @@ def test_tokenize_prompt_or_messages():
     assert refused(parse_tokenize_request, {"prompt": "a", "messages": USER}).param == "prompt"
     assert refused(parse_tokenize_request, {"prompt": 5}).param == "prompt"
     assert refused(parse_tokenize_request, {"messages": USER, "model": "nope"}, status=404).param == "model"
+    # Laid out as the chat endpoint would: a layout it does not make is refused, not ignored.
+    for field, value in (("add_generation_prompt", False), ("continue_final_message", True), ("chat_template", "x")):
+        assert refused(parse_tokenize_request, {"messages": USER, field: value}).param == field
+    harmless = parse_tokenize_request({"messages": USER, "add_generation_prompt": True, "documents": []}, LIMITS)
+    assert harmless.ignored_fields == ()
 
 
 def test_detokenize_tokens():

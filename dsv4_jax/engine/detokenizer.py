@@ -28,8 +28,9 @@ class IncrementalDetokenizer:
         include_stop_str_in_output: bool = False,
         stop_after_tokens: int = 0,
     ):
-        """`stop_after_tokens` (a request's `min_tokens`): stop strings count only in the text of
-        the tokens after that many, as in vLLM."""
+        """`stop_after_tokens` (a request's `min_tokens`): stop strings are looked for only from the
+        token after that many on, as in vLLM (a match must end in that token's text or later; it
+        may begin before)."""
         from tokenizers.decoders import DecodeStream  # imported where used (tests/test_imports.py)
 
         self.tokenizer = tokenizer
@@ -43,15 +44,12 @@ class IncrementalDetokenizer:
         self.stopped_by: str | None = None  # the stop string that ended the output
         self._stop_after = stop_after_tokens
         self._tokens = 0
-        self._stop_from = 0 if stop_after_tokens == 0 else None  # where matching may start in `text`
 
     def add(self, token_id: int) -> str:
         """Append one token; returns the new text that is safe to show (possibly "")."""
         if self.stopped_by is not None:
             return ""
         self._tokens += 1
-        if self._stop_from is None and self._tokens > self._stop_after:
-            self._stop_from = len(self.text)
         try:
             piece = self._stream.step(self.tokenizer, int(token_id))
         except Exception:  # noqa: BLE001 - a decoder whose text is not prefix-stable ("invalid prefix")
@@ -76,12 +74,16 @@ class IncrementalDetokenizer:
         return self.text[: self._sent]
 
     def _check_stop(self, added: int) -> None:
-        if not self.stop or self._stop_from is None:
+        """The stop string completed first by the `added` new characters, as vLLM: a match must end
+        in them (it may start before, straddling tokens); of several, the one that ends first
+        (what one character at a time would have found), then the first listed."""
+        if not self.stop or not added or self._tokens <= self._stop_after:
             return
-        start = max(self._stop_from, len(self.text) - added - self._hold)  # it may straddle tokens
-        found = [(i, s) for s in self.stop if (i := self.text.find(s, start)) >= 0]
+        end = len(self.text)
+        found = [(i + len(s), k, i, s) for k, s in enumerate(self.stop)
+                 if (i := self.text.find(s, max(0, end - added - len(s) + 1))) >= 0]
         if found:
-            i, s = min(found)
+            _, _, i, s = min(found)
             self.text = self.text[: i + len(s)] if self.include_stop else self.text[:i]
             self.stopped_by = s
 

@@ -5,8 +5,9 @@ it, samples a token for every row whose chunk reached the end of its request's k
 "sampling rows"), hands the tokens back to the scheduler, and then decides which requests stop:
 EOS (unless `ignore_eos`), a stop token, a stop string (found by the detokenizer, never shown even
 in part), `max_tokens` or `max_model_len`. Stop tokens only count once `min_tokens` tokens exist
-(the sampler also bans EOS and stop ids until then), stop strings only in the text of the tokens
-after them, as in vLLM; a stop string completed by the `max_tokens`-th token still reports "stop".
+(the sampler also bans EOS and stop ids until then), stop strings only from the token after them
+on (a match may begin in their text), as in vLLM; EOS, a stop token or a stop string that comes as
+the `max_tokens`-th token still reports "stop" (vLLM >= 0.11.1 checks them before the length).
 
 `completion_tokens` counts every sampled token, the EOS or stop token included (as vLLM does);
 the text leaves out special tokens (`skip_special_tokens`) and the stop string.
@@ -437,8 +438,10 @@ class LLMEngine:
     def _after_token(self, tracked: _Tracked) -> None:
         request, params = tracked.request, tracked.params
         token = request.output_token_ids[-1]
-        # Not finished: running, or preempted since its step was scheduled (async scheduling).
-        counted = not request.status.finished and request.num_output_tokens >= params.min_tokens
+        # Finished already only by the scheduler, at max_tokens with this very token; otherwise
+        # running, or preempted since its step was scheduled (async scheduling).
+        at_max_tokens = request.status is RequestStatus.FINISHED_LENGTH
+        counted = request.num_output_tokens >= params.min_tokens
         eos = counted and not params.ignore_eos and token in self.eos_token_ids
         stop_token = counted and not eos and params.is_stop_token(token)
         if not (eos or stop_token) or params.include_stop_str_in_output:
@@ -446,17 +449,18 @@ class LLMEngine:
             tracked.detokenizer.add(token)
         if tracked.forced_after is not None and token == tracked.forced_after:
             tracked.forced_after = None  # the model wrote the arming token: force from the next one
-        if request.status is RequestStatus.FINISHED_LENGTH and tracked.detokenizer.stopped_by is not None:
-            # The scheduler ended it at max_tokens, but its last token completed a stop string:
-            # vLLM reports the stop string then (the request is out of the scheduler already).
+        stopped, reason = eos or stop_token, token if stop_token else None
+        if counted and tracked.detokenizer.stopped_by is not None:
+            # A stop string names the reason even when the token was a stop id too (its text kept by
+            # include_stop_str_in_output completed it): vLLM's output processor does the same.
+            stopped, reason = True, tracked.detokenizer.stopped_by
+        if stopped and at_max_tokens:
+            # vLLM (since 0.11.1) checks EOS, stop tokens and stop strings before the length: the
+            # max_tokens-th token that stops the request reports "stop" (it is out of the scheduler).
             request.status = RequestStatus.FINISHED_STOPPED
-            tracked.stop_reason = tracked.detokenizer.stopped_by
-        if eos:
-            self._finish(tracked, RequestStatus.FINISHED_STOPPED, None)
-        elif stop_token:
-            self._finish(tracked, RequestStatus.FINISHED_STOPPED, token)
-        elif counted and tracked.detokenizer.stopped_by is not None:
-            self._finish(tracked, RequestStatus.FINISHED_STOPPED, tracked.detokenizer.stopped_by)
+            tracked.stop_reason = reason
+        elif stopped:
+            self._finish(tracked, RequestStatus.FINISHED_STOPPED, reason)
         if not request.status.finished and request.num_tokens >= self.max_model_len:
             self._finish(tracked, RequestStatus.FINISHED_LENGTH, None)
         if request.status.finished:

@@ -223,9 +223,9 @@ def _split64(value: int) -> tuple[int, int]:
 
 
 def banned_below_min_tokens(params: SamplingParams, eos_token_ids: Sequence[int]) -> list[int]:
-    """The ids a row bans while it has fewer than `min_tokens` outputs: its stop_token_ids and EOS
-    (vLLM: `ignore_eos` also stops banning EOS), sorted."""
-    return sorted(set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids)))
+    """The ids a row bans while it has fewer than `min_tokens` outputs: its stop_token_ids and EOS,
+    sorted. EOS even with `ignore_eos`, as vLLM (its stop-id set holds EOS whatever `ignore_eos`)."""
+    return sorted(set(params.stop_token_ids) | set(eos_token_ids))
 
 
 def build_sampling_batch(

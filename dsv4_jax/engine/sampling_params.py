@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import numbers
 from pathlib import Path
@@ -19,6 +20,9 @@ from dsv4_jax.engine.request import RequestRejected
 
 # Greedy below this temperature: dividing logits by less overflows float32 (vLLM's _SAMPLING_EPS).
 GREEDY_TEMPERATURE = 1e-5
+# Positive temperatures below this are raised to it, as vLLM does (its _MAX_TEMP): only 0 is greedy,
+# and a client's 0.001 samples exactly as it would on vLLM.
+MIN_SAMPLING_TEMPERATURE = 1e-2
 # Top logprobs a request may ask for, besides the sampled token's (vLLM's default --max-logprobs).
 MAX_LOGPROBS = 20
 # logit_bias entries a request may carry: the sampler holds them in a fixed-width array.
@@ -29,6 +33,7 @@ MAX_STOP_STRINGS = 128
 # The largest float32: the sampler holds temperatures and biases in float32, where larger values
 # would become inf (a temperature of inf, or a bias of inf minus inf, is no distribution).
 _FLOAT32_MAX = 3.4028234663852886e38
+logger = logging.getLogger(__name__)
 _INT64 = (-(2**63), 2**63 - 1)  # OpenAI's seed range
 GENERATION_CONFIG_FILE = "generation_config.json"
 # generation_config.json key -> SamplingParams field: the keys vLLM takes as request defaults.
@@ -56,8 +61,10 @@ def _bad(name: str, value: object, allowed: str) -> ValueError:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SamplingParams:
-    """Sampling of one request. `temperature` below 1e-5 (0 included) means greedy; `top_k` 0 or
-    -1 means no top-k (stored as 0); `stop` is stored as a list, `stop_token_ids` as a list."""
+    """Sampling of one request, as vLLM's: `temperature` 0 means greedy (and then `n` must be 1), a
+    positive one below 0.01 is raised to 0.01 with a warning; `top_k` 0 or -1 means no top-k (stored
+    as 0); `seed` -1 means none (stored as None); `stop` is stored as a list, `stop_token_ids` as a
+    list."""
 
     n: int = 1
     temperature: float = 1.0
@@ -92,6 +99,14 @@ class SamplingParams:
                 raise _bad(name, getattr(self, name), "a bool")
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
+        if self.seed == -1:  # vLLM's "no seed"
+            object.__setattr__(self, "seed", None)
+        if 0 < self.temperature < MIN_SAMPLING_TEMPERATURE:
+            logger.warning("temperature %s is below %s, which vLLM raises to %s; so does dsv4-jax",
+                           self.temperature, MIN_SAMPLING_TEMPERATURE, MIN_SAMPLING_TEMPERATURE)
+            object.__setattr__(self, "temperature", MIN_SAMPLING_TEMPERATURE)
+        if self.greedy and self.n > 1:  # n copies of one greedy answer: vLLM refuses them too
+            raise _bad("n", self.n, "1 when using greedy sampling (temperature 0)")
 
     def _check_ints(self) -> None:
         bounds = {  # name: (lowest, highest, whether None is allowed)
@@ -167,11 +182,15 @@ class SamplingParams:
 
     def for_child(self, index: int) -> SamplingParams:
         """Choice `index` of a request with n > 1: one sequence, seed + index as vLLM (wrapped
-        into OpenAI's int64 range, so a seed near its top stays a valid request)."""
+        into OpenAI's int64 range, so a seed near its top stays a valid request). Last: a
+        `dataclasses.replace` of a child runs the checks again, which would turn a seed of -1 into
+        no seed."""
         if self.n == 1:
             return self
-        seed = None if self.seed is None else (self.seed + index - _INT64[0]) % 2**64 + _INT64[0]
-        return dataclasses.replace(self, n=1, seed=seed)
+        child = dataclasses.replace(self, n=1)
+        if self.seed is not None:  # set after the checks: seed + index may be -1, a seed here (as in vLLM)
+            object.__setattr__(child, "seed", (self.seed + index - _INT64[0]) % 2**64 + _INT64[0])
+        return child
 
     def is_stop_token(self, token_id: int) -> bool:
         """Whether `token_id` is one of `stop_token_ids` (a set lookup, not a list scan)."""
