@@ -29,10 +29,16 @@ Where it differs from `vllm bench serve`:
     --request-timeout         seconds per request (default 6 h)     6 h, fixed
     prefix_repetition         exactly --num-prompts requests        num_prompts // num_prefixes per prefix
     chat TTFT                 the first chunk with output; the      the first chunk, role-only included
-                              role-only opening chunk is not
+                              role-only opening chunk is not        (the same against our server and
+                                                                    vLLM's, which send it with the
+                                                                    first output)
     a stream without [DONE]   counts as failed                      counts as complete
+    an error event mid-stream counts as failed                      ignored (no `choices`): complete
+    random token ids          any id in [0, N), special ones too    the tokenizer's, special ids left out
+    --goodput, peak output    not built (`request_goodput` null)    SLO goodput, peak tokens/s per second
     result JSON               mean/median/std/pN of ttft, tpot,     those of --percentile-metrics
-                              itl and e2el always
+                              itl and e2el always; `latencies`
+                              only with --save-detailed             `latencies` always
 
 Bad flags: one line `serve.bench: error: ...` and exit status 2. Failed requests are reported
 (counted, first errors printed), not fatal: the exit status is 0 as in vLLM.
@@ -149,12 +155,18 @@ def arrival_offsets(num_requests: int, request_rate: float, burstiness: float,
                     rng: np.random.Generator) -> np.ndarray:
     """Send times in seconds after the start, float64 [num_requests]: a Poisson process at
     `request_rate` per second (gaps exponential, mean 1 / rate) for burstiness 1, gamma gaps with
-    shape `burstiness` and the same mean otherwise; all zeros for an infinite rate. The first
-    request waits one gap, as in vLLM."""
+    shape `burstiness` and the same mean otherwise, equal gaps of 1 / rate for an infinite
+    burstiness; all zeros for an infinite rate. The first request waits one gap, and the times are
+    scaled so the last one is num_requests / rate, as in vLLM's `get_request` (the offered load
+    then no longer varies with the seed: unscaled, the last time's spread is ~20% at 20 requests)."""
     if math.isinf(request_rate):
         return np.zeros(num_requests)
-    gaps = rng.gamma(shape=burstiness, scale=1.0 / (request_rate * burstiness), size=num_requests)
-    return np.cumsum(gaps)
+    if math.isinf(burstiness):
+        gaps = np.full(num_requests, 1.0 / request_rate)
+    else:
+        gaps = rng.gamma(shape=burstiness, scale=1.0 / (request_rate * burstiness), size=num_requests)
+    offsets = np.cumsum(gaps)
+    return offsets * (num_requests / request_rate / offsets[-1]) if num_requests else offsets
 
 
 def metric_stats(name: str, values_s: Sequence[float], percentiles: Sequence[float]) -> dict[str, float]:
@@ -424,9 +436,11 @@ def result_json(config: BenchConfig, model: str, outputs: Sequence[RequestOutput
         "burstiness": config.burstiness, "max_concurrency": config.max_concurrency,
     }
     result.update(summarize(outputs, duration_s, config.metric_percentiles))
+    result["request_goodput"] = None  # vLLM writes the key always (None without --goodput, which is not built)
     if config.save_detailed:
         result.update({
-            "input_lens": [o.prompt_len for o in outputs], "output_lens": [o.output_tokens for o in outputs],
+            "input_lens": [o.prompt_len for o in outputs],
+            "output_lens": [o.output_tokens if o.success else 0 for o in outputs],  # vLLM: 0 for a failed request
             "ttfts": [o.ttft for o in outputs], "itls": [o.itl for o in outputs],
             "latencies": [o.latency for o in outputs], "start_times": [o.start_time for o in outputs],
             "generated_texts": [o.generated_text for o in outputs], "errors": [o.error for o in outputs],
@@ -532,8 +546,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="output tokens asked for (default: %(default)s)")
     add("--request-rate", type=_number(float, 0.0, "a number > 0, or inf", inclusive=False, inf_ok=True),
         default=math.inf, help="requests per second, Poisson arrivals; inf sends all at once (default: %(default)s)")
-    add("--burstiness", type=_number(float, 0.0, "a number > 0", inclusive=False), default=1.0,
-        help="gamma shape of the arrival gaps: 1 = Poisson, < 1 burstier, > 1 steadier (default: %(default)s)")
+    add("--burstiness", type=_number(float, 0.0, "a number > 0, or inf", inclusive=False, inf_ok=True), default=1.0,
+        help="gamma shape of the arrival gaps: 1 = Poisson, < 1 burstier, > 1 steadier, inf = equal gaps "
+             "(default: %(default)s)")
     add("--max-concurrency", type=positive_int, default=None,
         help="requests in flight at most (default: no limit)")
     add("--seed", type=_number(int, 0, "0, 1, ..."), default=0, help="seed of prompts and arrivals (default: %(default)s)")

@@ -143,10 +143,16 @@ async def _stream(state: ServingState, plan: _ChatPlan, request_id: str, created
         return {**head, "choices": [choice], **chunk_usage(req, len(plan.prompt_ids), totals[index])}
 
     try:
-        for c in choices:
-            yield chunk(c.index, {"role": "assistant", "content": ""})
+        started = False
         async with contextlib.aclosing(generation.outputs()) as outputs:
             async for index, out in outputs:
+                if not started:
+                    # Each choice's role chunk goes out with the first output, as vLLM's server
+                    # sends it: a client that times its first chunk (vLLM's benchmark does) then
+                    # measures the time to the first token, not the HTTP round trip.
+                    started = True
+                    for c in choices:
+                        yield chunk(c.index, {"role": "assistant", "content": ""})
                 completion = out.outputs[0]
                 choice = choices[index]
                 delta, tokens, entries = choice.advance(completion)

@@ -10,7 +10,8 @@ Names, types and bucket boundaries follow vLLM's `PrometheusStatLogger` in `vllm
 
 - gauges, read from the engine at scrape time: `vllm:num_requests_running`, `vllm:num_requests_waiting`,
   `vllm:kv_cache_usage_perc` (a fraction in [0, 1], "1 means 100 percent usage");
-- counters: `vllm:prompt_tokens_total`, `vllm:generation_tokens_total`,
+- counters: `vllm:prompt_tokens_total` (a request's prompt counted with its first token, as vLLM counts it
+  at the end of its prefill), `vllm:generation_tokens_total`,
   `vllm:request_success_total{finished_reason}`, `vllm:num_preemptions_total` (read from the scheduler's
   cumulative count at scrape time);
 - histograms: `vllm:time_to_first_token_seconds`, `vllm:inter_token_latency_seconds`,
@@ -195,7 +196,9 @@ class ServerMetrics:
         reg.register(_EngineStatsCollector(model_name, engine_stats))
 
     def request_started(self, request_id: str, prompt_tokens: int, now: float | None = None) -> None:
-        """A request entered the engine with `prompt_tokens` prompt tokens."""
+        """A request entered the engine with `prompt_tokens` prompt tokens (counted in
+        `vllm:prompt_tokens_total` once its prefill is done: with its first token, as vLLM counts
+        them, so the rate is prefill throughput and a request aborted while waiting adds none)."""
         if prompt_tokens < 0:
             raise ValueError(f"prompt_tokens of request {request_id!r}: got {prompt_tokens}, allowed: >= 0")
         start = time.monotonic() if now is None else now
@@ -203,7 +206,6 @@ class ServerMetrics:
             if request_id in self._requests:
                 raise ValueError(f"request_id {request_id!r}: already started, allowed: an id not in flight")
             self._requests[request_id] = _RequestTiming(start=start, prompt_tokens=prompt_tokens)
-        self._prompt_tokens.inc(prompt_tokens)
 
     def tokens_generated(self, request_id: str, count: int, now: float | None = None) -> None:
         """`count` new tokens of a request arrived at `now`. The first batch observes time to first token;
@@ -220,6 +222,7 @@ class ServerMetrics:
             timing.generated += count
         self._generation_tokens.inc(count)
         if previous is None:
+            self._prompt_tokens.inc(timing.prompt_tokens)
             self._ttft.observe(arrived - timing.start)
             return
         per_token = (arrived - previous) / count

@@ -53,6 +53,7 @@ def test_completions_run_is_exact(chat_server, tmp_path, capsys):
     assert result["model_id"] == chat_server["name"] and result["endpoint"] == "/v1/completions"
     assert (result["completed"], result["failed"]) == (8, 0), result["errors"]
     assert result["input_lens"] == [16] * 8 and result["output_lens"] == [8] * 8
+    assert "request_goodput" in result and result["request_goodput"] is None  # vLLM's key, always written
     assert (result["total_input_tokens"], result["total_output_tokens"]) == (128, 64)
     # --max-concurrency 4 with every request sent at once: exactly 4 in flight at the peak.
     assert result["max_concurrent_requests"] == 4
@@ -227,6 +228,12 @@ def test_poisson_arrivals():
     assert steady.mean() == pytest.approx(0.25, rel=0.03)
     assert steady.std() / steady.mean() == pytest.approx(0.5, rel=0.05)  # gamma shape 4: 1 / sqrt(4)
     np.testing.assert_array_equal(arrival_offsets(5, math.inf, 1.0, np.random.default_rng(0)), np.zeros(5))
+    # Scaled as vLLM's get_request: the last request goes at N / rate whatever the seed, so the
+    # offered load does not vary with it; an infinite burstiness gives equal gaps.
+    for seed in range(5):
+        few = arrival_offsets(20, 4.0, 1.0, np.random.default_rng(seed))
+        assert few[-1] == pytest.approx(20 / 4.0) and np.all(np.diff(few) > 0)
+    np.testing.assert_allclose(arrival_offsets(4, 2.0, math.inf, np.random.default_rng(0)), [0.5, 1.0, 1.5, 2.0])
 
 
 # ---- datasets ------------------------------------------------------------------------------------

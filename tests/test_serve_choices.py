@@ -567,3 +567,51 @@ def test_a_slow_reader_gets_only_the_newest_output_of_each_choice(tokenizer):
         assert choice.logprobs == every.logprobs and choice.finish_reason == "stop"
     assert state.metrics.generated == {"cmpl-0-0": len(generated), "cmpl-0-1": len(generated)}
     assert state.metrics.finished == {"cmpl-0-0": "stop", "cmpl-0-1": "stop"} and not engine.aborted
+
+
+def test_a_chat_stream_sends_its_role_chunks_with_the_first_output(tokenizer):
+    """As vLLM's server: nothing goes out before the engine's first output, then each choice's role
+    chunk and the text. A client that times its first chunk (vLLM's `bench serve` does) measures
+    the time to the first token, not the HTTP round trip."""
+    from serve.chat import _stream
+    from serve.protocol import ServerLimits, parse_chat_request
+
+    generated = tokenizer.encode(" hello there", add_special_tokens=False).ids
+    engine = _FakeEngine(tokenizer, generated, steps=len(generated))
+    engine.outputs = _cumulative(tokenizer, [0], generated, logprobs=False)  # as the engine without logprobs
+    release = asyncio.Event()
+    ungated = engine.add_request
+
+    def add_request(rid, prompt_ids, params, forced=None):  # no output until released
+        inner = ungated(rid, prompt_ids, params)
+
+        async def stream():
+            await release.wait()
+            async for out in inner:
+                yield out
+        return stream()
+
+    engine.add_request = add_request
+    state = types.SimpleNamespace(engine=engine, metrics=_Metrics(),
+                                  args=types.SimpleNamespace(max_waiting_requests=16))
+    req = parse_chat_request({"messages": [{"role": "user", "content": "Hi"}], "stream": True, "n": 2},
+                             ServerLimits(("m",), tokenizer.get_vocab_size()))
+    plan = types.SimpleNamespace(request=req, prompt_ids=[0])
+
+    async def read() -> list[dict]:
+        generation = Generation(state, "chatcmpl-x", [[0]], req.params)
+        stream = _stream(state, plan, "chatcmpl-x", 0, generation, [ChoiceState(i, None, None) for i in range(2)],
+                         TokenTexts(tokenizer, as_token_ids=False))
+        first = asyncio.ensure_future(stream.__anext__())
+        for _ in range(50):
+            await asyncio.sleep(0)
+        assert not first.done(), first.result()  # nothing before the first output
+        release.set()
+        return [await first] + [chunk async for chunk in stream]
+
+    chunks = asyncio.run(read())
+    assert [c["choices"][0]["delta"] for c in chunks[:2]] == [{"role": "assistant", "content": ""}] * 2
+    assert sorted(c["choices"][0]["index"] for c in chunks[:2]) == [0, 1]
+    for index in (0, 1):
+        text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks[2:] if c["choices"][0]["index"] == index)
+        assert text == tokenizer.decode(generated)
