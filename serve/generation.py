@@ -11,7 +11,7 @@ import time
 from typing import TYPE_CHECKING, AsyncIterator, Mapping, Sequence
 
 from dsv4_jax.engine.async_engine import StepFailedError
-from dsv4_jax.engine.outputs import RequestOutput
+from dsv4_jax.engine.outputs import RequestMetrics, RequestOutput
 from dsv4_jax.engine.request import ForcedTokens
 from dsv4_jax.engine.sampling_params import SamplingParams, default_max_tokens_within
 from serve.protocol import OpenAIError
@@ -54,6 +54,8 @@ class Generation:
         self.n = params.n
         self.children: list[tuple[str, AsyncIterator[RequestOutput]]] = []
         self.finished: set[str] = set()
+        self._max_tokens: list[int | None] = []  # each child's max_tokens, for the metrics
+        self._generated: list[int] = []  # tokens each child has generated so far
         # Checked again here, after the awaits before (tokenizing), with nothing between it and the adds.
         check_capacity(state, len(self.prompts) * params.n)
         try:
@@ -66,6 +68,8 @@ class Generation:
                     rid = f"{request_id}-{p}-{i}"
                     stream = state.engine.add_request(rid, prompt_ids, child, forced=forced)
                     self.children.append((rid, stream))
+                    self._max_tokens.append(child.max_tokens)
+                    self._generated.append(0)
                     state.metrics.request_started(rid, len(prompt_ids))
         except ValueError as error:  # the engine's numbers: prompt + max_tokens beyond max_model_len, ...
             self.close()
@@ -81,11 +85,22 @@ class Generation:
     def close(self) -> None:
         """Abort every child that has not finished (idempotent). Responses call it when they end,
         however they end, so no request outlives its client."""
-        for rid, _ in self.children:
+        for k, (rid, _) in enumerate(self.children):
             if rid not in self.finished:
-                self.finished.add(rid)
                 self.state.engine.abort_now(rid)
-                self.state.metrics.request_finished(rid, "abort")
+                self._child_finished(k, "abort", None)
+
+    def _child_finished(self, k: int, reason: str, phases: RequestMetrics | None) -> None:
+        """Child `k` has ended: its metrics, and its prompt's once all of that prompt's `n` have."""
+        rid = self.children[k][0]
+        self.finished.add(rid)
+        metrics = self.state.metrics
+        metrics.request_finished(rid, reason, phases=phases, max_tokens=self._max_tokens[k])
+        first = k - k % self.n  # the prompt's children are k's block of n
+        siblings = range(first, first + self.n)
+        # All of them added (a refused request closes with some never added) and all ended.
+        if siblings[-1] < len(self.children) and all(self.children[j][0] in self.finished for j in siblings):
+            metrics.parent_finished(self.n, max(self._generated[j] for j in siblings))
 
     async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         """(choice index, cumulative output) as the engine produces them, children interleaved.
@@ -125,11 +140,10 @@ class Generation:
                 completion = item.outputs[0]
                 new = len(completion.token_ids) - counts[index]
                 if new:
-                    counts[index] = len(completion.token_ids)
+                    counts[index] = self._generated[index] = len(completion.token_ids)
                     self.state.metrics.tokens_generated(rid, new)
                 if item.finished:
-                    self.finished.add(rid)
-                    self.state.metrics.request_finished(rid, completion.finish_reason or "abort")
+                    self._child_finished(index, completion.finish_reason or "abort", item.metrics)
                 yield index, item
         finally:
             for task in tasks:

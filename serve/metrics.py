@@ -45,6 +45,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, disable_cre
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
 
+from dsv4_jax.engine.outputs import RequestMetrics
+
 # No `*_created` series, as vLLM (they double the scrape for nothing a dashboard reads).
 disable_created_metrics()
 
@@ -61,6 +63,7 @@ E2E_BUCKETS_S: tuple[float, ...] = (
     0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0,
     960.0, 1920.0, 7680.0,
 )
+N_BUCKETS: tuple[float, ...] = (1, 2, 5, 10, 20)  # vLLM's histogram_n_request
 # DeepSeek-V4's context (config.json max_position_embeddings); the app passes the engine's own.
 DEFAULT_MAX_MODEL_LEN = 1_048_576
 
@@ -193,6 +196,30 @@ class ServerMetrics:
         self._request_generation_tokens = histogram(
             "vllm:request_generation_tokens", "Number of generation tokens processed.", count_buckets
         ).labels(model_name)
+        # A finished request's phases, from the engine's timestamps (`RequestMetrics`), as vLLM's.
+        self._phases = {
+            phase: histogram(f"vllm:request_{phase}_time_seconds", doc, E2E_BUCKETS_S).labels(model_name)
+            for phase, doc in (
+                ("queue", "Histogram of time spent in WAITING phase for request."),
+                ("inference", "Histogram of time spent in RUNNING phase for request."),
+                ("prefill", "Histogram of time spent in PREFILL phase for request."),
+                ("decode", "Histogram of time spent in DECODE phase for request."),
+            )
+        }
+        self._request_tpot = histogram(
+            "vllm:request_time_per_output_token_seconds", "Histogram of time_per_output_token_seconds per request.",
+            ITL_BUCKETS_S,
+        ).labels(model_name)
+        self._max_tokens_param = histogram(
+            "vllm:request_params_max_tokens", "Histogram of the max_tokens request parameter.", count_buckets
+        ).labels(model_name)
+        self._n_param = histogram(
+            "vllm:request_params_n", "Histogram of the n request parameter.", N_BUCKETS
+        ).labels(model_name)
+        self._max_generation_tokens = histogram(
+            "vllm:request_max_num_generation_tokens", "Histogram of maximum number of requested generation tokens.",
+            count_buckets,
+        ).labels(model_name)
         reg.register(_EngineStatsCollector(model_name, engine_stats))
 
     def request_started(self, request_id: str, prompt_tokens: int, now: float | None = None) -> None:
@@ -229,8 +256,12 @@ class ServerMetrics:
         for _ in range(count):
             self._itl.observe(per_token)
 
-    def request_finished(self, request_id: str, finish_reason: str, now: float | None = None) -> None:
-        """A request left the engine; `finish_reason` is one of stop, length, abort, error."""
+    def request_finished(self, request_id: str, finish_reason: str, now: float | None = None, *,
+                         phases: RequestMetrics | None = None, max_tokens: int | None = None) -> None:
+        """A request left the engine; `finish_reason` is one of stop, length, abort, error. `phases`:
+        the engine's timestamps of its last output, for the queue, prefill, decode and inference
+        times (each observed once its phase ended; vLLM's definitions) and its time per output
+        token; `max_tokens`: its parameter (vLLM leaves out a request without one)."""
         if finish_reason not in FINISH_REASONS:
             raise ValueError(
                 f"finish_reason of request {request_id!r}: got {finish_reason!r}, allowed: {', '.join(FINISH_REASONS)}"
@@ -245,6 +276,32 @@ class ServerMetrics:
         self._e2e.observe(end - timing.start)
         self._request_prompt_tokens.observe(timing.prompt_tokens)
         self._request_generation_tokens.observe(timing.generated)
+        if max_tokens:
+            self._max_tokens_param.observe(max_tokens)
+        if phases is not None:
+            self._observe_phases(phases, timing.generated)
+
+    def _observe_phases(self, t: RequestMetrics, generated: int) -> None:
+        """vLLM's FinishedRequestStats: queued = scheduled - arrival, prefill = first token - scheduled,
+        decode = last token - first token, inference = last token - scheduled, and the request's time
+        per output token = decode / (tokens - 1) when it has two tokens or more."""
+        if t.first_scheduled_time is None:  # never left the queue (aborted while waiting)
+            return
+        self._phases["queue"].observe(t.first_scheduled_time - t.arrival_time)
+        if t.first_token_time is None:
+            return
+        self._phases["prefill"].observe(t.first_token_time - t.first_scheduled_time)
+        last = t.last_token_time if t.last_token_time is not None else t.first_token_time
+        self._phases["decode"].observe(last - t.first_token_time)
+        self._phases["inference"].observe(last - t.first_scheduled_time)
+        if generated > 1:
+            self._request_tpot.observe((last - t.first_token_time) / (generated - 1))
+
+    def parent_finished(self, n: int, max_generation_tokens: int) -> None:
+        """All `n` choices of one prompt have finished; the most tokens one of them generated (vLLM
+        observes both when a parent request's last child finishes)."""
+        self._n_param.observe(n)
+        self._max_generation_tokens.observe(max_generation_tokens)
 
     def render(self) -> tuple[bytes, str]:
         """(body, content type) of `GET /metrics`: Prometheus text format 0.0.4, which is what vLLM's

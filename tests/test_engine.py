@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import time
 
 import numpy as np
 import pytest
@@ -302,6 +303,25 @@ def test_a_seed_gives_the_same_tokens_alone_and_in_a_batch_and_n_children_use_se
     assert [c.index for c in pair.outputs] == [0, 1]
     assert [c.token_ids for c in pair.outputs] == [alone.outputs[0].token_ids, next_seed.outputs[0].token_ids]
     _assert_idle(llm)
+
+
+def test_outputs_carry_the_engines_phase_timestamps(llm, greedy_run):
+    """RequestOutput.metrics (vLLM's phases): arrival <= first scheduled <= first token <= last token,
+    on one monotonic clock, within the call; the first scheduling not moved by later steps."""
+    prompt, _ = greedy_run
+    before = time.monotonic()
+    outs = _generate(llm, [prompt, _prompt(41, 20)], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+    after = time.monotonic()
+    for out in outs:
+        t = out.metrics
+        assert before <= t.arrival_time <= t.first_scheduled_time <= t.first_token_time <= t.last_token_time <= after
+        assert t.last_token_time > t.first_token_time  # six tokens, six steps
+    streamed = []
+    llm.engine.add_request("phases", prompt, SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+    while llm.engine.has_unfinished():
+        streamed += [o.metrics for o in llm.engine.step() if o.request_id == "phases"]
+    assert len({m.first_scheduled_time for m in streamed}) == 1 and len({m.first_token_time for m in streamed}) == 1
+    assert [m.last_token_time for m in streamed] == sorted({m.last_token_time for m in streamed})  # one per token
 
 
 def test_max_tokens_and_stop_token_ids(llm, greedy_run):

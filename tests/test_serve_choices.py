@@ -524,7 +524,7 @@ def test_a_server_default_max_tokens_is_capped_to_each_prompts_room_and_a_sent_o
 
 class _Metrics:
     def __init__(self):
-        self.generated, self.finished = {}, {}
+        self.generated, self.finished, self.parents = {}, {}, []
 
     def request_started(self, rid, prompt_len):
         self.generated[rid] = 0
@@ -532,8 +532,11 @@ class _Metrics:
     def tokens_generated(self, rid, count):
         self.generated[rid] += count
 
-    def request_finished(self, rid, reason):
+    def request_finished(self, rid, reason, *, phases=None, max_tokens=None):
         self.finished[rid] = reason
+
+    def parent_finished(self, n, max_generation_tokens):
+        self.parents.append((n, max_generation_tokens))
 
 
 def test_a_slow_reader_gets_only_the_newest_output_of_each_choice(tokenizer):
@@ -567,6 +570,7 @@ def test_a_slow_reader_gets_only_the_newest_output_of_each_choice(tokenizer):
         assert choice.logprobs == every.logprobs and choice.finish_reason == "stop"
     assert state.metrics.generated == {"cmpl-0-0": len(generated), "cmpl-0-1": len(generated)}
     assert state.metrics.finished == {"cmpl-0-0": "stop", "cmpl-0-1": "stop"} and not engine.aborted
+    assert state.metrics.parents == [(2, len(generated))]  # one prompt, observed once both choices ended
 
 
 def test_a_chat_stream_sends_its_role_chunks_with_the_first_output(tokenizer):
@@ -615,3 +619,26 @@ def test_a_chat_stream_sends_its_role_chunks_with_the_first_output(tokenizer):
     for index in (0, 1):
         text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks[2:] if c["choices"][0]["index"] == index)
         assert text == tokenizer.decode(generated)
+
+
+def test_a_request_refused_between_its_choices_leaves_no_parent_metrics(tokenizer):
+    """The engine refuses the second choice's add: the first is aborted, the response is a 400, and
+    no prompt-level observation (n, longest choice) is made for a request that never ran whole."""
+    from serve.protocol import OpenAIError
+
+    engine = _FakeEngine(tokenizer, [5], steps=1)
+    engine.engine.max_model_len = 64
+    add, calls = engine.add_request, []
+
+    def add_request(rid, prompt_ids, params, forced=None):
+        calls.append(rid)
+        if len(calls) == 2:
+            raise ValueError("refused by the engine")
+        return add(rid, prompt_ids, params)
+
+    engine.add_request = add_request
+    state = types.SimpleNamespace(engine=engine, metrics=_Metrics(), args=types.SimpleNamespace(max_waiting_requests=16))
+    with pytest.raises(OpenAIError, match="refused by the engine"):
+        Generation(state, "c", [[0]], SamplingParams(n=2, max_tokens=4))
+    assert state.metrics.finished == {"c-0-0": "abort"} and engine.aborted == ["c-0-0"]
+    assert state.metrics.parents == []

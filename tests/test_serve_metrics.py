@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from dsv4_jax.engine.outputs import RequestMetrics
 from serve.metrics import EngineStats, ServerMetrics, token_count_buckets
 
 MODEL = "dsv4-tiny"
@@ -20,6 +21,14 @@ HISTOGRAMS = (
     "vllm:e2e_request_latency_seconds",
     "vllm:request_prompt_tokens",
     "vllm:request_generation_tokens",
+    "vllm:request_queue_time_seconds",
+    "vllm:request_inference_time_seconds",
+    "vllm:request_prefill_time_seconds",
+    "vllm:request_decode_time_seconds",
+    "vllm:request_time_per_output_token_seconds",
+    "vllm:request_params_max_tokens",
+    "vllm:request_params_n",
+    "vllm:request_max_num_generation_tokens",
 )
 
 
@@ -190,3 +199,36 @@ def test_bad_input_is_a_clear_value_error():
         EngineStats(num_requests_running=0, num_requests_waiting=-1, kv_cache_usage_perc=0.0, num_preemptions_total=0)
     with pytest.raises(ValueError, match=r"max_model_len: got 0"):
         ServerMetrics(MODEL, lambda: IDLE, max_model_len=0)
+
+
+def test_phases_parameters_and_parents_as_vllm_observes_them():
+    """vLLM's FinishedRequestStats from the engine's timestamps: queue = scheduled - arrival, prefill =
+    first token - scheduled, decode = last - first token, inference = last token - scheduled, the
+    request's time per output token = decode / (tokens - 1); max_tokens per request, n and the most
+    tokens of a prompt's choices once all of them finished."""
+    m = ServerMetrics(MODEL, lambda: IDLE, max_model_len=1000)
+    m.request_started("a", prompt_tokens=5, now=0.0)
+    m.tokens_generated("a", 1, now=1.0)
+    m.tokens_generated("a", 2, now=2.0)
+    phases = RequestMetrics(arrival_time=10.0, first_scheduled_time=10.5, first_token_time=11.25, last_token_time=13.25)
+    m.request_finished("a", "stop", now=2.5, phases=phases, max_tokens=64)
+    # Aborted in the queue: no phase; no max_tokens: not observed (vLLM skips a request without one).
+    m.request_started("b", prompt_tokens=3, now=0.0)
+    m.request_finished("b", "abort", now=1.0, phases=RequestMetrics(arrival_time=5.0), max_tokens=None)
+    # Scheduled, aborted before its first token: its queue time only.
+    m.request_started("c", prompt_tokens=3, now=0.0)
+    m.request_finished("c", "abort", now=1.0, phases=RequestMetrics(5.0, first_scheduled_time=6.0), max_tokens=8)
+    m.parent_finished(2, 3)
+
+    s = scrape(m)
+    expected = {"queue": (2, 0.5 + 1.0), "prefill": (1, 0.75), "decode": (1, 2.0), "inference": (1, 2.75)}
+    for phase, (count, total) in expected.items():
+        name = f"vllm:request_{phase}_time_seconds"
+        assert (value(s, f"{name}_count"), value(s, f"{name}_sum")) == (count, pytest.approx(total)), phase
+    assert value(s, "vllm:request_time_per_output_token_seconds_count") == 1
+    assert value(s, "vllm:request_time_per_output_token_seconds_sum") == pytest.approx(2.0 / 2)
+    assert (value(s, "vllm:request_params_max_tokens_count"), value(s, "vllm:request_params_max_tokens_sum")) == (2, 72)
+    assert value(s, "vllm:request_params_max_tokens_bucket", le="50.0") == 1  # 8; 64 in the next bucket
+    assert (value(s, "vllm:request_params_n_count"), value(s, "vllm:request_params_n_sum")) == (1, 2)
+    assert value(s, "vllm:request_params_n_bucket", le="1.0") == 0 and value(s, "vllm:request_params_n_bucket", le="2.0") == 1
+    assert value(s, "vllm:request_max_num_generation_tokens_sum") == 3

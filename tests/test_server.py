@@ -93,7 +93,9 @@ def test_api_key_guards_the_api_but_not_health_or_metrics(server):
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
                  "vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:time_to_first_token_seconds",
                  "vllm:inter_token_latency_seconds", "vllm:e2e_request_latency_seconds",
-                 "vllm:request_success_total", "vllm:num_preemptions_total"):
+                 "vllm:request_success_total", "vllm:num_preemptions_total", "vllm:request_queue_time_seconds",
+                 "vllm:request_prefill_time_seconds", "vllm:request_decode_time_seconds",
+                 "vllm:request_inference_time_seconds", "vllm:request_params_n"):
         assert f'{name}{{' in metrics or f"{name}_bucket{{" in metrics, name
     assert f'model_name="{NAME}"' in metrics
 

@@ -27,7 +27,7 @@ import numpy as np
 
 from dsv4_jax.distributed import StepChannel
 from dsv4_jax.engine.detokenizer import IncrementalDetokenizer
-from dsv4_jax.engine.outputs import CompletionOutput, Logprob, RequestOutput, TokenIdsSoFar
+from dsv4_jax.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, TokenIdsSoFar
 from dsv4_jax.engine.request import (
     PLACEHOLDER,
     ForcedTokens,
@@ -113,8 +113,9 @@ class _Tracked:
             logprobs=self.logprobs, finish_reason=status.finish_reason,
             stop_reason=self.stop_reason if status is RequestStatus.FINISHED_STOPPED else None,
         )
+        metrics = RequestMetrics(r.arrival_time, r.first_scheduled_time, r.first_token_time, r.last_token_time)
         return RequestOutput(r.request_id, self.prompt, self.prompt_token_ids, self.prompt_logprobs,
-                             [completion], status.finished)
+                             [completion], status.finished, metrics)
 
 
 def _never_ran(request: Request) -> bool:

@@ -473,7 +473,8 @@ class LLM:
             for i, o in enumerate(outs):
                 o.outputs[0].index = i
                 completions.append(o.outputs[0])
-            results.append(RequestOutput(base, text, ids, outs[0].prompt_logprobs, completions, True))
+            # The phases of the first choice: its children arrive together, as vLLM's parent request.
+            results.append(RequestOutput(base, text, ids, outs[0].prompt_logprobs, completions, True, outs[0].metrics))
         return results
 
     def _run(self, total: int, use_tqdm) -> dict[str, RequestOutput]:

@@ -65,6 +65,19 @@ class CompletionOutput:
         return self.finish_reason is not None
 
 
+@dataclasses.dataclass(frozen=True)
+class RequestMetrics:
+    """When a request reached each phase, in `time.monotonic()` seconds of the engine's process
+    (vLLM's `RequestOutput.metrics` holds the like): arrival in the engine, first scheduled (the
+    end of its wait in the queue; not reset by a preemption), first and latest token (when the
+    host applied them). None: not reached yet."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+
+
 @dataclasses.dataclass
 class RequestOutput:
     request_id: str
@@ -73,3 +86,4 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, Logprob] | None] | None
     outputs: list[CompletionOutput]
     finished: bool
+    metrics: RequestMetrics | None = None

@@ -68,6 +68,11 @@ class Request:
     max_tokens: int  # completion tokens this request may produce
     sampling_params: Any = None  # the engine's; the scheduler never reads it
     arrival_time: float = dataclasses.field(default_factory=time.monotonic)
+    # time.monotonic() of its first scheduling (the end of its wait in the queue), of its first token
+    # and of its latest (on the host, when the scheduler applies them): vLLM's phase timestamps.
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
     output_token_ids: list[int] = dataclasses.field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0  # leading tokens whose KV is in the cache

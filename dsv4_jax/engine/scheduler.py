@@ -46,6 +46,7 @@ import array
 import collections
 import dataclasses
 import math
+import time
 from typing import Any
 
 from dsv4_jax.engine.block_manager import BlockManager
@@ -373,6 +374,8 @@ class Scheduler:
             waiting.popleft()
             bm.allocate_slot(request)
             request.status = RequestStatus.RUNNING
+            if request.first_scheduled_time is None:  # not again after a preemption (vLLM's queue time)
+                request.first_scheduled_time = time.monotonic()
             running.append(request)
             plan.add(request, n)
 
@@ -423,7 +426,7 @@ class Scheduler:
         if output.rows:
             self._pending.popleft()
             self._taken_as_done.discard(id(output))
-        got = []
+        got, now = [], time.monotonic()
         for row in live:
             request = row.request
             if not taken:
@@ -434,6 +437,9 @@ class Scheduler:
                     request.output_token_ids[row.start + len(row.token_ids) - len(request.prompt_token_ids)] = token
                 else:
                     request.output_token_ids.append(token)
+                if request.first_token_time is None:
+                    request.first_token_time = now
+                request.last_token_time = now
                 got.append(request)
                 if request.num_output_tokens >= request.max_tokens:
                     self.finish(request.request_id, RequestStatus.FINISHED_LENGTH)
