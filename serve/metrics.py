@@ -167,8 +167,8 @@ class ServerMetrics:
             # prometheus_client appends "_total" to a counter's name itself: pass the name without it.
             return Counter(name, doc, labels, registry=reg)
 
-        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(name, doc, labels, registry=reg, buckets=buckets)
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]):  # its series for this model
+            return Histogram(name, doc, labels, registry=reg, buckets=buckets).labels(model_name)
 
         self._prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.").labels(model_name)
         self._generation_tokens = counter(
@@ -182,23 +182,23 @@ class ServerMetrics:
         self._success = {reason: success.labels(model_name, reason) for reason in SUCCESS_REASONS}
         self._ttft = histogram(
             "vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", TTFT_BUCKETS_S
-        ).labels(model_name)
+        )
         self._itl = histogram(
             "vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", ITL_BUCKETS_S
-        ).labels(model_name)
+        )
         self._e2e = histogram(
             "vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", E2E_BUCKETS_S
-        ).labels(model_name)
+        )
         count_buckets = token_count_buckets(max_model_len)
         self._request_prompt_tokens = histogram(
             "vllm:request_prompt_tokens", "Number of prefill tokens processed.", count_buckets
-        ).labels(model_name)
+        )
         self._request_generation_tokens = histogram(
             "vllm:request_generation_tokens", "Number of generation tokens processed.", count_buckets
-        ).labels(model_name)
+        )
         # A finished request's phases, from the engine's timestamps (`RequestMetrics`), as vLLM's.
         self._phases = {
-            phase: histogram(f"vllm:request_{phase}_time_seconds", doc, E2E_BUCKETS_S).labels(model_name)
+            phase: histogram(f"vllm:request_{phase}_time_seconds", doc, E2E_BUCKETS_S)
             for phase, doc in (
                 ("queue", "Histogram of time spent in WAITING phase for request."),
                 ("inference", "Histogram of time spent in RUNNING phase for request."),
@@ -209,17 +209,17 @@ class ServerMetrics:
         self._request_tpot = histogram(
             "vllm:request_time_per_output_token_seconds", "Histogram of time_per_output_token_seconds per request.",
             ITL_BUCKETS_S,
-        ).labels(model_name)
+        )
         self._max_tokens_param = histogram(
             "vllm:request_params_max_tokens", "Histogram of the max_tokens request parameter.", count_buckets
-        ).labels(model_name)
+        )
         self._n_param = histogram(
             "vllm:request_params_n", "Histogram of the n request parameter.", N_BUCKETS
-        ).labels(model_name)
+        )
         self._max_generation_tokens = histogram(
             "vllm:request_max_num_generation_tokens", "Histogram of maximum number of requested generation tokens.",
             count_buckets,
-        ).labels(model_name)
+        )
         reg.register(_EngineStatsCollector(model_name, engine_stats))
 
     def request_started(self, request_id: str, prompt_tokens: int, now: float | None = None) -> None:
