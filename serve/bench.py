@@ -166,7 +166,9 @@ def arrival_offsets(num_requests: int, request_rate: float, burstiness: float,
     else:
         gaps = rng.gamma(shape=burstiness, scale=1.0 / (request_rate * burstiness), size=num_requests)
     offsets = np.cumsum(gaps)
-    return offsets * (num_requests / request_rate / offsets[-1]) if num_requests else offsets
+    if num_requests and offsets[-1] > 0:  # all-zero gaps (a tiny burstiness) stay at once, as vLLM's
+        offsets *= num_requests / request_rate / offsets[-1]
+    return offsets
 
 
 def metric_stats(name: str, values_s: Sequence[float], percentiles: Sequence[float]) -> dict[str, float]:

@@ -14,6 +14,7 @@ from dsv4_jax.engine.async_engine import StepFailedError
 from dsv4_jax.engine.outputs import RequestMetrics, RequestOutput
 from dsv4_jax.engine.request import ForcedTokens
 from dsv4_jax.engine.sampling_params import SamplingParams, default_max_tokens_within
+from serve.metrics import SUCCESS_REASONS
 from serve.protocol import OpenAIError
 
 if TYPE_CHECKING:
@@ -54,8 +55,9 @@ class Generation:
         self.n = params.n
         self.children: list[tuple[str, AsyncIterator[RequestOutput]]] = []
         self.finished: set[str] = set()
-        self._max_tokens: list[int | None] = []  # each child's max_tokens, for the metrics
+        self._max_tokens: list[int] = []  # each child's max_tokens (what max_model_len leaves if none), for the metrics
         self._generated: list[int] = []  # tokens each child has generated so far
+        self._completed: set[int] = set()  # children the engine finished by stop or length
         # Checked again here, after the awaits before (tokenizing), with nothing between it and the adds.
         check_capacity(state, len(self.prompts) * params.n)
         try:
@@ -68,7 +70,8 @@ class Generation:
                     rid = f"{request_id}-{p}-{i}"
                     stream = state.engine.add_request(rid, prompt_ids, child, forced=forced)
                     self.children.append((rid, stream))
-                    self._max_tokens.append(child.max_tokens)
+                    room = state.engine.engine.max_model_len - len(prompt_ids)
+                    self._max_tokens.append(room if child.max_tokens is None else child.max_tokens)
                     self._generated.append(0)
                     state.metrics.request_started(rid, len(prompt_ids))
         except ValueError as error:  # the engine's numbers: prompt + max_tokens beyond max_model_len, ...
@@ -91,16 +94,18 @@ class Generation:
                 self._child_finished(k, "abort", None)
 
     def _child_finished(self, k: int, reason: str, phases: RequestMetrics | None) -> None:
-        """Child `k` has ended: its metrics, and its prompt's once all of that prompt's `n` have."""
+        """Child `k` has ended: its metrics, and its prompt's once all of that prompt's `n` have
+        completed (stop or length: vLLM's parent-request statistics never see an aborted one)."""
         rid = self.children[k][0]
         self.finished.add(rid)
-        metrics = self.state.metrics
-        metrics.request_finished(rid, reason, phases=phases, max_tokens=self._max_tokens[k])
+        self.state.metrics.request_finished(rid, reason, phases=phases, max_tokens=self._max_tokens[k])
+        if reason not in SUCCESS_REASONS:
+            return
+        self._completed.add(k)
         first = k - k % self.n  # the prompt's children are k's block of n
         siblings = range(first, first + self.n)
-        # All of them added (a refused request closes with some never added) and all ended.
-        if siblings[-1] < len(self.children) and all(self.children[j][0] in self.finished for j in siblings):
-            metrics.parent_finished(self.n, max(self._generated[j] for j in siblings))
+        if all(j in self._completed for j in siblings):
+            self.state.metrics.parent_finished(self.n, max(self._generated[j] for j in siblings))
 
     async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         """(choice index, cumulative output) as the engine produces them, children interleaved.

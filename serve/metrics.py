@@ -15,7 +15,12 @@ Names, types and bucket boundaries follow vLLM's `PrometheusStatLogger` in `vllm
   `vllm:request_success_total{finished_reason}`, `vllm:num_preemptions_total` (read from the scheduler's
   cumulative count at scrape time);
 - histograms: `vllm:time_to_first_token_seconds`, `vllm:inter_token_latency_seconds`,
-  `vllm:e2e_request_latency_seconds`, `vllm:request_prompt_tokens`, `vllm:request_generation_tokens`.
+  `vllm:e2e_request_latency_seconds`, `vllm:request_prompt_tokens`, `vllm:request_generation_tokens`;
+  from the engine's timestamps (`RequestOutput.metrics`), as vLLM's FinishedRequestStats:
+  `vllm:request_{queue,prefill,decode,inference}_time_seconds`,
+  `vllm:request_time_per_output_token_seconds`; `vllm:request_params_max_tokens` of completed
+  requests, and per prompt once all its choices completed `vllm:request_params_n` and
+  `vllm:request_max_num_generation_tokens`.
 
 Where we depart from vLLM, and why:
 
@@ -261,7 +266,7 @@ class ServerMetrics:
         """A request left the engine; `finish_reason` is one of stop, length, abort, error. `phases`:
         the engine's timestamps of its last output, for the queue, prefill, decode and inference
         times (each observed once its phase ended; vLLM's definitions) and its time per output
-        token; `max_tokens`: its parameter (vLLM leaves out a request without one)."""
+        token; `max_tokens`: its limit (observed for requests that completed, by stop or length)."""
         if finish_reason not in FINISH_REASONS:
             raise ValueError(
                 f"finish_reason of request {request_id!r}: got {finish_reason!r}, allowed: {', '.join(FINISH_REASONS)}"
@@ -276,7 +281,7 @@ class ServerMetrics:
         self._e2e.observe(end - timing.start)
         self._request_prompt_tokens.observe(timing.prompt_tokens)
         self._request_generation_tokens.observe(timing.generated)
-        if max_tokens:
+        if max_tokens and finish_reason in SUCCESS_REASONS:  # vLLM's stats never see an aborted request
             self._max_tokens_param.observe(max_tokens)
         if phases is not None:
             self._observe_phases(phases, timing.generated)
@@ -284,7 +289,7 @@ class ServerMetrics:
     def _observe_phases(self, t: RequestMetrics, generated: int) -> None:
         """vLLM's FinishedRequestStats: queued = scheduled - arrival, prefill = first token - scheduled,
         decode = last token - first token, inference = last token - scheduled, and the request's time
-        per output token = decode / (tokens - 1) when it has two tokens or more."""
+        per output token = decode / (tokens - 1), 0 for a single token (as vLLM)."""
         if t.first_scheduled_time is None:  # never left the queue (aborted while waiting)
             return
         self._phases["queue"].observe(t.first_scheduled_time - t.arrival_time)
@@ -294,8 +299,7 @@ class ServerMetrics:
         last = t.last_token_time if t.last_token_time is not None else t.first_token_time
         self._phases["decode"].observe(last - t.first_token_time)
         self._phases["inference"].observe(last - t.first_scheduled_time)
-        if generated > 1:
-            self._request_tpot.observe((last - t.first_token_time) / (generated - 1))
+        self._request_tpot.observe((last - t.first_token_time) / (generated - 1) if generated > 1 else 0.0)
 
     def parent_finished(self, n: int, max_generation_tokens: int) -> None:
         """All `n` choices of one prompt have finished; the most tokens one of them generated (vLLM

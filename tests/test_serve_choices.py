@@ -26,7 +26,7 @@ from dsv4_jax.chat import (
     parse_completion,
     render_tool_calls,
 )
-from dsv4_jax.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from dsv4_jax.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from dsv4_jax.engine.sampling_params import SamplingParams
 from dsv4_jax.tokenizer import encode_prompt, load_tokenizer
 from serve.choices import (
@@ -492,7 +492,8 @@ class _FakeEngine:
 
     def __init__(self, tokenizer, generated: list[int], steps: int):
         self.outputs = _cumulative(tokenizer, [0], generated)[:steps]
-        self.engine = types.SimpleNamespace(scheduler=types.SimpleNamespace(num_waiting=0))
+        self.outputs[-1].metrics = RequestMetrics(1.0, 2.0, 3.0, 4.0)  # the engine's timestamps, at the end
+        self.engine = types.SimpleNamespace(scheduler=types.SimpleNamespace(num_waiting=0), max_model_len=256)
         self.aborted: list[str] = []
 
     def add_request(self, rid, prompt_ids, params, forced=None):
@@ -524,7 +525,7 @@ def test_a_server_default_max_tokens_is_capped_to_each_prompts_room_and_a_sent_o
 
 class _Metrics:
     def __init__(self):
-        self.generated, self.finished, self.parents = {}, {}, []
+        self.generated, self.finished, self.parents, self.phases = {}, {}, [], {}
 
     def request_started(self, rid, prompt_len):
         self.generated[rid] = 0
@@ -534,6 +535,7 @@ class _Metrics:
 
     def request_finished(self, rid, reason, *, phases=None, max_tokens=None):
         self.finished[rid] = reason
+        self.phases[rid] = (phases, max_tokens)
 
     def parent_finished(self, n, max_generation_tokens):
         self.parents.append((n, max_generation_tokens))
@@ -571,6 +573,8 @@ def test_a_slow_reader_gets_only_the_newest_output_of_each_choice(tokenizer):
     assert state.metrics.generated == {"cmpl-0-0": len(generated), "cmpl-0-1": len(generated)}
     assert state.metrics.finished == {"cmpl-0-0": "stop", "cmpl-0-1": "stop"} and not engine.aborted
     assert state.metrics.parents == [(2, len(generated))]  # one prompt, observed once both choices ended
+    # Each finished child hands on its last output's engine timestamps and its max_tokens (16, the default).
+    assert state.metrics.phases == {rid: (engine.outputs[-1].metrics, 16) for rid in ("cmpl-0-0", "cmpl-0-1")}
 
 
 def test_a_chat_stream_sends_its_role_chunks_with_the_first_output(tokenizer):
@@ -622,23 +626,26 @@ def test_a_chat_stream_sends_its_role_chunks_with_the_first_output(tokenizer):
 
 
 def test_a_request_refused_between_its_choices_leaves_no_parent_metrics(tokenizer):
-    """The engine refuses the second choice's add: the first is aborted, the response is a 400, and
-    no prompt-level observation (n, longest choice) is made for a request that never ran whole."""
+    """The engine refuses one choice's add: those added are aborted, the response is a 400, and no
+    prompt-level observation (n, longest choice) is made for prompts whose choices never completed;
+    a max_tokens left out is what max_model_len leaves the prompt."""
     from serve.protocol import OpenAIError
 
-    engine = _FakeEngine(tokenizer, [5], steps=1)
-    engine.engine.max_model_len = 64
-    add, calls = engine.add_request, []
+    for prompts, refused, aborted in (([[0]], 2, ["c-0-0"]), ([[0], [0, 1]], 3, ["c-0-0", "c-0-1"])):
+        engine = _FakeEngine(tokenizer, [5], steps=1)
+        add, calls = engine.add_request, []
 
-    def add_request(rid, prompt_ids, params, forced=None):
-        calls.append(rid)
-        if len(calls) == 2:
-            raise ValueError("refused by the engine")
-        return add(rid, prompt_ids, params)
+        def add_request(rid, prompt_ids, params, forced=None):
+            calls.append(rid)
+            if len(calls) == refused:
+                raise ValueError("refused by the engine")
+            return add(rid, prompt_ids, params)
 
-    engine.add_request = add_request
-    state = types.SimpleNamespace(engine=engine, metrics=_Metrics(), args=types.SimpleNamespace(max_waiting_requests=16))
-    with pytest.raises(OpenAIError, match="refused by the engine"):
-        Generation(state, "c", [[0]], SamplingParams(n=2, max_tokens=4))
-    assert state.metrics.finished == {"c-0-0": "abort"} and engine.aborted == ["c-0-0"]
-    assert state.metrics.parents == []
+        engine.add_request = add_request
+        state = types.SimpleNamespace(engine=engine, metrics=_Metrics(),
+                                      args=types.SimpleNamespace(max_waiting_requests=16))
+        with pytest.raises(OpenAIError, match="refused by the engine"):
+            Generation(state, "c", prompts, SamplingParams(n=2, max_tokens=None))
+        assert state.metrics.finished == {rid: "abort" for rid in aborted} and engine.aborted == aborted
+        assert state.metrics.parents == []
+        assert {max_tokens for _, max_tokens in state.metrics.phases.values()} == {engine.engine.max_model_len - 1}

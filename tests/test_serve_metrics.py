@@ -218,17 +218,22 @@ def test_phases_parameters_and_parents_as_vllm_observes_them():
     # Scheduled, aborted before its first token: its queue time only.
     m.request_started("c", prompt_tokens=3, now=0.0)
     m.request_finished("c", "abort", now=1.0, phases=RequestMetrics(5.0, first_scheduled_time=6.0), max_tokens=8)
+    # One token: its time per output token is 0, as vLLM's.
+    m.request_started("d", prompt_tokens=2, now=0.0)
+    m.tokens_generated("d", 1, now=1.0)
+    m.request_finished("d", "length", now=1.0, phases=RequestMetrics(0.0, 0.0, 0.5, 0.5), max_tokens=1)
     m.parent_finished(2, 3)
 
     s = scrape(m)
-    expected = {"queue": (2, 0.5 + 1.0), "prefill": (1, 0.75), "decode": (1, 2.0), "inference": (1, 2.75)}
+    expected = {"queue": (3, 0.5 + 1.0), "prefill": (2, 0.75 + 0.5), "decode": (2, 2.0), "inference": (2, 2.75 + 0.5)}
     for phase, (count, total) in expected.items():
         name = f"vllm:request_{phase}_time_seconds"
         assert (value(s, f"{name}_count"), value(s, f"{name}_sum")) == (count, pytest.approx(total)), phase
-    assert value(s, "vllm:request_time_per_output_token_seconds_count") == 1
+    assert value(s, "vllm:request_time_per_output_token_seconds_count") == 2  # a's 1.0 and d's 0
     assert value(s, "vllm:request_time_per_output_token_seconds_sum") == pytest.approx(2.0 / 2)
-    assert (value(s, "vllm:request_params_max_tokens_count"), value(s, "vllm:request_params_max_tokens_sum")) == (2, 72)
-    assert value(s, "vllm:request_params_max_tokens_bucket", le="50.0") == 1  # 8; 64 in the next bucket
+    # max_tokens of completed requests only (c's 8 was aborted): a's 64 and d's 1.
+    assert (value(s, "vllm:request_params_max_tokens_count"), value(s, "vllm:request_params_max_tokens_sum")) == (2, 65)
+    assert value(s, "vllm:request_params_max_tokens_bucket", le="50.0") == 1
     assert (value(s, "vllm:request_params_n_count"), value(s, "vllm:request_params_n_sum")) == (1, 2)
     assert value(s, "vllm:request_params_n_bucket", le="1.0") == 0 and value(s, "vllm:request_params_n_bucket", le="2.0") == 1
     assert value(s, "vllm:request_max_num_generation_tokens_sum") == 3
