@@ -18,6 +18,8 @@ from typing import Any
 
 from dsv4_jax.engine.request import RequestRejected
 
+logger = logging.getLogger(__name__)
+
 # Greedy below this temperature: dividing logits by less overflows float32 (vLLM's _SAMPLING_EPS).
 GREEDY_TEMPERATURE = 1e-5
 # Positive temperatures below this are raised to it, as vLLM does (its _MAX_TEMP): only 0 is greedy,
@@ -33,7 +35,6 @@ MAX_STOP_STRINGS = 128
 # The largest float32: the sampler holds temperatures and biases in float32, where larger values
 # would become inf (a temperature of inf, or a bias of inf minus inf, is no distribution).
 _FLOAT32_MAX = 3.4028234663852886e38
-logger = logging.getLogger(__name__)
 _INT64 = (-(2**63), 2**63 - 1)  # OpenAI's seed range
 GENERATION_CONFIG_FILE = "generation_config.json"
 # generation_config.json key -> SamplingParams field: the keys vLLM takes as request defaults.
