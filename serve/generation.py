@@ -130,7 +130,6 @@ class Generation:
                 put(index, rid, error)
 
         tasks = [asyncio.create_task(pump(i, rid, stream)) for i, (rid, stream) in enumerate(self.children)]
-        counts = [0] * len(self.children)
         try:
             while len(self.finished) < len(self.children):
                 while not pending:
@@ -143,9 +142,9 @@ class Generation:
                 if isinstance(item, BaseException):
                     raise item
                 completion = item.outputs[0]
-                new = len(completion.token_ids) - counts[index]
+                new = len(completion.token_ids) - self._generated[index]
                 if new:
-                    counts[index] = self._generated[index] = len(completion.token_ids)
+                    self._generated[index] = len(completion.token_ids)
                     self.state.metrics.tokens_generated(rid, new)
                 if item.finished:
                     self._child_finished(index, completion.finish_reason or "abort", item.metrics)
