@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     import jax
 
     from dsv4_jax import LLM, SamplingParams
-    from dsv4_jax.builtin import builtin_model_dir
+    from dsv4_jax.weights.builtin import builtin_model_dir
     from dsv4_jax.engine.runner import StepBuckets
 
     b = args.batch

@@ -7,7 +7,7 @@
 Plain script (jax, flax, numpy and this repository; no pytest), also `python -m benchmarks.runner`.
 Models (random weights, DeepSeek's checkpoint format):
 
-* ``tiny``: the built-in dsv4-tiny (`dsv4_jax.builtin`: hidden 128, 4 layers, 129280 vocab, bf16).
+* ``tiny``: the built-in dsv4-tiny (`dsv4_jax.weights.builtin`: hidden 128, 4 layers, 129280 vocab, bf16).
 * ``mid``: `mid_config()`, hidden 1024 and 8 layers in DeepSeek-V4-Flash's proportions, stored as
   DeepSeek ships Flash (fp8 linears in 128 x 128 blocks with ue8m0 scales, MXFP4 experts); written
   once (about 1.1 GB, about 90 s on 2 CPU cores) under $DSV4_JAX_CACHE or ~/.cache/dsv4-jax.
@@ -49,7 +49,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import dsv4_jax  # noqa: E402
-from dsv4_jax.builtin import builtin_model_dir, cached_checkpoint  # noqa: E402
+from dsv4_jax.weights.builtin import builtin_model_dir, cached_checkpoint  # noqa: E402
 from dsv4_jax.config import DeepseekV4Config  # noqa: E402
 from dsv4_jax.engine.runner import ModelRunner, StepBuckets, StepRow  # noqa: E402
 from dsv4_jax.kv_cache.paged import PagedCacheLayout  # noqa: E402

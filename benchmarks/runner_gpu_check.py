@@ -43,7 +43,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import dsv4_jax  # noqa: E402
-from dsv4_jax.builtin import builtin_model_dir  # noqa: E402
+from dsv4_jax.weights.builtin import builtin_model_dir  # noqa: E402
 from dsv4_jax.engine.runner import ModelRunner, StepBuckets, StepRow  # noqa: E402
 from dsv4_jax.kv_cache.paged import PagedCacheLayout  # noqa: E402
 from dsv4_jax.kv_cache.resolver import resolve_for_device  # noqa: E402

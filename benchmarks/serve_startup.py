@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-model-len", type=positive, default=512, help="default: 512")
     args = parser.parse_args(argv)
     if args.model is None:
-        from dsv4_jax.builtin import builtin_model_dir
+        from dsv4_jax.weights.builtin import builtin_model_dir
 
         builtin_model_dir()  # written once, outside the timed starts
     with tempfile.TemporaryDirectory() as cache:

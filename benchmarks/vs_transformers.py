@@ -69,7 +69,7 @@ TARGETS = {"tiny": 5.0, "mid": 1.0}  # the issue's: ours / transformers output t
 def mid_twin_dir() -> Path:
     """The bf16 twin of benchmarks/runner.py's mid checkpoint, written on first use."""
     from benchmarks.runner import MID_SEED, mid_config
-    from dsv4_jax.builtin import cached_checkpoint
+    from dsv4_jax.weights.builtin import cached_checkpoint
     from dsv4_jax.testing import write_random_checkpoint
 
     def write(partial: Path) -> None:
@@ -81,7 +81,7 @@ def mid_twin_dir() -> Path:
 
 
 def model_dir(name: str) -> Path:
-    from dsv4_jax.builtin import builtin_model_dir
+    from dsv4_jax.weights.builtin import builtin_model_dir
 
     return builtin_model_dir() if name == "tiny" else mid_twin_dir()
 
@@ -121,7 +121,7 @@ def count_cache_events() -> dict[str, int]:
 def build_llm(args: argparse.Namespace):
     """(LLM, construction seconds, XLA compiles during construction, cache hits and misses then)."""
     from dsv4_jax import LLM
-    from dsv4_jax.builtin import builtin_model_dir
+    from dsv4_jax.weights.builtin import builtin_model_dir
     from dsv4_jax.engine.compiles import CompileCounter
 
     counter, cache = CompileCounter(), count_cache_events()

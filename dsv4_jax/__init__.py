@@ -15,7 +15,7 @@ __all__ = ["load_model", "DeepseekV4Config", "LLM", "SamplingParams", "testing"]
 
 def __getattr__(name: str) -> Any:
     if name == "load_model":
-        from dsv4_jax.loading import load_model
+        from dsv4_jax.weights.loading import load_model
 
         return load_model
     if name == "LLM":
@@ -30,6 +30,6 @@ def __getattr__(name: str) -> Any:
         from dsv4_jax.config import DeepseekV4Config
 
         return DeepseekV4Config
-    if name in ("testing", "kv_cache", "chat", "config", "presets", "weights", "checkpoint"):
+    if name in ("testing", "kv_cache", "chat", "config", "presets", "weights", "model", "parallel", "engine"):
         return importlib.import_module(f"dsv4_jax.{name}")
     raise AttributeError(f"module 'dsv4_jax' has no attribute {name!r}")

@@ -17,7 +17,7 @@ import numpy as np
 from pallas_kernels.cli import OneLineParser, add_debug_flag, run_main
 
 if TYPE_CHECKING:
-    from dsv4_jax.loading import CausalLM
+    from dsv4_jax.weights.loading import CausalLM
 
 PROG = "python -m dsv4_jax.demo"
 
@@ -67,9 +67,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     logging.getLogger("jax").setLevel(logging.WARNING)
 
     import dsv4_jax
-    from dsv4_jax.builtin import builtin_model_dir
+    from dsv4_jax.weights.builtin import builtin_model_dir
     from dsv4_jax.chat import encode_messages
-    from dsv4_jax.tokenizer import encode_prompt, load_tokenizer
+    from dsv4_jax.chat.tokenizer import encode_prompt, load_tokenizer
 
     model_dir = args.model or builtin_model_dir()
     model = dsv4_jax.load_model(model_dir, dtype=args.dtype)

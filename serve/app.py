@@ -30,7 +30,7 @@ from starlette.routing import Route
 
 from dsv4_jax.chat import InvalidRequestField, build_prompt
 from dsv4_jax.engine.async_engine import EngineDeadError
-from dsv4_jax.tokenizer import encode_prompt
+from dsv4_jax.chat.tokenizer import encode_prompt
 from serve.chat import create_chat_completion
 from serve.choices import TokenTexts
 from serve.completions import create_completion

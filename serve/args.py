@@ -50,7 +50,7 @@ import sys
 from pathlib import Path
 from typing import Any, NoReturn, Sequence
 
-from dsv4_jax.distributed import DistributedConfig
+from dsv4_jax.parallel.distributed import DistributedConfig
 from dsv4_jax.engine.sampling_params import MAX_LOGPROBS
 from dsv4_jax.engine.sampling_params import generation_defaults as sampling_defaults
 from pallas_kernels.cli import OneLineParser, add_debug_flag

@@ -23,7 +23,7 @@ from dsv4_jax.chat import (
     ToolCallStarted,
 )
 from dsv4_jax.engine.outputs import CompletionOutput, Logprob
-from dsv4_jax.tokenizer import token_bytes, token_text
+from dsv4_jax.chat.tokenizer import token_bytes, token_text
 
 
 @functools.lru_cache(maxsize=4)

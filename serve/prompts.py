@@ -17,7 +17,7 @@ import re
 from typing import Any, Sequence
 
 from dsv4_jax.chat.tokens import BOS
-from dsv4_jax.tokenizer import encode_prompt
+from dsv4_jax.chat.tokenizer import encode_prompt
 from serve.protocol import OpenAIError
 
 # Pre-tokenizers that keep every character (Split keeps them unless its behavior is "Removed").

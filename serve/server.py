@@ -3,7 +3,7 @@ here with one line and exit status 2), bind the port, then load and warm up the 
 while `/health` answers 503; serve until SIGTERM / SIGINT, then stop accepting (503), let what runs
 finish for a grace period, abort the rest and exit 0.
 
-JAX's persistent compilation cache is on for every program (`dsv4_jax.compilation_cache`: under
+JAX's persistent compilation cache is on for every program (`dsv4_jax.engine.compilation_cache`: under
 `$DSV4_JAX_CACHE/jax-cache`, or `$JAX_COMPILATION_CACHE_DIR`), so a restart's warm-up loads
 executables instead of compiling them.
 """
@@ -37,7 +37,7 @@ def _configure_logging() -> None:
 
 
 def _enable_compilation_cache() -> None:
-    from dsv4_jax.compilation_cache import enable_compilation_cache
+    from dsv4_jax.engine.compilation_cache import enable_compilation_cache
 
     directory = enable_compilation_cache(every_program=True)
     logger.info("JAX compilation cache: %s", directory or "off (JAX_ENABLE_COMPILATION_CACHE)")
@@ -57,7 +57,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     _enable_compilation_cache()
 
     from dsv4_jax import LLM
-    from dsv4_jax.distributed import StartUp, initialize
+    from dsv4_jax.parallel.distributed import StartUp, initialize
 
     initialize(args.distributed)  # several hosts: before anything touches a device
     kwargs = engine_kwargs(args)
@@ -101,7 +101,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _stop_on_refused_flags(node, refused: ValueError) -> NoReturn:
     """A node of several whose flags are refused: printed at once, then told to the other nodes,
     which would wait for it in `jax.distributed.initialize` (`join_to_announce`; status 2)."""
-    from dsv4_jax.distributed import join_to_announce
+    from dsv4_jax.parallel.distributed import join_to_announce
 
     reason = one_line(refused)
     print(f"serve: error: {reason}", file=sys.stderr)
@@ -148,7 +148,7 @@ def _release_followers(node, state) -> None:
     collective while loading). Once it served, the lifespan released them; once loaded, they are
     sent the stop; a load that failed announced itself; else (a signal while loading, or an
     error before it) the stop is announced, and every node leaves (`leave_failed_start`)."""
-    from dsv4_jax.distributed import announce_start_failure
+    from dsv4_jax.parallel.distributed import announce_start_failure
 
     if state is not None and state.engine is not None:
         return
@@ -278,7 +278,7 @@ def entry(argv: Sequence[str] | None = None) -> None:
     try:
         run_main(main, argv, prog="serve")
     except SystemExit as done:  # several hosts, a failed start-up: leave past JAX's shutdown barrier
-        from dsv4_jax.distributed import leave_failed_start
+        from dsv4_jax.parallel.distributed import leave_failed_start
 
         leave_failed_start(done.code if isinstance(done.code, int) else int(done.code is not None))
         raise

@@ -30,7 +30,8 @@ from dsv4_jax import LLM, SamplingParams
 from dsv4_jax.engine.compiles import CompileCounter
 from dsv4_jax.engine.runner import StepBuckets
 from dsv4_jax.presets import get_config
-from dsv4_jax.sharding import ParallelConfig, make_mesh, shard_model
+from dsv4_jax.parallel.sharding import ParallelConfig, make_mesh
+from dsv4_jax.weights.loading import shard_model
 
 # 8 heads / 4 output groups / 8 experts divide by every mesh below; layers: sliding + hash
 # routing, then two CSA layers stacked (so the stacked `layers` axis is placed too).

@@ -95,7 +95,7 @@ def test_prefill_writes_the_sliding_ring_in_place():
     """The built-in dsv4-tiny (real vocabulary, window 8): a prefill step's scratch does not grow
     from one slot to 32. Before its ring write waited for the attention's read, XLA copied the
     whole sliding pool once per layer: 5.4 MB with one slot, 8.2 MB with 8."""
-    from dsv4_jax.builtin import builtin_model_dir
+    from dsv4_jax.weights.builtin import builtin_model_dir
     from dsv4_jax.engine.runner import StepBuckets
 
     tiny = dsv4_jax.load_model(builtin_model_dir(), dtype="float32", kv_cache_dtype="float32")

@@ -16,7 +16,7 @@ from dsv4_jax.chat.parser import (
     ToolCallStarted,
     parse_completion,
 )
-from dsv4_jax.tokenizer import load_tokenizer
+from dsv4_jax.chat.tokenizer import load_tokenizer
 
 GOLDEN = Path(__file__).resolve().parents[0] / "fixtures/chat/dsv4_chat_vectors.jsonl"
 ROWS = [json.loads(line) for line in GOLDEN.read_text(encoding="utf-8").splitlines() if line.strip()]

@@ -13,7 +13,7 @@ from dsv4_jax.chat.request import (
     build_prompt,
     resolve_chat_options,
 )
-from dsv4_jax.tokenizer import encode_prompt, load_tokenizer
+from dsv4_jax.chat.tokenizer import encode_prompt, load_tokenizer
 
 GOLDEN = Path(__file__).resolve().parents[0] / "fixtures/chat/dsv4_chat_vectors.jsonl"
 ROWS = [json.loads(line) for line in GOLDEN.read_text(encoding="utf-8").splitlines() if line.strip()]

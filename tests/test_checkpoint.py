@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from dsv4_jax import weights as W
-from dsv4_jax.checkpoint import (
+from dsv4_jax.model import weight_formats as W
+from dsv4_jax.weights.checkpoint import (
     SafetensorsFile,
     TensorSpec,
     canonical_name,
@@ -333,7 +333,7 @@ def test_dtype_rules(tmp_path, tiny_state):
 def test_checkpoint_without_mtp_loads_with_mtp_disabled(tmp_path, tiny_state, caplog):
     config, tensors = tiny_state
     path = _write(tmp_path, config, {n: a for n, a in tensors.items() if not n.startswith("mtp.")})
-    with caplog.at_level(logging.WARNING, logger="dsv4_jax.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="dsv4_jax.weights.checkpoint"):
         got, report = _load(path, config, progress=False)
     assert not report.mtp_enabled and not any(n.startswith("mtp.") for n in got)
     assert any("no mtp.*" in r.getMessage() and r.levelno == logging.WARNING for r in caplog.records)
@@ -347,7 +347,7 @@ def test_dspark_style_mtp_is_skipped_with_a_warning(tmp_path, tiny_state, caplog
         t[f"mtp.{i}.markov_head.weight"] = np.zeros((16, 128), ml_dtypes.bfloat16)
         t[f"mtp.{i}.confidence_head.weight"] = np.zeros((1, 128), ml_dtypes.bfloat16)
     path = _write(tmp_path, config, t)
-    with caplog.at_level(logging.WARNING, logger="dsv4_jax.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="dsv4_jax.weights.checkpoint"):
         got, report = _load(path, config, progress=False)
     assert not report.mtp_enabled
     assert not any(n.startswith("mtp.") for n in got)
@@ -373,7 +373,7 @@ def test_progress_lines_with_and_without_tqdm(tmp_path, tiny_state, caplog, caps
     err = capsys.readouterr().err
     assert "Loading safetensors checkpoint shards: 3/3" in err
     monkeypatch.setitem(sys.modules, "tqdm", None)  # tqdm absent -> plain log lines
-    with caplog.at_level(logging.INFO, logger="dsv4_jax.checkpoint"):
+    with caplog.at_level(logging.INFO, logger="dsv4_jax.weights.checkpoint"):
         load_checkpoint(path, config, lambda n, a: None)
     lines = [r.getMessage() for r in caplog.records if "Loading safetensors" in r.getMessage()]
     assert lines == [f"Loading safetensors checkpoint shards: {k}/3" for k in (1, 2, 3)]

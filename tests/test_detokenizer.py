@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from dsv4_jax.engine.detokenizer import REPLACEMENT, IncrementalDetokenizer
-from dsv4_jax.tokenizer import load_tokenizer
+from dsv4_jax.chat.tokenizer import load_tokenizer
 
 TEXTS = [
     "Hello, world! Plain ASCII with  two spaces.",

@@ -33,7 +33,7 @@ SCRIPT = textwrap.dedent(
     import jax._src.xla_bridge as xb
     assert not xb.backends_are_initialized(), "a module initialised a JAX backend at import"
     required = {
-        "dsv4_jax.loading", "dsv4_jax.model.transformer", "dsv4_jax.kv_cache", "dsv4_jax.chat",
+        "dsv4_jax.weights.loading", "dsv4_jax.model.transformer", "dsv4_jax.kv_cache", "dsv4_jax.chat",
         "dsv4_jax.chat.tokens", "dsv4_jax.chat.encoder", "dsv4_jax.chat.parser", "dsv4_jax.chat.request",
     }
     assert required <= set(names), required - set(names)
@@ -54,11 +54,9 @@ ALLOWED_TOP_LEVEL = frozenset(sys.stdlib_module_names) | {
     "jax", "jaxlib", "numpy", "ml_dtypes", "safetensors", "flax",  # runtime packages
     "dsv4_jax", "pallas_kernels", "benchmarks",  # this repository
 }
-CHECKED_DIRS = ("dsv4_jax/model", "dsv4_jax/kv_cache", "dsv4_jax/chat", "dsv4_jax/engine", "pallas_kernels", "benchmarks")
-CHECKED_FILES = tuple(
-    f"dsv4_jax/{name}.py"
-    for name in ("config", "presets", "weights", "checkpoint", "loading", "testing", "builtin", "plan")
-)
+CHECKED_DIRS = ("dsv4_jax/model", "dsv4_jax/kv_cache", "dsv4_jax/chat", "dsv4_jax/engine", "dsv4_jax/weights",
+                "dsv4_jax/parallel", "pallas_kernels", "benchmarks")
+CHECKED_FILES = tuple(f"dsv4_jax/{name}.py" for name in ("config", "presets", "testing", "plan"))
 
 
 def checked_modules() -> list[Path]:
@@ -163,3 +161,106 @@ def test_runtime_modules_import_only_allowlisted_packages_at_module_level():
     ]
     assert not bad, "module-level imports outside the allowlist (import them inside the function " \
         "that needs them):\n" + "\n".join(bad)
+
+
+# ---- the layers: imports point down, never in a circle -------------------------------------------
+# Bottom to top: what a package may import is its own layer and those below. The model never
+# imports the engine, the engine never the server, production never the test helpers (`testing`).
+LAYERS = (
+    ("pallas_kernels",),  # kernels and their references: nothing of dsv4_jax
+    ("dsv4_jax.config", "dsv4_jax.presets"),  # what a DeepSeek-V4 is
+    ("dsv4_jax.kv_cache",),  # KV layouts, resolver, planner, paged state
+    ("dsv4_jax.model",),  # the model (its axis names and weight formats included)
+    ("dsv4_jax.parallel",),  # meshes and sharding rules over the model; several hosts
+    ("dsv4_jax.weights",),  # checkpoints, load_model, the converted-weights cache, the built-in model
+    ("dsv4_jax.chat",),  # prompt encoder, parser, tokenizer
+    ("dsv4_jax.engine",),  # scheduler, runner, sampler, LLM
+    ("dsv4_jax", "dsv4_jax.testing", "dsv4_jax.plan", "dsv4_jax.demo"),  # the public API, test data, CLIs
+    ("serve",),  # the HTTP server
+)
+OWN_PACKAGES = ("dsv4_jax", "pallas_kernels", "serve")
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(REPO).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the repository modules it imports anywhere (function bodies included: a lazy import
+    is still a dependency), `from package import module` resolved to the module."""
+    files = [p for d in OWN_PACKAGES for p in sorted((REPO / d).rglob("*.py"))]
+    modules = {_module_name(p): p for p in files}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        found = graph.setdefault(name, set())
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                found |= {a.name for a in node.names if a.name.split(".")[0] in OWN_PACKAGES}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module \
+                    and node.module.split(".")[0] in OWN_PACKAGES:
+                found |= {f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module
+                          for a in node.names}
+        found.discard(name)
+    return graph
+
+
+def layer_of(module: str) -> int:
+    """The index in LAYERS of the longest package prefix naming `module`."""
+    best, layer = -1, None
+    for i, packages in enumerate(LAYERS):
+        for package in packages:
+            if (module == package or module.startswith(package + ".")) and len(package) > best:
+                best, layer = len(package), i
+    assert layer is not None, f"{module} is in no layer of LAYERS"
+    return layer
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import graph's strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while component[-1:] != [v]:
+                component.append(stack.pop())
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_imports_point_down_the_layers():
+    graph = import_graph()
+    assert len(graph) > 80, len(graph)  # the walk found the packages
+    upward = [f"{a} -> {b}" for a, targets in sorted(graph.items()) for b in sorted(targets)
+              if layer_of(b) > layer_of(a)]
+    assert not upward, "imports running back up the layers:\n" + "\n".join(upward)
+
+
+def test_no_import_circles():
+    found = circles(import_graph())
+    assert not found, "import circles:\n" + "\n".join(" <-> ".join(c) for c in found)
+
+
+def test_the_layer_checks_catch_a_circle_and_an_upward_import():
+    graph = {"dsv4_jax.model.a": {"dsv4_jax.model.b"}, "dsv4_jax.model.b": {"dsv4_jax.model.a"},
+             "dsv4_jax.engine.c": set()}
+    assert circles(graph) == [["dsv4_jax.model.a", "dsv4_jax.model.b"]]
+    assert layer_of("dsv4_jax.engine.llm") > layer_of("dsv4_jax.model.attention") > layer_of("pallas_kernels.cli")
+    assert layer_of("dsv4_jax.testing") > layer_of("dsv4_jax.weights.builtin")

@@ -71,7 +71,7 @@ def test_live_device_bytes_equal_the_quantized_file_bytes(checkpoints):
     script = textwrap.dedent(
         f"""
         import json, jax, numpy as np, dsv4_jax
-        from dsv4_jax.checkpoint import open_checkpoint
+        from dsv4_jax.weights.checkpoint import open_checkpoint
         model = dsv4_jax.load_model({str(checkpoints["fp8"])!r})
         out = model(np.zeros({IDS.shape}, np.int32)); out.block_until_ready(); del out
         live = sum(a.nbytes for a in jax.live_arrays())
@@ -79,7 +79,7 @@ def test_live_device_bytes_equal_the_quantized_file_bytes(checkpoints):
         stored = 0
         for info in (ckpt.info(name) for name in ckpt.names()):
             n = int(np.prod(info.shape))
-            stored += n * (4 if info.dtype == "I64" else np.dtype(dsv4_jax.weights.file_dtype(info.dtype)).itemsize)
+            stored += n * (4 if info.dtype == "I64" else np.dtype(dsv4_jax.model.weight_formats.file_dtype(info.dtype)).itemsize)
         print(json.dumps({{"live": live, "stored": stored}}))
         """
     )

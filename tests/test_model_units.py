@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from dsv4_jax.checkpoint import checkpoint_layout
+from dsv4_jax.weights.checkpoint import checkpoint_layout
 from dsv4_jax.config import DeepseekV4Config
 from dsv4_jax.model import kv_rounding, layers
 from dsv4_jax.model.indexer import Indexer, select_visible_topk
@@ -296,7 +296,7 @@ def test_program_size_does_not_grow_with_stacked_depth():
     [(1, None), (4, None), (32, None), (40, None), (400, None), (40, "fp4"), (40, "fp8"), (32, "fp8")],
 )
 def test_grouped_expert_matmul_equals_a_plain_loop(tokens, expert_format, on_cpu, monkeypatch):
-    from dsv4_jax import weights as wfmt
+    from dsv4_jax.model import weight_formats as wfmt
     from dsv4_jax.model import moe
     from dsv4_jax.model.moe import RoutedExperts, swiglu, tile_plan
     from dsv4_jax.presets import quantized

@@ -13,7 +13,7 @@ import logging
 
 import pytest
 
-from dsv4_jax.distributed import DistributedConfig
+from dsv4_jax.parallel.distributed import DistributedConfig
 from pallas_kernels.cli import run_main
 from serve.args import (
     API_KEY_ENV,

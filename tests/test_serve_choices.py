@@ -28,7 +28,7 @@ from dsv4_jax.chat import (
 )
 from dsv4_jax.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from dsv4_jax.engine.sampling_params import SamplingParams
-from dsv4_jax.tokenizer import encode_prompt, load_tokenizer
+from dsv4_jax.chat.tokenizer import encode_prompt, load_tokenizer
 from serve.choices import (
     ChoiceState,
     TextOffsets,

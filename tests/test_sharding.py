@@ -1,4 +1,4 @@
-"""Sharding (`dsv4_jax/sharding.py`): the rules table and the declared axes in this process (one
+"""Sharding (`dsv4_jax/parallel/sharding.py`): the rules table and the declared axes in this process (one
 device; abstract states for real sizes), the sharded full forward on 8 CPU devices in one
 subprocess (`tests/sharding_worker.py`; XLA_FLAGS must be set before jax is imported)."""
 
@@ -19,7 +19,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import dsv4_jax
-from dsv4_jax import sharding as sh
+from dsv4_jax.parallel import sharding as sh
 from dsv4_jax.model.transformer import DeepseekV4
 from conftest import child_xla_flags, in_background, started  # tests/ is on sys.path
 from dsv4_jax.presets import get_config

@@ -14,7 +14,7 @@ import time
 import pytest
 
 from conftest import quiet_port  # tests/ is on sys.path
-from dsv4_jax import distributed
+from dsv4_jax.parallel import distributed
 from dsv4_jax.engine import lockstep
 from dsv4_jax.engine.lockstep import Lockstep
 
@@ -42,7 +42,7 @@ import sys
 import jax
 
 jax.distributed.initialize(coordinator_address=f"127.0.0.1:{sys.argv[1]}", num_processes=1, process_id=0)
-from dsv4_jax.distributed import DistributedConfig, StartUp, start_failures
+from dsv4_jax.parallel.distributed import DistributedConfig, StartUp, start_failures
 
 try:
     with StartUp(DistributedConfig(nnodes=2, node_rank=1, headless=True)):
@@ -79,7 +79,7 @@ def test_a_refused_node_gives_up_telling_absent_nodes_in_its_own_time(tmp_path):
     """A node whose flags are refused joins the others only to say why (`join_to_announce`); with
     no other node started it gives up after its own timeout with its refusal's status, before
     JAX's connect timeout would abort the process with a fatal error."""
-    script = ("import sys; from dsv4_jax.distributed import DistributedConfig, join_to_announce; "
+    script = ("import sys; from dsv4_jax.parallel.distributed import DistributedConfig, join_to_announce; "
               "join_to_announce(DistributedConfig(2, 1, master_port=int(sys.argv[1]), headless=True), 'refused', "
               "code=2, timeout_s=2)")
     result = subprocess.run([sys.executable, "-c", script, str(quiet_port())], capture_output=True, text=True,
@@ -95,7 +95,7 @@ def test_ctrl_c_ends_a_refused_nodes_wait_for_the_others(tmp_path):
     # SIGINT's default (KeyboardInterrupt) as in a terminal: a background job (CI) starts with it ignored.
     script = ("import logging, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
               "logging.basicConfig(level=logging.INFO); "
-              "from dsv4_jax.distributed import DistributedConfig, join_to_announce; "
+              "from dsv4_jax.parallel.distributed import DistributedConfig, join_to_announce; "
               "join_to_announce(DistributedConfig(2, 1, master_port=int(sys.argv[1]), headless=True), 'refused', "
               "code=2, timeout_s=60)")
     log = tmp_path / "node.log"

@@ -24,8 +24,8 @@ import pytest
 
 import dsv4_jax
 from dsv4_jax import demo, plan
-from dsv4_jax.builtin import BUILTIN_PRESET, builtin_model_dir, checkpoint_bytes
-from dsv4_jax.checkpoint import INDEX_FILE
+from dsv4_jax.weights.builtin import BUILTIN_PRESET, builtin_model_dir, checkpoint_bytes
+from dsv4_jax.weights.checkpoint import INDEX_FILE
 from dsv4_jax.kv_cache.planner import MeshShape, estimate_weight_bytes_per_device, nominal_device_memory, plan_capacity
 from dsv4_jax.kv_cache.resolver import resolve_kv_cache
 from dsv4_jax.presets import get_config
@@ -173,7 +173,7 @@ def test_checkpoint_bytes_is_the_size_on_disk(tiny_checkpoint):
 
 
 def test_builtin_model_says_where_and_how_big_before_writing(tmp_path, monkeypatch, caplog):
-    import dsv4_jax.testing
+    from dsv4_jax.weights import random_checkpoint
 
     seen_before_writing = []
 
@@ -183,8 +183,8 @@ def test_builtin_model_says_where_and_how_big_before_writing(tmp_path, monkeypat
         (Path(path) / "config.json").write_text("{}")
 
     monkeypatch.setenv("DSV4_JAX_CACHE", str(tmp_path))
-    monkeypatch.setattr(dsv4_jax.testing, "write_random_checkpoint", fake_write)
-    with caplog.at_level(logging.INFO, logger="dsv4_jax.builtin"):
+    monkeypatch.setattr(random_checkpoint, "write_random_checkpoint", fake_write)
+    with caplog.at_level(logging.INFO, logger="dsv4_jax.weights.builtin"):
         path = builtin_model_dir()
         assert len(seen_before_writing) == 1
         builtin_model_dir()  # already there: written once, said once
@@ -199,7 +199,7 @@ def test_checkpoints_written_at_once_by_several_processes_appear_whole(tmp_path,
     exited). Each writer now has its own directory; the first rename wins, the rest are dropped."""
     import threading
 
-    from dsv4_jax.builtin import cached_checkpoint
+    from dsv4_jax.weights.builtin import cached_checkpoint
 
     monkeypatch.setenv("DSV4_JAX_CACHE", str(tmp_path))
     all_writing = threading.Barrier(4)
@@ -239,7 +239,7 @@ def test_a_sweep_just_before_a_writer_locks_its_folder_keeps_the_folder(tmp_path
     and the folder was removed under its writer)."""
     import fcntl
 
-    from dsv4_jax import partial_dirs
+    from dsv4_jax.weights import partial_dirs
 
     entry, real_flock, swept = tmp_path / "model", fcntl.flock, []
 
@@ -265,9 +265,9 @@ def test_a_killed_writers_partial_folder_is_removed_by_the_next_writer(tmp_path,
 
     import jax
 
-    from dsv4_jax import weight_cache
-    from dsv4_jax.builtin import cached_checkpoint
-    from dsv4_jax.partial_dirs import LOCK_FILE, UNLOCKED_STALE_S
+    from dsv4_jax.weights import converted_cache
+    from dsv4_jax.weights.builtin import cached_checkpoint
+    from dsv4_jax.weights.partial_dirs import LOCK_FILE, UNLOCKED_STALE_S
 
     monkeypatch.setenv("DSV4_JAX_CACHE", str(tmp_path))
     folders = {name: tmp_path / f"{entry}.partial-{suffix}" for name, entry, suffix in (
@@ -302,16 +302,16 @@ def test_a_killed_writers_partial_folder_is_removed_by_the_next_writer(tmp_path,
         assert not stale.exists(), "free space counted before the killed write's folder was removed"
         return disk_usage(path)
 
-    monkeypatch.setattr(weight_cache.shutil, "disk_usage", usage)
+    monkeypatch.setattr(converted_cache.shutil, "disk_usage", usage)
     arrays = {"w": jax.device_put(np.arange(6, dtype=np.float32))}
-    assert weight_cache.save(tmp_path / "ckpt-0123", arrays, fields={}, mtp_enabled=False, warnings=[])
-    assert weight_cache.find(tmp_path / "ckpt-0123") is not None
+    assert converted_cache.save(tmp_path / "ckpt-0123", arrays, fields={}, mtp_enabled=False, warnings=[])
+    assert converted_cache.find(tmp_path / "ckpt-0123") is not None
     assert not list(tmp_path.glob("ckpt-0123.partial-*")) and not (tmp_path / "ckpt-0123" / LOCK_FILE).exists()
 
     # A disk without the room writes nothing and leaves no folder behind, only a warning.
-    monkeypatch.setattr(weight_cache.shutil, "disk_usage", lambda path: disk_usage(path)._replace(free=1))
+    monkeypatch.setattr(converted_cache.shutil, "disk_usage", lambda path: disk_usage(path)._replace(free=1))
     with caplog.at_level("WARNING"):
-        assert not weight_cache.save(tmp_path / "ckpt-4567", arrays, fields={}, mtp_enabled=False, warnings=[])
+        assert not converted_cache.save(tmp_path / "ckpt-4567", arrays, fields={}, mtp_enabled=False, warnings=[])
     assert "not writing the converted-weights cache" in caplog.text
     assert not list(tmp_path.glob("ckpt-4567*"))
 
@@ -396,9 +396,9 @@ def test_the_persistent_compilation_cache_is_on_unless_jax_is_told_otherwise(tmp
     import sys
 
     from dsv4_jax import LLM
-    from dsv4_jax import compilation_cache
+    from dsv4_jax.engine import compilation_cache
 
-    script = ("import jax; from dsv4_jax.compilation_cache import enable_compilation_cache as e; "
+    script = ("import jax; from dsv4_jax.engine.compilation_cache import enable_compilation_cache as e; "
               "print(e(), jax.config.jax_compilation_cache_dir, jax.config.jax_persistent_cache_min_compile_time_secs)")
     base = {k: v for k, v in os.environ.items() if not k.startswith("JAX_")} | {"JAX_PLATFORMS": "cpu",
                                                                               "DSV4_JAX_CACHE": str(tmp_path)}

@@ -9,7 +9,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from dsv4_jax import weights as W
+from dsv4_jax.model import weight_formats as W
 
 
 # ---- UE8M0 ----------------------------------------------------------------------------------

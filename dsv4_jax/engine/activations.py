@@ -51,7 +51,7 @@ class ActivationMemory:
 
 def measure_activations(model, layout: PagedCacheLayout, *, buckets: StepBuckets, attention_backend: str,
                         max_model_len: int, sampler_config: SamplerConfig = SamplerConfig()) -> ActivationMemory:
-    """The `ActivationMemory` of an engine serving `model` (dsv4_jax.loading.CausalLM) with these
+    """The `ActivationMemory` of an engine serving `model` (dsv4_jax.weights.loading.CausalLM) with these
     buckets on pools of `layout` or smaller: its programs compiled for those pools' shapes, none
     run and no pool allocated."""
     runner = ModelRunner(model, layout, attention_backend=attention_backend, buckets=buckets, allocate_cache=False)

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dsv4_jax.distributed import StepChannel
+from dsv4_jax.parallel.distributed import StepChannel
 from dsv4_jax.engine.detokenizer import IncrementalDetokenizer
 from dsv4_jax.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, TokenIdsSoFar
 from dsv4_jax.engine.request import (
@@ -50,7 +50,7 @@ from dsv4_jax.engine.sampler import (
 from dsv4_jax.engine.sampling_params import SamplingParams
 from dsv4_jax.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from dsv4_jax.kv_cache.paged import PagedCacheLayout
-from dsv4_jax.tokenizer import token_text
+from dsv4_jax.chat.tokenizer import token_text
 
 logger = logging.getLogger(__name__)
 
@@ -157,7 +157,7 @@ def _prompt_scores(logits: np.ndarray, targets: np.ndarray, k: int) -> tuple[lis
 class LLMEngine:
     def __init__(
         self,
-        model,  # dsv4_jax.loading.CausalLM
+        model,  # dsv4_jax.weights.loading.CausalLM
         tokenizer: Any,
         layout: PagedCacheLayout,
         *,

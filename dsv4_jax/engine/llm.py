@@ -116,9 +116,8 @@ class LLM:
         disable_log_stats: bool = True,  # logging goes through the `logging` module
         enable_prefix_caching: bool | None = None,  # not built: only off (False or None) is accepted
     ):
-        import dsv4_jax
-        from dsv4_jax.compilation_cache import enable_compilation_cache
-        from dsv4_jax.distributed import DistributedConfig, StartUp, StepChannel, initialize
+        from dsv4_jax.engine.compilation_cache import enable_compilation_cache
+        from dsv4_jax.parallel.distributed import DistributedConfig, StartUp, StepChannel, initialize
 
         # Before anything compiles (JAX reads the setting at the first compile): a restarted
         # notebook then loads the warm-up's executables.
@@ -142,8 +141,9 @@ class LLM:
             import jax
 
             from dsv4_jax.engine.engine import LLMEngine
-            from dsv4_jax.sharding import ParallelConfig, make_mesh, node_weight_bytes
-            from dsv4_jax.tokenizer import load_tokenizer
+            from dsv4_jax.weights.loading import load_model
+            from dsv4_jax.parallel.sharding import ParallelConfig, make_mesh, node_weight_bytes
+            from dsv4_jax.chat.tokenizer import load_tokenizer
 
             path = self.check_arguments(model, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
                                         attention_backend=attention_backend, max_model_len=max_model_len,
@@ -178,7 +178,7 @@ class LLM:
                            else StepChannel.follower(self.distributed, settings))
                 start_up.watch(channel)
             mesh = make_mesh(self.parallel) if self.parallel.world_size > 1 else None
-            self.model = dsv4_jax.load_model(path, dtype=compute, kv_cache_dtype=kv_cache_dtype,
+            self.model = load_model(path, dtype=compute, kv_cache_dtype=kv_cache_dtype,
                                              attention_backend=attention_backend, mesh=mesh,
                                              parallel=self.parallel if mesh is not None else None,
                                              load_format=load_format)
@@ -251,10 +251,10 @@ class LLM:
         """Every check that needs no weights (seconds on a real checkpoint), as a ValueError naming
         the argument; returns the model directory (the built-in one is written on first use).
         `generation_config` is read (and checked) by the constructor, or by the server naming its flag."""
-        from dsv4_jax.builtin import builtin_model_dir
-        from dsv4_jax.sharding import ParallelConfig
-        from dsv4_jax.distributed import DistributedConfig
-        from dsv4_jax.weight_cache import check_load_format
+        from dsv4_jax.weights.builtin import builtin_model_dir
+        from dsv4_jax.parallel.sharding import ParallelConfig
+        from dsv4_jax.parallel.distributed import DistributedConfig
+        from dsv4_jax.weights.converted_cache import check_load_format
 
         cls._check_arguments(dtype, max_model_len, max_num_seqs, max_num_batched_tokens, num_gpu_blocks_override,
                              gpu_memory_utilization, seed, block_size)
@@ -283,7 +283,7 @@ class LLM:
     def get_tokenizer(self):
         """The tokenizer with the methods notebooks call on vLLM's (`encode`, `decode`,
         `apply_chat_template` with the V4 encoder, `eos_token_id`); `llm.tokenizer` is the raw one."""
-        from dsv4_jax.tokenizer import NotebookTokenizer
+        from dsv4_jax.chat.tokenizer import NotebookTokenizer
 
         return NotebookTokenizer(self.tokenizer)
 
@@ -340,7 +340,7 @@ class LLM:
         import jax
 
         from dsv4_jax.config import DeepseekV4Config
-        from dsv4_jax.sharding import ParallelConfig, check_model_splits, make_mesh
+        from dsv4_jax.parallel.sharding import ParallelConfig, check_model_splits, make_mesh
 
         parallel = ParallelConfig(tensor_parallel_size, data_parallel_size, enable_expert_parallel)
         make_mesh(parallel)  # too few devices: its ValueError names the flags
@@ -409,7 +409,7 @@ class LLM:
 
     # ---- generation -------------------------------------------------------------------------------
     def _prompts(self, prompts) -> list[tuple[str | None, list[int]]]:
-        from dsv4_jax.tokenizer import encode_prompt
+        from dsv4_jax.chat.tokenizer import encode_prompt
 
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]

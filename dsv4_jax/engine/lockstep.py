@@ -1,4 +1,4 @@
-"""Device calls in lockstep across processes (`dsv4_jax.distributed`).
+"""Device calls in lockstep across processes (`dsv4_jax.parallel.distributed`).
 
 With several hosts every process must make the same device calls in the same order, or a
 collective waits forever. The engine makes each of its device calls through `Lockstep.call(name,
@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 import jax
 
-from dsv4_jax.distributed import StepChannel, start_failures
+from dsv4_jax.parallel.distributed import StepChannel, start_failures
 
 logger = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ straight from the previous step's device output. The weights go in as a flat lis
 The cache is donated to every step, so XLA updates it in place (warm-up checks that the
 donation took effect).
 
-On a mesh (the model's `options.mesh`, `dsv4_jax.sharding`) the step runs under `jax.shard_map`
+On a mesh (the model's `options.mesh`, `dsv4_jax.parallel.sharding`) the step runs under `jax.shard_map`
 over the data axis: each data-parallel rank has its own block pools, sequence slots and rows (a
 bucket is per rank: a step holds data x B rows, rank r's in rows [r B, (r + 1) B)), block ids in
 its tables are its own, and no pool ever crosses devices. Inside a rank the tensor axis is left
@@ -52,7 +52,7 @@ from dsv4_jax.engine.sampler import prompt_scores
 from dsv4_jax.engine.sampling_params import MAX_LOGPROBS
 from dsv4_jax.kv_cache.paged import PagedCacheLayout, PagedKVCache, init_paged_cache, kv_planes, partition_specs
 from dsv4_jax.model.cache_step import CacheStep, StepSequences
-from dsv4_jax.sharding import DATA
+from dsv4_jax.model.axes import DATA
 from pallas_kernels.backend import XLA, get_backend
 
 logger = logging.getLogger(__name__)
@@ -210,7 +210,7 @@ class ModelRunner:
 
     def __init__(
         self,
-        model,  # dsv4_jax.loading.CausalLM
+        model,  # dsv4_jax.weights.loading.CausalLM
         layout: PagedCacheLayout,
         *,
         attention_backend: str = XLA,

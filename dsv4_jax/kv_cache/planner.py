@@ -28,7 +28,8 @@ import math
 from typing import Any
 
 from dsv4_jax.config import CSA, HCA, SLIDING, DeepseekV4Config
-from dsv4_jax.kv_cache.resolver import FP8_DS_MLA, KVCacheSpec
+from dsv4_jax.kv_cache.planes import indexer_planes, kv_planes
+from dsv4_jax.kv_cache.resolver import KVCacheSpec
 from pallas_kernels import devices, formats
 
 logger = logging.getLogger(__name__)
@@ -390,10 +391,8 @@ def _does_not_fit(
 # ---- idle layers -----------------------------------------------------------------------------
 def _pool_planes(pool: PoolUsage, spec: KVCacheSpec, blocks: int) -> list[Any]:
     """The planes of one rank's `pool` with `blocks` blocks, shapes only, as the cache lays them
-    out (`paged.kv_planes` / `indexer_planes`, idle layers included); [] for state pools."""
+    out (`planes.kv_planes` / `indexer_planes`, idle layers included); [] for state pools."""
     import jax
-
-    from dsv4_jax.kv_cache.paged import indexer_planes, kv_planes  # (paged imports this module)
 
     if pool.unit == "sequence" or not pool.layers or not blocks:
         return []

@@ -33,7 +33,7 @@ from dsv4_jax.model.indexer import Indexer
 from dsv4_jax.model.layers import Linear, RMSNorm, rms_normalize
 from dsv4_jax.model.options import ForwardOptions
 from dsv4_jax.model.rope import apply_rope
-from dsv4_jax.sharding import EMBED, GROUP_HEAD_DIMS, HEAD_DIMS, HEADS, KV_DIM, O_GROUP_RANKS, Q_LORA, TENSOR
+from dsv4_jax.model.axes import EMBED, GROUP_HEAD_DIMS, HEAD_DIMS, HEADS, KV_DIM, O_GROUP_RANKS, Q_LORA, TENSOR
 
 
 class Attention(nnx.Module):

@@ -15,7 +15,7 @@ from dsv4_jax.model.hyper_connection import hc_post, hc_pre
 from dsv4_jax.model.layers import RMSNorm
 from dsv4_jax.model.moe import MoE
 from dsv4_jax.model.options import ForwardOptions
-from dsv4_jax.sharding import HC
+from dsv4_jax.model.axes import HC
 
 
 class Block(nnx.Module):

@@ -26,7 +26,7 @@ from dsv4_jax.kv_cache.paged import (
     sliding_slots,
 )
 from dsv4_jax.model.compressor import CompressorRows, PooledWindows
-from dsv4_jax.pytrees import pytree_dataclass
+from dsv4_jax.kv_cache.pytrees import pytree_dataclass
 from pallas_kernels.backend import AttentionBackend
 
 

@@ -18,8 +18,8 @@ from flax import nnx
 from dsv4_jax.config import DeepseekV4Config
 from dsv4_jax.model.layers import Linear, RMSNorm
 from dsv4_jax.model.rope import apply_rope, rope_angles
-from dsv4_jax.pytrees import pytree_dataclass
-from dsv4_jax.sharding import COMPRESS, EMBED
+from dsv4_jax.kv_cache.pytrees import pytree_dataclass
+from dsv4_jax.model.axes import COMPRESS, EMBED
 
 
 @pytree_dataclass

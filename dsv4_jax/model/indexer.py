@@ -14,7 +14,7 @@ from dsv4_jax.model import kv_rounding
 from dsv4_jax.model.compressor import Compressor
 from dsv4_jax.model.layers import Linear
 from dsv4_jax.model.rope import apply_rope
-from dsv4_jax.sharding import EMBED, INDEXER, Q_LORA
+from dsv4_jax.model.axes import EMBED, INDEXER, Q_LORA
 
 
 class Indexer(nnx.Module):

@@ -14,9 +14,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dsv4_jax import weights as wfmt
+from dsv4_jax.model import weight_formats as wfmt
 from dsv4_jax.config import DeepseekV4Config, num_blocks
-from dsv4_jax.sharding import EMBED, NORM, VOCAB
+from dsv4_jax.model.axes import EMBED, NORM, VOCAB
 
 # Placeholder dtype of tensors DeepSeek stores in bf16 (the abstract model's shapes and dtypes);
 # loading takes whatever dtype the checkpoint file has (transformers saves float32).
@@ -50,7 +50,7 @@ class RMSNorm(nnx.Module):
 
 class Linear(nnx.Module):
     """y = x @ W^T with W [out, in] in the checkpoint's format; `quantized` selects FP8 blocks.
-    `axes` are the logical axis names (`dsv4_jax.sharding`) of [out, in]; the block scales
+    `axes` are the logical axis names (`dsv4_jax.parallel.sharding`) of [out, in]; the block scales
     carry the same names, so they split along the same mesh axes as the weight (None: undeclared,
     which `sharding.partition_spec` refuses; only standalone test linears leave it out)."""
 

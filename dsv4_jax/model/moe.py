@@ -33,11 +33,11 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from dsv4_jax import weights as wfmt
+from dsv4_jax.model import weight_formats as wfmt
 from dsv4_jax.config import DeepseekV4Config, num_blocks
 from dsv4_jax.model.layers import STORED_DTYPE, Linear
 from dsv4_jax.model.options import ForwardOptions
-from dsv4_jax.sharding import DATA, EMBED, EXPERTS, HASH_VOCAB, MOE_FFN, ROUTER, SHARED_FFN, TENSOR
+from dsv4_jax.model.axes import DATA, EMBED, EXPERTS, HASH_VOCAB, MOE_FFN, ROUTER, SHARED_FFN, TENSOR
 
 # Tiles at most this many at a time through the experts (bounds the gathered-weight memory).
 _TILES_PER_STEP = 64

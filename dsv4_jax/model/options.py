@@ -14,7 +14,7 @@ class ForwardOptions:
     # Round window/compressed KV as the fp8_ds_mla cache stores them and indexer keys as the
     # fp8 indexer cache does (spec 3.8 / 8.2), so the model matches a model reading an fp8 cache.
     kv_cache_rounding: bool = False
-    # The (data, tensor) mesh the weights are sharded over (`dsv4_jax.sharding`), or None on one
+    # The (data, tensor) mesh the weights are sharded over (`dsv4_jax.parallel.sharding`), or None on one
     # device: the routed experts and the attention kernels run under `jax.shard_map` on it.
     mesh: Mesh | None = None
     expert_parallel: bool = False  # routed experts split over data x tensor (else over their ffn dim)

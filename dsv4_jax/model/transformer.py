@@ -24,7 +24,7 @@ from dsv4_jax.model.hyper_connection import hc_head
 from dsv4_jax.model.layers import Embedding, Linear, RMSNorm
 from dsv4_jax.model.options import ForwardOptions
 from dsv4_jax.model.rope import layer_frequencies, rope_angles
-from dsv4_jax.sharding import EMBED, HC, LAYERS, VOCAB
+from dsv4_jax.model.axes import EMBED, HC, LAYERS, VOCAB
 
 
 @dataclasses.dataclass(frozen=True)

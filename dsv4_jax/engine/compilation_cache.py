@@ -20,7 +20,7 @@ def enable_compilation_cache(*, every_program: bool = False) -> str | None:
     server)."""
     import jax
 
-    from dsv4_jax.builtin import cache_root
+    from dsv4_jax.weights.builtin import cache_root
 
     if not jax.config.jax_enable_compilation_cache:
         return None

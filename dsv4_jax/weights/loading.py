@@ -21,8 +21,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
-from dsv4_jax import sharding as sh
-from dsv4_jax import weight_cache
+from dsv4_jax.parallel import sharding as sh
+from dsv4_jax.weights import converted_cache
 from dsv4_jax.config import DeepseekV4Config
 from dsv4_jax.model.attention_core import AttentionCore, dense_attention
 from dsv4_jax.model.layers import TRANSPOSED
@@ -307,7 +307,7 @@ def _resolve_mesh(
     if mesh is None:
         return (None, None) if parallel is None else (sh.make_mesh(parallel), parallel)
     if tuple(mesh.axis_names) != sh.MESH_AXES:
-        raise ValueError(f"mesh axes must be {sh.MESH_AXES} (dsv4_jax.sharding.make_mesh), got {mesh.axis_names}")
+        raise ValueError(f"mesh axes must be {sh.MESH_AXES} (dsv4_jax.parallel.sharding.make_mesh), got {mesh.axis_names}")
     if parallel is None:
         return mesh, sh.ParallelConfig(tensor_parallel_size=mesh.shape[sh.TENSOR], data_parallel_size=mesh.shape[sh.DATA])
     if (parallel.data_parallel_size, parallel.tensor_parallel_size) != (mesh.shape[sh.DATA], mesh.shape[sh.TENSOR]):
@@ -322,7 +322,7 @@ def _read_safetensors(
     path: Path, config: DeepseekV4Config, stack_layers: bool, mesh: Mesh | None, parallel: sh.ParallelConfig | None
 ) -> tuple[DeepseekV4, list[str], bool]:
     """(module, the checkpoint's load warnings, MTP enabled?) read from the safetensors files."""
-    from dsv4_jax.checkpoint import load_checkpoint
+    from dsv4_jax.weights.checkpoint import load_checkpoint
 
     placer = _Placer(config, stack_layers, mesh, parallel)
     report = load_checkpoint(path, config, placer)
@@ -331,14 +331,14 @@ def _read_safetensors(
 
 
 def _restore_cached(
-    entry: weight_cache.CacheEntry, config: DeepseekV4Config, stack_layers: bool, mesh: Mesh | None,
+    entry: converted_cache.CacheEntry, config: DeepseekV4Config, stack_layers: bool, mesh: Mesh | None,
     parallel: sh.ParallelConfig | None,
 ) -> DeepseekV4:
     """The module of a converted-weights cache entry, every leaf restored into its shards."""
     graphdef, state = _abstract_model(config, entry.mtp_enabled, stack_layers)
     shardings = _leaf_shardings(state, mesh, parallel)
     by_name = {".".join(map(str, leaf_path)): leaf_path for leaf_path in shardings}
-    arrays = weight_cache.restore(entry, {name: shardings[leaf_path] for name, leaf_path in by_name.items()})
+    arrays = converted_cache.restore(entry, {name: shardings[leaf_path] for name, leaf_path in by_name.items()})
     if mesh is None:
         # orbax places arrays committed to their device; `jax.device_put(numpy)` (the safetensors
         # path) leaves them uncommitted, which jit lowers without sharding annotations. Re-placed
@@ -355,15 +355,15 @@ def _load_weights(
     parallel: sh.ParallelConfig | None, load_format: str, weights_cache_dir: str | Path | None,
 ) -> tuple[DeepseekV4, bool]:
     """(module, MTP enabled?) from the converted-weights cache or the safetensors files, as
-    `load_format` says (`weight_cache.LOAD_FORMATS`); logs which path it took and its seconds."""
+    `load_format` says (`converted_cache.LOAD_FORMATS`); logs which path it took and its seconds."""
     start = time.perf_counter()
     if load_format == "safetensors":
         module, _, mtp_enabled = _read_safetensors(path, config, stack_layers, mesh, parallel)
         logger.info("weights: read %s (--load-format safetensors) in %.2f s", path, time.perf_counter() - start)
         return module, mtp_enabled
-    fields = weight_cache.key_fields(path, dtype, stack_layers, mesh, parallel)
-    directory = weight_cache.entry_directory(fields, weights_cache_dir)
-    entry = weight_cache.find(directory)
+    fields = converted_cache.key_fields(path, dtype, stack_layers, mesh, parallel)
+    directory = converted_cache.entry_directory(fields, weights_cache_dir)
+    entry = converted_cache.find(directory)
     if entry is not None:
         module = _restore_cached(entry, config, stack_layers, mesh, parallel)
         logger.info("weights: restored from the converted-weights cache %s in %.2f s", directory,
@@ -377,7 +377,7 @@ def _load_weights(
     module, warnings, mtp_enabled = _read_safetensors(path, config, stack_layers, mesh, parallel)
     read = time.perf_counter()
     arrays = {".".join(map(str, p)): v.get_value() for p, v in nnx.to_flat_state(nnx.state(module))}
-    written = weight_cache.save(directory, arrays, fields=fields, mtp_enabled=mtp_enabled, warnings=warnings)
+    written = converted_cache.save(directory, arrays, fields=fields, mtp_enabled=mtp_enabled, warnings=warnings)
     logger.info(
         "weights: read %s in %.2f s; %s the converted-weights cache %s in %.2f s", path, read - start,
         "wrote" if written else "did not write", directory, time.perf_counter() - read,
@@ -396,7 +396,7 @@ def default_stack_layers(config: DeepseekV4Config) -> bool:
     benchmark model (about 0.6 GB of layers) that was about a third of a 32-row decode step (490
     ms stacked, 335 ms unrolled, 2026-12-01). Small models (the built-in, the tests' models)
     copy little and compile faster stacked."""
-    from dsv4_jax.checkpoint import checkpoint_layout
+    from dsv4_jax.weights.checkpoint import checkpoint_layout
 
     if jax.default_backend() != "cpu":
         return True
@@ -432,18 +432,18 @@ def load_model(
     device with `resolve_kv_cache` (logged) and runs the model as that cache would: fp8_ds_mla
     rounds KV, bfloat16 stores bf16 rows, float32 (xla backend) rounds nothing.
 
-    `mesh` / `parallel` (`dsv4_jax.sharding`; either one implies the other) load every tensor
+    `mesh` / `parallel` (`dsv4_jax.parallel.sharding`; either one implies the other) load every tensor
     straight into its shards as it is read, and the model runs on that mesh
     (`model.options = mesh_options(...)`). `load_format` ("auto", "safetensors", "orbax", as
-    `--load-format`) and `weights_cache_dir` (default `weight_cache.default_root()`) choose between
-    the safetensors files and the converted-weights cache (`dsv4_jax.weight_cache`): "safetensors"
+    `--load-format`) and `weights_cache_dir` (default `converted_cache.default_root()`) choose between
+    the safetensors files and the converted-weights cache (`dsv4_jax.weights.converted_cache`): "safetensors"
     (this function's default) never touches the cache; "auto" (`LLM`'s and the server's default)
     restores a valid cache entry, else reads the files and writes one; "orbax" only restores, and a
     missing entry is a ValueError.
 
     A bad directory (missing, no or invalid config.json, missing or truncated shards, tensors
     that do not fit the config) raises a ValueError or FileNotFoundError naming the file."""
-    weight_cache.check_load_format(load_format)
+    converted_cache.check_load_format(load_format)
     mesh, parallel = _resolve_mesh(mesh, parallel)
     path = _model_directory(path)
     config = DeepseekV4Config.from_json(path)
@@ -461,4 +461,11 @@ def load_model(
     core = _attention_core(attention_backend, config, kv_spec)
     model = CausalLM(module, options, mtp_enabled, core)
     model.kv_cache_spec = kv_spec  # what --kv-cache-dtype resolved to, or None
+    return model
+
+
+def shard_model(model: CausalLM, mesh: Mesh, parallel: sh.ParallelConfig) -> CausalLM:
+    """Place a loaded model's weights in their shards (in place; returns the model)."""
+    model.state = jax.device_put(model.state, sh.param_shardings(model.state, mesh, parallel))
+    model.options = sh.mesh_options(model.options, mesh, parallel)
     return model

@@ -1,4 +1,4 @@
-"""Multi-device half of tests/test_weight_cache.py, run as `python tests/weight_cache_worker.py
+"""Multi-device half of tests/test_converted_cache.py, run as `python tests/converted_cache_worker.py
 OUT.json` in a process started with `XLA_FLAGS=--xla_force_host_platform_device_count=4` (the
 flag must be set before jax is imported, so this cannot run inside the pytest process).
 
@@ -24,7 +24,7 @@ from flax import nnx
 
 import dsv4_jax
 from dsv4_jax.presets import get_config
-from dsv4_jax.sharding import ParallelConfig, make_mesh, param_shardings
+from dsv4_jax.parallel.sharding import ParallelConfig, make_mesh, param_shardings
 
 # As tests/sharding_worker.py: sliding + hash routing, then two CSA layers stacked.
 CONFIG = get_config("dsv4-tiny-test").replace(

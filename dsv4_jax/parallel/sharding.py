@@ -1,4 +1,5 @@
-"""Sharding the model over a device mesh: logical axis names, the mesh, and the one rules table.
+"""Sharding the model over a device mesh: the mesh, and the one table from the model's logical axis
+names (`dsv4_jax.model.axes`) to mesh axes.
 
 Every parameter declares, where it is defined, one logical axis name per dimension (the
 `axes` metadata of its `nnx.Param`; block scales carry the axes of the weight they scale, so a
@@ -28,34 +29,14 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from dsv4_jax.model.axes import (
+    COMPRESS, DATA, EMBED, EXPERTS, GROUP_HEAD_DIMS, HASH_VOCAB, HC, HEAD_DIMS, HEADS, INDEXER, KV_DIM, LAYERS,
+    MESH_AXES, MOE_FFN, NORM, O_GROUP_RANKS, Q_LORA, ROUTER, SHARED_FFN, TENSOR, VOCAB,
+)
+
 if TYPE_CHECKING:
     from dsv4_jax.config import DeepseekV4Config
-    from dsv4_jax.loading import CausalLM
     from dsv4_jax.model.options import ForwardOptions
-
-# ---- mesh axes -------------------------------------------------------------------------------
-DATA, TENSOR = "data", "tensor"
-MESH_AXES = (DATA, TENSOR)
-
-# ---- logical axes (the names parameters declare) ---------------------------------------------
-LAYERS = "layers"  # the repetition axis of stacked layers
-EMBED = "embed"  # hidden size
-VOCAB = "vocab"  # vocabulary rows of the embedding and the head
-NORM = "norm"  # an RMSNorm weight, whatever it normalises
-Q_LORA = "q_lora"  # the query latent
-HEADS = "heads"  # query heads (the attention sinks)
-HEAD_DIMS = "head_dims"  # query heads x head_dim, flattened (wq_b's rows, wo_a's columns)
-KV_DIM = "kv_dim"  # the single shared K=V head
-O_GROUP_RANKS = "o_group_ranks"  # o_groups x o_lora_rank, flattened (wo_a's rows, wo_b's columns)
-GROUP_HEAD_DIMS = "group_head_dims"  # one output group's heads x head_dim (wo_a's columns)
-COMPRESS = "compress"  # compressor projections and positional biases
-INDEXER = "indexer"  # lightning indexer heads and dims
-ROUTER = "router"  # gate rows (one per routed expert), its bias and the hash table
-HASH_VOCAB = "hash_vocab"  # tid2eid rows: small int32, replicated
-EXPERTS = "experts"  # routed experts
-MOE_FFN = "moe_ffn"  # a routed expert's intermediate dimension
-SHARED_FFN = "shared_ffn"  # the shared expert's intermediate dimension
-HC = "hc"  # mHC mixing parameters
 
 _REPLICATED = (LAYERS, EMBED, NORM, Q_LORA, KV_DIM, GROUP_HEAD_DIMS, COMPRESS, INDEXER, ROUTER, HASH_VOCAB, HC)
 
@@ -208,14 +189,6 @@ def check_model_splits(config: DeepseekV4Config, parallel: ParallelConfig) -> No
 def mesh_options(options: ForwardOptions, mesh: Mesh, parallel: ParallelConfig) -> ForwardOptions:
     """The forward options of a model whose weights are sharded over `mesh` as `parallel` says."""
     return dataclasses.replace(options, mesh=mesh, expert_parallel=parallel.enable_expert_parallel)
-
-
-def shard_model(model: CausalLM, mesh: Mesh, parallel: ParallelConfig) -> CausalLM:
-    """Place a loaded model's weights in their shards (in place; returns the model)."""
-    shardings = param_shardings(model.state, mesh, parallel)
-    model.state = jax.device_put(model.state, shardings)
-    model.options = mesh_options(model.options, mesh, parallel)
-    return model
 
 
 @dataclasses.dataclass(frozen=True)

@@ -108,7 +108,7 @@ class NotebookTokenizer:
         """The V4 prompt of `messages` (`LLM.chat`'s): ids (one BOS first) or, with
         `tokenize=False`, the string. `chat_template_kwargs` as in `LLM.chat` (`thinking`, ...).
         The V4 encoder always ends with the assistant's opening, as vLLM's V4 tokenizer does."""
-        from dsv4_jax.chat import build_prompt
+        from dsv4_jax.chat.request import build_prompt
 
         del add_generation_prompt  # accepted for Hugging Face's signature
         prompt = build_prompt(messages, tools=tools, chat_template_kwargs=chat_template_kwargs or None,

@@ -9,7 +9,7 @@ The key hashes everything the saved arrays depend on: the checkpoint directory's
 sizes, modification times, config.json included) and its resolved path, the compute dtype,
 `stack_layers`, the jax platform, the mesh's shape and axis names, the ParallelConfig and
 `FORMAT_VERSION`; a changed checkpoint therefore gets a new key and is never served from a stale
-entry. An entry is written into a partial directory of its writer's own (`dsv4_jax.partial_dirs`)
+entry. An entry is written into a partial directory of its writer's own (`dsv4_jax.weights.partial_dirs`)
 and renamed into place once complete, so a killed writer never leaves an entry that restores; the
 next writer of that entry removes what a killed one left.
 """
@@ -29,13 +29,13 @@ from typing import TYPE_CHECKING, Any
 import jax
 import numpy as np
 
-from dsv4_jax.builtin import cache_root
-from dsv4_jax.partial_dirs import partial_for, publish
+from dsv4_jax.weights.builtin import cache_root
+from dsv4_jax.weights.partial_dirs import partial_for, publish
 
 if TYPE_CHECKING:
     from jax.sharding import Mesh, Sharding
 
-    from dsv4_jax.sharding import ParallelConfig
+    from dsv4_jax.parallel.sharding import ParallelConfig
 
 logger = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@
 * `load_checkpoint(path, config, put)` validates the files against the layout first (every
   missing, unexpected and mis-shaped tensor in one `ValueError`), decides whether the MTP block
   can be loaded, then hands the tensors to `put(name, array)` one at a time in their device
-  representation (`dsv4_jax.weights.device_dtype`).
+  representation (`dsv4_jax.model.weight_formats.device_dtype`).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from typing import Any, Callable, Iterator, NamedTuple
 
 import numpy as np
 
-from dsv4_jax import weights as wfmt
+from dsv4_jax.model import weight_formats as wfmt
 from dsv4_jax.config import CSA, DeepseekV4Config
 
 logger = logging.getLogger(__name__)
@@ -546,7 +546,7 @@ def load_checkpoint(
     """Validate the checkpoint at `path` against `config`, then `put(name, array)` each tensor.
 
     `config` None reads `path/config.json`. Names are canonical (`checkpoint_layout`); arrays are
-    numpy in the device representation (`dsv4_jax.weights.device_dtype` of the *stored* dtype:
+    numpy in the device representation (`dsv4_jax.model.weight_formats.device_dtype` of the *stored* dtype:
     a transformers checkpoint gives float32 where DeepSeek stores bf16, a Base checkpoint float32
     scales). `mtp=False` skips the MTP block. Raises one ValueError listing every missing,
     unexpected and mis-shaped/mis-typed tensor before `put` is ever called."""

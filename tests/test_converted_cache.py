@@ -1,6 +1,6 @@
-"""The converted-weights cache (`dsv4_jax/weight_cache.py`) and `load_model(load_format=...)`:
+"""The converted-weights cache (`dsv4_jax/weights/converted_cache.py`) and `load_model(load_format=...)`:
 on one device in this process, and on a 2 x 2 mesh (tp=2 x dp=2, expert parallel) in one
-subprocess with 4 CPU devices (`tests/weight_cache_worker.py`; XLA_FLAGS must be set before jax
+subprocess with 4 CPU devices (`tests/converted_cache_worker.py`; XLA_FLAGS must be set before jax
 is imported)."""
 
 from __future__ import annotations
@@ -19,12 +19,12 @@ from flax import nnx
 
 import dsv4_jax
 from conftest import child_xla_flags  # tests/ is on sys.path
-from dsv4_jax import weight_cache
+from dsv4_jax.weights import converted_cache
 from dsv4_jax.config import DeepseekV4Config
-from dsv4_jax.loading import default_stack_layers
+from dsv4_jax.weights.loading import default_stack_layers
 from dsv4_jax.testing import write_random_checkpoint
 
-WORKER = Path(__file__).with_name("weight_cache_worker.py")
+WORKER = Path(__file__).with_name("converted_cache_worker.py")
 
 
 def flat(model) -> dict[str, jax.Array]:
@@ -46,15 +46,15 @@ def loads(checkpoint, tmp_path_factory) -> dict:
     cache = tmp_path_factory.mktemp("weights")
     out = {"cache": cache}
     handler = _Records()
-    logging.getLogger("dsv4_jax.loading").addHandler(handler)
-    logging.getLogger("dsv4_jax.loading").setLevel(logging.INFO)
+    logging.getLogger("dsv4_jax.weights.loading").addHandler(handler)
+    logging.getLogger("dsv4_jax.weights.loading").setLevel(logging.INFO)
     try:
         for load_format in ("safetensors", "auto", "orbax"):
             handler.records.clear()
             model = dsv4_jax.load_model(checkpoint, load_format=load_format, weights_cache_dir=cache)
             out[load_format] = (model, [r.getMessage() for r in handler.records])
     finally:
-        logging.getLogger("dsv4_jax.loading").removeHandler(handler)
+        logging.getLogger("dsv4_jax.weights.loading").removeHandler(handler)
     return out
 
 
@@ -85,7 +85,7 @@ def test_the_restored_state_is_bit_identical_to_the_safetensors_load(loads):
 
 def test_each_load_format_logs_the_path_it_took(loads):
     entries = [p for p in loads["cache"].iterdir()]
-    assert len(entries) == 1 and (entries[0] / weight_cache.META_FILE).is_file()
+    assert len(entries) == 1 and (entries[0] / converted_cache.META_FILE).is_file()
     (_, safetensors_log), (_, auto_log), (_, orbax_log) = (loads[f] for f in ("safetensors", "auto", "orbax"))
     assert any("--load-format safetensors" in m for m in safetensors_log), safetensors_log
     assert any(f"wrote the converted-weights cache {entries[0]}" in m for m in auto_log), auto_log
@@ -93,7 +93,7 @@ def test_each_load_format_logs_the_path_it_took(loads):
 
 
 def key_directory(checkpoint: Path, cache: Path) -> Path:
-    return weight_cache.entry_directory(weight_cache.key_fields(checkpoint, "float32", default_stack_layers(DeepseekV4Config.from_json(checkpoint)), None, None), cache)
+    return converted_cache.entry_directory(converted_cache.key_fields(checkpoint, "float32", default_stack_layers(DeepseekV4Config.from_json(checkpoint)), None, None), cache)
 
 
 @pytest.mark.parametrize("change", ["touch a shard", "resize config.json"])
@@ -148,14 +148,14 @@ def test_a_write_that_fails_midway_leaves_no_entry(tmp_path, monkeypatch):
 
     monkeypatch.setattr(Path, "rename", killed_at_our_rename)
     with pytest.raises(KeyboardInterrupt):
-        weight_cache.save(directory, arrays, fields={}, mtp_enabled=False, warnings=[])
-    assert list(tmp_path.iterdir()) == [] and weight_cache.find(directory) is None
+        converted_cache.save(directory, arrays, fields={}, mtp_enabled=False, warnings=[])
+    assert list(tmp_path.iterdir()) == [] and converted_cache.find(directory) is None
 
 
 # ---- sharded loading on a 2 x 2 mesh of 4 CPU devices (one subprocess) -----------------------
 @pytest.fixture(scope="module")
 def worker(tmp_path_factory) -> dict:
-    out = tmp_path_factory.mktemp("weight_cache_worker") / "result.json"
+    out = tmp_path_factory.mktemp("converted_cache_worker") / "result.json"
     env = dict(os.environ, XLA_FLAGS=child_xla_flags(4), JAX_PLATFORMS="cpu")
     done = subprocess.run([sys.executable, str(WORKER), str(out)], env=env, capture_output=True, text=True,
                           timeout=600, check=False)
