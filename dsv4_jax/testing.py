@@ -5,6 +5,10 @@ the model's top-k choices come to a tie.
 `topk_margins_by_kind(model, ids)` says, per position, how close the lightning indexer's top-k
 (`indexer_topk_margins`) and the MoE router's (`router_topk_margins`) came to a tie (the load
 benchmark's comparison rule excuses a difference there).
+
+`prefill_logits(model, prompts)` runs whole prompts through the serving path (`ModelRunner`: the
+paged KV cache and an attention backend), one prefill chunk each, for tests that hold it against
+the same references as the whole-sequence forward `model(ids)`.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dsv4_jax.config import CSA, SLIDING
+from dsv4_jax.config import CSA, SLIDING, DeepseekV4Config
 from dsv4_jax.model.hyper_connection import hc_post
 from dsv4_jax.model.options import ForwardOptions
 from dsv4_jax.weights.random_checkpoint import (  # noqa: F401  (the public test-data API)
@@ -27,6 +31,7 @@ from dsv4_jax.weights.random_checkpoint import (  # noqa: F401  (the public test
 )
 
 if TYPE_CHECKING:
+    from dsv4_jax.kv_cache.paged import PagedCacheLayout
     from dsv4_jax.model.block import Block
     from dsv4_jax.model.transformer import BlockStack, LayerKind, Segment
     from dsv4_jax.weights.loading import CausalLM
@@ -147,3 +152,49 @@ def _unstacked_blocks(plan: Segment, segment: Block | BlockStack) -> list[tuple[
         for repetition in range(plan.count)
         for block, kind in zip(nnx.merge(graphdef, jax.tree.map(lambda a, r=repetition: a[r], state)), plan.kinds)
     ]
+
+
+# ---- the serving path over whole prompts -----------------------------------------------------------
+def paged_layout(
+    config: DeepseekV4Config, kv_cache_dtype: str, *, slots: int, max_model_len: int, block_size: int = 128
+) -> PagedCacheLayout:
+    """A paged cache layout of `kv_cache_dtype` (as `--kv-cache-dtype` names it, resolved as for a
+    CPU, where every dtype is allowed: the pools' formats do not depend on the device) for `slots`
+    sequences of up to `max_model_len` tokens, pools sized as `PagedCacheLayout.build`'s defaults."""
+    from dsv4_jax.kv_cache.paged import PagedCacheLayout
+    from dsv4_jax.kv_cache.resolver import resolve_kv_cache
+
+    spec = resolve_kv_cache(kv_cache_dtype, device_kind="cpu", config=config)
+    return PagedCacheLayout.build(config, spec, max_model_len=max_model_len, num_seq_slots=slots,
+                                  block_size=block_size)
+
+
+def prefill_logits(
+    model: CausalLM,
+    prompts: Sequence[Sequence[int]],
+    *,
+    kv_cache_dtype: str = "float32",
+    attention_backend: str = "xla",
+    block_size: int = 128,
+) -> list[np.ndarray]:  # one [len(prompt), vocab] float32 per prompt
+    """The serving path's logits at every position of each prompt: a `ModelRunner` over a fresh
+    paged cache (`paged_layout`), every prompt prefilled as ONE chunk from position 0, all of
+    them rows of one step (bucket (len(prompts), longest prompt)), each row in its own slot and
+    blocks; every position's logits from `ModelRunner.all_logits`. Compiles that step and the
+    head once (the runner is new: nothing is reused from another call)."""
+    from dsv4_jax.engine.runner import ModelRunner, StepBuckets, StepRow
+
+    lengths = [len(p) for p in prompts]
+    if not lengths or min(lengths) == 0:
+        raise ValueError(f"prefill_logits needs at least one prompt and no empty one, got lengths {lengths}")
+    longest = max(lengths)
+    layout = paged_layout(model.config, kv_cache_dtype, slots=len(prompts), max_model_len=longest,
+                          block_size=block_size)
+    # A prefill bucket has at least 2 tokens a row; one bucket, so a step compiles exactly once.
+    buckets = StepBuckets(prefill=((len(prompts), max(longest, 2)),), decode=(1,))
+    runner = ModelRunner(model, layout, attention_backend=attention_backend, buckets=buckets)
+    per_seq = layout.max_blocks_per_seq
+    rows = [StepRow(i, 0, [int(t) for t in prompt], list(range(i * per_seq, (i + 1) * per_seq)))
+            for i, prompt in enumerate(prompts)]
+    every = np.asarray(runner.all_logits(runner.step(rows)))  # [rows, S, vocab]
+    return [every[i, :n] for i, n in enumerate(lengths)]

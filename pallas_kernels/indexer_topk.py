@@ -205,6 +205,12 @@ def _key_planes(key_pool) -> tuple[tuple[jax.Array, ...], str, int]:
     return flat, fmt, units
 
 
+def index_head_dim_fits(d: int) -> bool:
+    """Whether the kernel can take indexer keys of `d` dims: one [block_k, d] tile per gather and
+    a dot d deep, so a power of two (Triton tensor sizes) of at least 16 (dot depth)."""
+    return d >= 16 and d & (d - 1) == 0
+
+
 def _list_length(topk: int) -> int:
     return max(1 << (topk - 1).bit_length(), 1)
 
@@ -251,7 +257,7 @@ def indexer_topk(
     flat, fmt, units = _key_planes(key_pool)
     fp8 = kernel_format(fmt, "indexer_topk") == "fp8"
     batch, seq, heads, d = q.shape
-    if d % 16 or d & (d - 1):
+    if not index_head_dim_fits(d):
         raise ValueError(f"index_head_dim ({d}) must be a power of two >= 16")
     n_top = _list_length(topk)
     block_k = min(cfg.block_k, n_top)

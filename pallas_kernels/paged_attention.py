@@ -26,13 +26,16 @@ FLOAT32 = "float32"  # the pool format of exact float32 rows (KV or indexer keys
 _HIGHEST = lax.Precision.HIGHEST
 
 
+CHUNK_WIDTHS = (DIM_CHUNK, 32, 16)  # widest first; the narrowest is the smallest width a plane may have a multiple of
+
+
 def chunk_width(width: int) -> int:
     """Width of the column chunks of a plane: 64, or 32 / 16 for planes that are not a multiple
     of 64 wide (small test models); Triton blocks must be powers of two and dots >= 16 deep."""
-    for w in (DIM_CHUNK, 32, 16):
+    for w in CHUNK_WIDTHS:
         if width % w == 0:
             return w
-    raise ValueError(f"plane width {width} is not a multiple of 16")
+    raise ValueError(f"plane width {width} is not a multiple of {CHUNK_WIDTHS[-1]}")
 
 
 def dim_chunks(planes) -> tuple[tuple[int, int, int], ...]:
@@ -214,12 +217,14 @@ def entry_rows(bt_ref, b, j, valid, units: int, row0):
 
 # ---- wrapper helpers --------------------------------------------------------------------------
 def check_shapes(q, window_pool, compressed_pool, topk_indices, ratio):
+    """The pools' format, after checking that q and the pools agree. Any width passes: the
+    references (the xla backend) read every shape the model has; the kernels' tiling limits are
+    checked by their wrappers (`dim_chunks`, `pad_heads`) and, ahead of time, by `limits`."""
     fmt = pool_format(window_pool)
     head_dim = q.shape[-1]
     _, _, pool_dim = pool_dims(window_pool)
     if pool_dim != head_dim:
         raise ValueError(f"q head_dim {head_dim} != window pool head_dim {pool_dim}")
-    dim_chunks(window_pool)  # raises for widths the kernels cannot split
     if compressed_pool is not None:
         if pool_format(compressed_pool) != fmt:
             raise ValueError("window and compressed pools must share one format")
@@ -249,6 +254,13 @@ def padded_heads(heads: int, block_h: int) -> int:
     return max(MIN_DOT_ROWS, 1 << (heads - 1).bit_length())
 
 
+def head_block_fits(heads: int, block_h: int) -> bool:
+    """Whether `heads` query heads split into whole head blocks of `block_h` (a power of two):
+    fewer heads than a block are padded with silent heads (`padded_heads`, a power of two that
+    `block_h` divides or that is itself the block); more must be a multiple of the block."""
+    return heads < block_h or heads % block_h == 0
+
+
 def pad_heads(
     q: jax.Array,  # [..., H, D] with the heads on `head_axis`
     sinks: jax.Array,  # [H]
@@ -264,9 +276,9 @@ def pad_heads(
         widths = [(0, 0)] * q.ndim
         widths[head_axis] = (0, extra)
         q, sinks = jnp.pad(q, widths), jnp.pad(sinks, (0, extra))
+    if not head_block_fits(heads, block_h):
+        raise ValueError(f"heads ({heads}) must be a multiple of block_h ({block_h})")
     block_h = min(block_h, heads + extra)
-    if (heads + extra) % block_h:
-        raise ValueError(f"heads ({heads + extra}) must be a multiple of block_h ({block_h})")
     return q, sinks, block_h
 
 

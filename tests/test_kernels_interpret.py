@@ -324,7 +324,7 @@ PREFILL_CASES = [  # (format, mode, seq, use chunk rows (window_kv), seed)
     ("fp8_ds_mla", "hca", 12, False, 21),
     ("fp8_ds_mla", "csa", 12, False, 22),
     ("bf16", "window", 48, True, 23),
-    # window_kv on every mode: dsv4_jax/model/paged_core.py prefills each layer this way
+    # window_kv on every mode: Attention.step prefills a chunk on each layer this way
     ("fp8_ds_mla", "window", 20, True, 24),
     ("fp8_ds_mla", "hca", 12, True, 25),
     ("fp8_ds_mla", "csa", 6, True, 26),

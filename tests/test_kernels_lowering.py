@@ -27,7 +27,7 @@ def test_every_kernel_lowers_for_every_device_kind():
 
 
 def test_prefill_variants_include_window_kv_for_every_mode():
-    """The model's paged attention core (dsv4_jax/model/paged_core.py) passes `window_kv` on every
+    """The serving path (`Attention.step`) passes a prefill chunk's own rows as `window_kv` on every
     layer, so the check lowers prefill with it for window, HCA and CSA, both formats, every kind."""
     want = {f"{fmt}/{mode}{tail}" for fmt in ("fp8_ds_mla", "bf16") for mode in ("window", "csa", "hca")
             for tail in ("", "+window_kv")}

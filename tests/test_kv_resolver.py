@@ -395,3 +395,84 @@ def test_import_touches_no_device():
         "import sys; bad = {'torch', 'flax'} & set(sys.modules); assert not bad, bad\n"
     )
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=60)
+
+
+# ---- model shapes the Pallas kernels cannot tile (issue 41) ---------------------------------------
+# head_dim 40 = 28 NoPE + 12 RoPE: no fp8_ds_mla layout (whole 64-dim NoPE blocks) and no dim chunks
+# of either kernel format; 48 = 32 + 16 fits pallas_bf16 only; 72 = 64 + 8 has the fp8_ds_mla layout
+# but neither kernel format's chunks; 24 heads do not split into 16-head blocks.
+TINY = get_config("dsv4-tiny-test")
+HEAD_DIM_40 = TINY.replace(head_dim=40, qk_rope_head_dim=12)
+HEAD_DIM_48 = TINY.replace(head_dim=48, qk_rope_head_dim=16)
+HEAD_DIM_72 = TINY.replace(head_dim=72, qk_rope_head_dim=8)
+HEADS_24 = TINY.replace(num_attention_heads=24, o_groups=2)
+
+
+def _resolve_logged(caplog, *args, **kwargs):
+    """The spec and the resolver's (level, message) records."""
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        spec = resolve_kv_cache(*args, **kwargs)
+    return spec, [(r.levelno, r.getMessage()) for r in caplog.records if r.name == LOGGER]
+
+
+@pytest.mark.parametrize("kind,cc", [("NVIDIA H200", "9.0"), ("NVIDIA RTX PRO 6000 Blackwell Workstation Edition", "12.0"),
+                                     ("NVIDIA A100-SXM4-80GB", "8.0")])
+@pytest.mark.parametrize("config,field", [(HEAD_DIM_40, "`head_dim`"), (HEADS_24, "`num_attention_heads`")])
+def test_auto_falls_back_to_xla_with_one_info_line_saying_why(caplog, kind, cc, config, field):
+    spec, records = _resolve_logged(caplog, "auto", kind, cc, config=config)
+    assert (spec.kv_cache_dtype, spec.attention_backend, spec.warnings) == ("bfloat16", "xla", ())
+    assert records == [(logging.INFO, spec.summary())]  # the one line, ending with why
+    assert field in spec.reason and "falls back to the xla backend" in spec.reason
+    assert resolve_kv_cache("bf16", kind, cc, config=config).attention_backend == "xla"  # the device's choice too
+
+
+def test_auto_on_an_fp8_gpu_takes_pallas_bf16_where_only_its_kernels_fit(caplog):
+    spec, records = _resolve_logged(caplog, "auto", "NVIDIA H200", config=HEAD_DIM_48)
+    assert (spec.kv_cache_dtype, spec.attention_backend, spec.indexer_dtype) == ("bfloat16", "pallas_bf16", "fp8")
+    assert records == [(logging.INFO, spec.summary())]
+    assert "32 NoPE dims must be a multiple of 64" in spec.reason and "pallas_fp8_ds_mla" in spec.reason
+    assert spec.bytes_per_token == 2 * 48
+
+
+@pytest.mark.parametrize("backend", ["pallas_fp8_ds_mla", "pallas_bf16"])
+@pytest.mark.parametrize("kind,cc", [("NVIDIA H200", "9.0"), ("cpu", None)])
+def test_an_explicit_pallas_backend_names_the_config_field_and_the_constraint(backend, kind, cc):
+    with pytest.raises(ValueError) as err:
+        resolve_kv_cache("auto", kind, cc, backend, config=HEAD_DIM_72)
+    message = str(err.value)
+    field = "`qk_rope_head_dim` = 8 must be a multiple of 16" if backend == "pallas_fp8_ds_mla" else (
+        "`head_dim` = 72 must be a multiple of 16")
+    for part in (f"--attention-backend {backend} cannot run this model", field, "Pass --attention-backend xla"):
+        assert part in message, message
+    with pytest.raises(ValueError, match="`num_attention_heads` = 24 must be a multiple of 16"):
+        resolve_kv_cache("auto", kind, cc, backend, config=HEADS_24)
+
+
+@pytest.mark.parametrize("request_", ["fp8", "fp8_e4m3", "fp8_ds_mla"])
+@pytest.mark.parametrize("backend", [None, "xla", "pallas_fp8_ds_mla"])
+def test_fp8_for_nope_dims_not_in_64_dim_blocks_says_what_to_pass(request_, backend):
+    """Spec 8.2 quantises the NoPE dims in whole 64-dim blocks (the official QAT asserts it, and
+    the model's KV rounding rounds exactly those): fp8_ds_mla is undefined for 28 NoPE dims."""
+    with pytest.raises(ValueError) as err:
+        resolve_kv_cache(request_, "cpu", None, backend, config=HEAD_DIM_40)
+    message = str(err.value)
+    for part in (f"--kv-cache-dtype {request_}", "blocks of 64", "40 - 12 = 28", "pass --kv-cache-dtype bfloat16"):
+        assert part in message, message
+
+
+def test_every_request_on_xla_serves_a_shape_no_kernel_tiles():
+    for request_, dtype in (("auto", "bfloat16"), ("bf16", "bfloat16"), ("float32", "float32")):
+        for config in (HEAD_DIM_40, HEAD_DIM_72, HEADS_24):
+            spec = resolve_kv_cache(request_, "cpu", None, config=config)
+            assert (spec.kv_cache_dtype, spec.attention_backend) == (dtype, "xla")
+    # 64 NoPE dims: fp8_ds_mla is defined, emulated on xla; on an fp8 GPU its kernels' 16-dim RoPE
+    # chunks do not fit 8 dims, so the device's pallas_fp8_ds_mla falls back to xla, fp8 kept.
+    assert resolve_kv_cache("fp8", "cpu", None, config=HEAD_DIM_72).emulated
+    gpu = resolve_kv_cache("fp8", "NVIDIA H200", config=HEAD_DIM_72)
+    assert (gpu.kv_cache_dtype, gpu.attention_backend) == ("fp8_ds_mla", "xla")
+    assert "`qk_rope_head_dim` = 8" in gpu.reason
+    cpu = resolve_for_device("auto", jax.devices("cpu")[0], config=HEAD_DIM_40)
+    assert (cpu.kv_cache_dtype, cpu.attention_backend) == ("bfloat16", "xla")
+    with pytest.raises(ValueError, match="`head_dim` = 40"):
+        resolve_for_device("auto", jax.devices("cpu")[0], "pallas_bf16", config=HEAD_DIM_40)

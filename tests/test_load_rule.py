@@ -4,9 +4,9 @@
 The margins are checked on a three-layer CSA model, a hash-routed layer then two top-k-routed
 layers stacked (one `nnx.scan`): the scores they come from must rank the entries and the experts
 exactly as the dense forward of the same weights, unrolled, picks them (recorded from inside that
-forward: the attention core's entries, `select_experts`' inputs and experts), and the margins must
-equal a position-by-position count (from the indexer scores; from the gate's own recorded score +
-bias). The rule is checked on hand-made outputs (near-ties of each kind excused, a real difference
+forward: the entries its dense attention receives, `select_experts`' inputs and experts), and the
+margins must equal a position-by-position count (from the indexer scores; from the gate's own
+recorded score + bias). The rule is checked on hand-made outputs (near-ties of each kind excused, a real difference
 reported) and end to end on the model's own margins.
 """
 
@@ -22,8 +22,7 @@ from flax import nnx
 
 import dsv4_jax
 from dsv4_jax.engine.outputs import CompletionOutput, Logprob
-from dsv4_jax.model import moe
-from dsv4_jax.model.attention_core import dense_attention
+from dsv4_jax.model import attention, moe
 from dsv4_jax.presets import get_config
 from dsv4_jax.testing import (
     INDEXER,
@@ -67,16 +66,16 @@ def token_ids() -> np.ndarray:
 @pytest.fixture(scope="module")
 def dense_forward_picks(checkpoint, token_ids) -> dict[str, list]:
     """What the dense forward of the unrolled model picks over `token_ids`: "entries", [seq, topk]
-    per CSA layer (-1 = none), as its attention core receives them; "experts", (score + bias
+    per CSA layer (-1 = none), as its dense attention receives them; "experts", (score + bias
     [seq, experts], experts [seq, k]) per top-k-routed layer, as `select_experts` ranks and returns
     them. A jitted forward returns what it recorded."""
     model = dsv4_jax.load_model(checkpoint, stack_layers=False)
-    entries, experts, select = [], [], moe.select_experts
+    entries, experts, select, attend = [], [], moe.select_experts, attention.dense_attention
 
-    def recording_core(q, window_kv, compressed_kv, compressed_idx, sinks, **kwargs):
+    def recording_attention(q, window_kv, compressed_kv, compressed_idx, sinks, **kwargs):
         if compressed_idx is not None:
             entries.append(compressed_idx[0])
-        return dense_attention(q, window_kv, compressed_kv, compressed_idx, sinks, **kwargs)
+        return attend(q, window_kv, compressed_kv, compressed_idx, sinks, **kwargs)
 
     def recording_select(scores, bias, top_k):
         picked = select(scores, bias, top_k)
@@ -84,10 +83,11 @@ def dense_forward_picks(checkpoint, token_ids) -> dict[str, list]:
         return picked
 
     def forward(state, ids):
-        nnx.merge(model.graphdef, state).hidden_streams(ids, model.options, recording_core)
+        nnx.merge(model.graphdef, state).hidden_streams(ids, model.options)
         return list(entries), list(experts)
 
     with pytest.MonkeyPatch.context() as patch:  # only while the forward is traced
+        patch.setattr(attention, "dense_attention", recording_attention)  # where Attention looks it up
         patch.setattr(moe, "select_experts", recording_select)
         recorded = jax.jit(forward)(model.state, jnp.asarray(token_ids[None], jnp.int32))
     return jax.tree.map(np.asarray, {"entries": recorded[0], "experts": recorded[1]})

@@ -1,5 +1,10 @@
 """Parity of the Flax model with transformers 5.23 `DeepseekV4ForCausalLM` (golden fixtures
-written by tools/make_golden.py), and mutation tests showing the comparison has teeth."""
+written by tools/make_golden.py), and mutation tests showing the comparison has teeth.
+
+Both forward paths are held against the goldens: the whole-sequence forward `model(ids)` (the
+model's own reference, dense attention; the mutation tests patch its functions) and the serving
+path (`DeepseekV4.step` through a `ModelRunner` on the xla backend: each prompt one prefill chunk
+over a fresh float32 paged cache, KV written to and read from the pools as the engine does)."""
 
 from __future__ import annotations
 
@@ -11,10 +16,14 @@ import pytest
 
 import dsv4_jax
 from dsv4_jax.model import attention, attention_core, block, compressor, indexer, moe, rope
+from dsv4_jax.testing import prefill_logits
 
 # float32 forward vs float32 reference. transformers' float32 logits differ from its own float64
 # run by up to 5.9e-6 (manifest cross_checks); ours carry a float32 error of the same size from a
 # different op order, so the two can differ by about twice that: 2e-5 (measured: up to 7.0e-6).
+# The serving path over a float32 cache rounds nothing either (float32 pools, fp32 references at
+# HIGHEST precision): only its op order differs again, so the same bound holds for it (measured:
+# up to 1.1e-5, hc4_flash_like's two cases as one 4-row step; its long prompt alone 8.8e-6).
 TOLERANCE = 2e-5
 # What each deliberate bug must move the logits by at least (O(1) logits; 500x TOLERANCE).
 MUTATION_FLOOR = 1e-2
@@ -38,6 +47,22 @@ def _model(golden_dir, name):
 def _case(golden_dir, name, suffix):
     d = golden_dir / name
     return np.load(d / f"input_ids{suffix}.npy"), np.load(d / f"logits{suffix}.npy")
+
+
+_served: dict[str, dict[str, np.ndarray]] = {}
+
+
+def _served_logits(golden_dir, name, suffix) -> np.ndarray:  # [batch, seq, vocab] float32
+    """The serving path's logits of a golden case: every case of config `name` prefilled in one
+    step (one bucket per config, so one step compile), each prompt row one chunk from position 0
+    in its own slot and blocks of a fresh float32 cache."""
+    if name not in _served:
+        cases = {s: _case(golden_dir, name, s)[0] for n, s in CASES if n == name}
+        rows = prefill_logits(_model(golden_dir, name), [row for ids in cases.values() for row in ids])
+        _served[name], at = {}, 0
+        for s, ids in cases.items():
+            _served[name][s], at = np.stack(rows[at : at + len(ids)]), at + len(ids)
+    return _served[name][suffix]
 
 
 def test_fixtures_cover_the_required_features(golden_dir):
@@ -66,6 +91,19 @@ def test_logits_match_transformers(golden_dir, name, suffix):
     logits = np.asarray(model(ids))
     assert logits.dtype == np.float32 and logits.shape == expected.shape
     assert np.max(np.abs(logits - expected)) <= TOLERANCE
+
+
+@pytest.mark.parametrize("name,suffix", CASES, ids=[n + s for n, s in CASES])
+def test_serving_path_logits_match_transformers(golden_dir, name, suffix):
+    """The golden prompt as ONE prefill chunk through `DeepseekV4.step` (the engine's path: K=V
+    and compressed entries written to the paged pools, attention and the indexer's top-k by the
+    xla backend over them) gives transformers' logits at every position."""
+    _, expected = _case(golden_dir, name, suffix)
+    logits = _served_logits(golden_dir, name, suffix)
+    assert logits.dtype == np.float32 and logits.shape == expected.shape
+    moved = float(np.max(np.abs(logits - expected)))
+    print(f"serving path on {name}{suffix}: max |logits - golden| = {moved:.3g}")
+    assert moved <= TOLERANCE
 
 
 # Each deliberate bug is a replacement of a function the model calls, patched where the model

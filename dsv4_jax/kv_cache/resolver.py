@@ -8,7 +8,9 @@ cannot serve are `ValueError`s that name the flag to change (`--kv-cache-dtype`,
 `--attention-backend`) and the way out. Nothing here touches a device unless
 `compute_capability` is None (or left at its default) and the device kind is missing from our own
 table. Each resolution logs `KVCacheSpec.summary()` (ending with the reason) once at INFO, and on
-fp8_ds_mla also the exact line `FP8_DS_MLA_LOG` as a record of its own.
+fp8_ds_mla also the exact line `FP8_DS_MLA_LOG` as a record of its own. The choice is then held
+against the model's shapes (`_fit_model`): the fp8_ds_mla layout needs whole 64-dim NoPE blocks,
+and the Pallas kernels' tiling limits come from `pallas_kernels.limits`, the one check of them.
 """
 
 from __future__ import annotations
@@ -18,11 +20,12 @@ import logging
 import re
 from typing import TYPE_CHECKING, Any
 
-from dsv4_jax.config import DeepseekV4Config
+from dsv4_jax.config import CSA, DeepseekV4Config
 from dsv4_jax.presets import get_config
-from pallas_kernels import devices
+from pallas_kernels import devices, limits
 from pallas_kernels.backend import PALLAS_BF16, PALLAS_FP8_DS_MLA, XLA  # the kernel registry's names
 from pallas_kernels.formats import (
+    FP8_DS_MLA_QUANT_BLOCK,
     bf16_bytes_per_token,
     float32_bytes_per_token,
     fp8_ds_mla_bytes_per_token,
@@ -419,6 +422,82 @@ def _policy(
     )
 
 
+# ---- the model's shapes -------------------------------------------------------------------------
+def fp8_ds_mla_layout_problem(config: DeepseekV4Config) -> str | None:
+    """Why the fp8_ds_mla layout is undefined for this model, or None. Spec 3.8 / 8.2 quantise the
+    NoPE dims in whole blocks of 64, one UE8M0 scale each (the official `act_quant` asserts it),
+    and the model's KV rounding (dsv4_jax/model/kv_rounding.py) rounds exactly those blocks; a
+    partial block has no reference to match, so no backend stores one."""
+    nope = config.nope_head_dim
+    if nope % FP8_DS_MLA_QUANT_BLOCK == 0:
+        return None
+    return (
+        f"the fp8_ds_mla layout stores the NoPE dims in blocks of {FP8_DS_MLA_QUANT_BLOCK} with one UE8M0 scale "
+        f"each (spec 8.2), but this model has `head_dim` - `qk_rope_head_dim` = {config.head_dim} - "
+        f"{config.qk_rope_head_dim} = {nope}"
+    )
+
+
+def kernel_shape_problems(config: DeepseekV4Config, backend: str, device_kind: str) -> tuple[str, ...]:
+    """Why `backend`'s Pallas kernels cannot tile this model on `device_kind` (`pallas_kernels.limits`);
+    () for the xla backend, which runs every shape the model accepts."""
+    if backend == XLA:
+        return ()
+    has_indexer = CSA in config.layer_types
+    shapes = limits.ModelShapes(
+        num_attention_heads=config.num_attention_heads,
+        head_dim=config.head_dim,
+        qk_rope_head_dim=config.qk_rope_head_dim,
+        index_n_heads=config.index_n_heads if has_indexer else None,
+        index_head_dim=config.index_head_dim if has_indexer else None,
+    )
+    return limits.shape_problems(shapes, "fp8_ds_mla" if backend == PALLAS_FP8_DS_MLA else "bf16", device_kind)
+
+
+def _fit_model(
+    config: DeepseekV4Config, chosen: tuple[str, str, str, tuple[str, ...]], request: str,
+    explicit_backend: str | None, device_kind: str, where: str,
+) -> tuple[str, str, str, tuple[str, ...]]:
+    """The device's (kv dtype, backend, reason, warnings) checked against the model's shapes.
+
+    An explicit fp8 request for a model without whole 64-dim NoPE blocks, and an explicit Pallas
+    backend whose kernels cannot tile the model, are ValueErrors naming the flag, the config
+    field and the way out. A backend the device chose falls back: `auto` on fp8 GPUs to
+    pallas_bf16 where those kernels fit, otherwise to the xla backend with the KV dtype asked for
+    (`auto`: bfloat16); the reason says why, in the one INFO line the resolution logs."""
+    dtype, backend, _, _ = chosen
+    layout = fp8_ds_mla_layout_problem(config) if dtype == FP8_DS_MLA else None
+    if layout and request in FP8_REQUESTS:
+        raise ValueError(
+            f"--kv-cache-dtype {request}: {layout}; pass --kv-cache-dtype bfloat16 (or auto, or float32 for the "
+            "exact reference cache)"
+        )
+    # The fp8 kernels' own rules include the layout's (whole 64-dim NoPE blocks).
+    problems = kernel_shape_problems(config, backend, device_kind)
+    if not problems:
+        return chosen
+    if explicit_backend is not None:
+        raise ValueError(
+            f"--attention-backend {explicit_backend} cannot run this model: {'; '.join(problems)}. Pass "
+            "--attention-backend xla (the reference path runs every shape the model accepts), or leave it unset"
+        )
+    refused = {backend: problems}
+    if backend == PALLAS_FP8_DS_MLA and request == AUTO:
+        bf16_problems = kernel_shape_problems(config, PALLAS_BF16, device_kind)
+        if not bf16_problems:
+            return BFLOAT16, PALLAS_BF16, (
+                f"the pallas_fp8_ds_mla kernels cannot run this model on {where} ({'; '.join(problems)}), so the KV "
+                "cache is bfloat16 on pallas_bf16"
+            ), ()
+        refused[PALLAS_BF16] = bf16_problems
+    dtype = dtype if request in FP8_REQUESTS else BFLOAT16
+    why = "; ".join(f"{name}: {'; '.join(p)}" for name, p in refused.items())
+    return dtype, XLA, (
+        f"the Pallas kernels cannot run this model on {where} ({why}), so attention falls back to the xla backend "
+        f"with a {dtype} KV cache"
+    ), ()
+
+
 def resolve_kv_cache(
     requested: str | None,
     device_kind: str = "NVIDIA H200",
@@ -475,9 +554,10 @@ def _resolve(
     device_class, cc = classify_device(device_kind, compute_capability, trust_capability=trust_capability)
     kind = device_kind.strip()
     where = f"{kind} (compute capability {cc})" if cc else kind
-    dtype, backend, reason, warnings = _policy(device_class, request, backend, where)
-
+    explicit_backend = backend
+    chosen = _policy(device_class, request, backend, where)
     cfg = get_config("dsv4-flash" if config is None else config)
+    dtype, backend, reason, warnings = _fit_model(cfg, chosen, request, explicit_backend, kind, where)
     if dtype == FLOAT32:
         indexer_dtype = FLOAT32  # the exact reference rounds nothing, indexer keys included
     else:

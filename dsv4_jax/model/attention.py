@@ -15,7 +15,7 @@ from dsv4_jax.config import CSA, SLIDING, DeepseekV4Config
 from dsv4_jax.model import kv_rounding
 from dsv4_jax.kv_cache.paged import PagedKVCache
 from dsv4_jax.kv_cache.resolver import FP8_DS_MLA
-from dsv4_jax.model.attention_core import AttentionCore, dense_attention
+from dsv4_jax.model.attention_core import dense_attention
 from dsv4_jax.model.cache_step import (
     CacheStep,
     LayerPlace,
@@ -86,15 +86,16 @@ class Attention(nnx.Module):
         z = jnp.einsum("bsgi,gri->bsgr", grouped, wo_a).reshape(batch, seq, -1)
         return self.wo_b(z)
 
-    # ---- whole sequence ------------------------------------------------------------------------
+    # ---- whole sequence: the reference ----------------------------------------------------------
     def __call__(
         self,
         x: jax.Array,  # [batch, seq, hidden] attn_norm output
         cos: jax.Array,  # [seq, rope/2] this layer's table at positions 0..seq-1
         sin: jax.Array,
         options: ForwardOptions,
-        core: AttentionCore = dense_attention,
     ) -> jax.Array:  # [batch, seq, hidden]
+        """The layer over a whole sequence at positions 0..seq-1, with no cache: always the dense
+        reference attention (`dense_attention`), the numerics `step` must reproduce."""
         q_latent, q, kv = self.queries_and_kv(x, cos, sin)
         if options.kv_cache_rounding:
             kv = kv_rounding.kv_cache_round_trip(kv, self.rope_dim)
@@ -104,11 +105,9 @@ class Attention(nnx.Module):
             if options.kv_cache_rounding:
                 compressed = kv_rounding.kv_cache_round_trip(compressed, self.rope_dim)
         if self.layer_type == CSA:
-            # A core that reads a KV cache picks entries as the cache does (its `select_entries`).
-            select = getattr(core, "select_entries", None)
-            compressed_idx = self.indexer(x, q_latent, cos, sin, round_keys=options.kv_cache_rounding, select=select)
+            compressed_idx = self.indexer(x, q_latent, cos, sin, round_keys=options.kv_cache_rounding)
         sinks = self.attn_sink[...].astype(jnp.float32)
-        out = core(q, kv, compressed, compressed_idx, sinks, window=self.window, ratio=max(self.ratio, 1))
+        out = dense_attention(q, kv, compressed, compressed_idx, sinks, window=self.window, ratio=max(self.ratio, 1))
         return self.output(out, cos, sin, x.dtype)
 
     # ---- one step over the paged cache -----------------------------------------------------------

@@ -1,45 +1,32 @@
-"""The attention core shared by every V4 layer type (spec 3.4), behind one small interface.
+"""The attention every V4 layer type shares (spec 3.4), as the dense reference that defines its
+numerics.
 
 Every query head attends to the same keys (MQA: one K=V vector per token): the raw
 sliding-window rows, plus compressed rows (all visible ones on HCA layers, the indexer's
-top-k on CSA layers), plus a per-head sink logit that has no value. The engine's paged path
-and the Pallas kernels implement the same function over a paged cache; this dense version
-is the full-sequence reference that defines the numerics.
+top-k on CSA layers), plus a per-head sink logit that has no value. `dense_attention` is what
+the whole-sequence forward (`DeepseekV4.__call__`, the model's own reference: parity goldens and
+mutation tests) always runs. The serving path (`DeepseekV4.step`) computes the same function over
+the paged KV cache through `pallas_kernels.backend.AttentionBackend` (the `xla` references and
+the Pallas kernels), whose references are checked against this one
+(tests/test_kernels_interpret.py).
 """
 
 from __future__ import annotations
-
-from typing import Protocol
 
 import jax
 import jax.numpy as jnp
 
 
-class AttentionCore(Protocol):
-    def __call__(
-        self,
-        q: jax.Array,  # [batch, seq, heads, head_dim], RoPE applied
-        window_kv: jax.Array,  # [batch, seq, head_dim], K = V of every token
-        compressed_kv: jax.Array | None,  # [batch, entries, head_dim]
-        compressed_idx: jax.Array | None,  # [batch, seq, topk] int32, -1 = skip (CSA)
-        sinks: jax.Array,  # [heads] float32
-        *,
-        window: int,
-        ratio: int,
-    ) -> jax.Array:  # [batch, seq, heads, head_dim] float32
-        ...
-
-
 def dense_attention(
-    q: jax.Array,
-    window_kv: jax.Array,
-    compressed_kv: jax.Array | None,
-    compressed_idx: jax.Array | None,
-    sinks: jax.Array,
+    q: jax.Array,  # [batch, seq, heads, head_dim], RoPE applied
+    window_kv: jax.Array,  # [batch, seq, head_dim], K = V of every token
+    compressed_kv: jax.Array | None,  # [batch, entries, head_dim]
+    compressed_idx: jax.Array | None,  # [batch, seq, topk] int32, -1 = skip (CSA); None: HCA
+    sinks: jax.Array,  # [heads] float32
     *,
     window: int,
     ratio: int,
-) -> jax.Array:
+) -> jax.Array:  # [batch, seq, heads, head_dim] float32
     """Reference attention for a full sequence at positions 0..seq-1.
 
     Window keys: u in [t - window + 1, t]. Compressed keys: entry j is visible from token t

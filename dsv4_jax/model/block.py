@@ -9,7 +9,6 @@ from flax import nnx
 from dsv4_jax.config import DeepseekV4Config
 from dsv4_jax.model.attention import Attention
 from dsv4_jax.kv_cache.paged import PagedKVCache
-from dsv4_jax.model.attention_core import AttentionCore, dense_attention
 from dsv4_jax.model.cache_step import CacheStep, LayerPlace, StepSequences
 from dsv4_jax.model.hyper_connection import hc_post, hc_pre
 from dsv4_jax.model.layers import RMSNorm
@@ -52,10 +51,10 @@ class Block(nnx.Module):
         cos: jax.Array,  # [seq, rope/2]
         sin: jax.Array,
         options: ForwardOptions,
-        core: AttentionCore = dense_attention,
-    ) -> jax.Array:
+    ) -> jax.Array:  # [batch, seq, hc_mult, hidden]
+        """The block over a whole sequence (the reference forward; `step` is the serving path)."""
         x, post, comb = self._hc_pre(streams, "attn")
-        out = self.attn(self.attn_norm(x), cos, sin, options, core)
+        out = self.attn(self.attn_norm(x), cos, sin, options)
         return self._ffn(hc_post(out, streams, post, comb), token_ids, options)
 
     def step(

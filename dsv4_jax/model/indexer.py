@@ -3,8 +3,6 @@ and keeps the top-k visible ones for the attention to read."""
 
 from __future__ import annotations
 
-from typing import Callable
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -50,15 +48,9 @@ class Indexer(nnx.Module):
         sin: jax.Array,
         *,
         round_keys: bool = False,
-        select: Callable[..., jax.Array] | None = None,
     ) -> jax.Array:  # [batch, seq, k] int32, -1 = nothing to read (k = min(topk, entries) here)
-        """Top-k entries per query of a whole sequence. `select(q, weights, keys, topk=, ratio=)`
-        replaces the dense selection when attention reads a KV cache: it stores the keys as the
-        cache does (rounding them itself) and picks with the cache's indexer kernel."""
-        if select is not None:
-            keys = self.compressor(x, cos, sin)  # [batch, n, index_head_dim]
-            q, weights = self.queries(q_latent, cos, sin), self.head_weights(x)
-            return select(q, weights, keys, topk=self.topk, ratio=self.ratio)
+        """Top-k entries per query of a whole sequence (the reference selection; cached steps pick
+        with the backend's `indexer_topk` over the cached keys instead)."""
         return select_visible_topk(self.scores(x, q_latent, cos, sin, round_keys=round_keys), self.ratio, self.topk)
 
     def scores(

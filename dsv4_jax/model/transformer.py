@@ -3,6 +3,15 @@ final norm and head (spec 2), plus the MTP block (spec 6).
 
 Layers whose kinds repeat (DeepSeek-V4-Flash: 20 (HCA, CSA) pairs) are stacked and run under
 `nnx.scan`, so compile time does not grow with depth.
+
+Two forward paths over the same modules and weights, with two roles:
+* `__call__` / `hidden_streams` / `mtp_logits`: the whole sequence at positions 0..seq-1 with no
+  cache and the dense reference attention (`attention_core.dense_attention`). It is the model's
+  own reference: the parity goldens hold it against transformers and the mutation tests patch its
+  functions, so it must not depend on the serving path.
+* `step`: the one serving path (the engine's `ModelRunner`), chunks of rows over the paged KV
+  cache with attention, KV writes and the indexer's top-k through the runner's
+  `pallas_kernels.backend.AttentionBackend`.
 """
 
 from __future__ import annotations
@@ -17,7 +26,6 @@ from flax import nnx
 
 from dsv4_jax.config import SLIDING, DeepseekV4Config
 from dsv4_jax.kv_cache.paged import PagedKVCache
-from dsv4_jax.model.attention_core import AttentionCore, dense_attention
 from dsv4_jax.model.cache_step import CacheStep, StepSequences
 from dsv4_jax.model.block import Block
 from dsv4_jax.model.hyper_connection import hc_head
@@ -93,14 +101,14 @@ class BlockStack(nnx.Module):
             if axes is not None:  # undeclared axes stay None, for `sharding.partition_spec` to report
                 variable.set_metadata(axes=(LAYERS, *axes))
 
-    def __call__(self, streams, token_ids, tables, options, core):
+    def __call__(self, streams, token_ids, tables, options):
         kinds = self.segment.kinds
 
         @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
         def run(x, unit):
             for block, kind in zip(unit, kinds):
                 cos, sin = tables[kind.layer_type != SLIDING]
-                x = block(x, token_ids, cos, sin, options, core)
+                x = block(x, token_ids, cos, sin, options)
             return x
 
         return run(streams, self.units)
@@ -183,16 +191,16 @@ class DeepseekV4(nnx.Module):
         self,
         token_ids: jax.Array,  # [batch, seq] int32, already checked against the vocabulary
         options: ForwardOptions,
-        core: AttentionCore = dense_attention,
     ) -> jax.Array:  # [batch, seq, hc_mult, hidden]: the streams before hc_head
+        """The whole-sequence forward's streams (positions 0..seq-1, no cache, dense attention)."""
         streams = self.input_streams(token_ids, options)
         tables = self.rope_tables(token_ids.shape[1])
         for plan, segment in zip(self.segments_plan, self.segments):
             if plan.count > 1:
-                streams = segment(streams, token_ids, tables, options, core)
+                streams = segment(streams, token_ids, tables, options)
             else:
                 cos, sin = tables[plan.kinds[0].layer_type != SLIDING]
-                streams = segment(streams, token_ids, cos, sin, options, core)
+                streams = segment(streams, token_ids, cos, sin, options)
         return streams
 
     def step(
@@ -203,8 +211,9 @@ class DeepseekV4(nnx.Module):
         options: ForwardOptions,
         ctx: CacheStep,
     ) -> tuple[jax.Array, PagedKVCache]:  # streams before hc_head [batch, S, hc_mult, hidden]
-        """One step over the paged cache: each row's chunk at its own positions, reading what
-        earlier steps wrote and writing what later steps read (see `Attention.step`)."""
+        """One step over the paged cache, the serving path: each row's chunk at its own positions,
+        reading what earlier steps wrote and writing what later steps read (see `Attention.step`),
+        attention through `ctx.backend`."""
         streams = self.input_streams(token_ids, options)
         # The barrier keeps each cos / sin table one array computed once a step: without it XLA
         # fuses the angles into every RoPE site and recomputes cos and sin per element of each
@@ -234,10 +243,13 @@ class DeepseekV4(nnx.Module):
         self,
         token_ids: jax.Array,
         options: ForwardOptions = ForwardOptions(),
-        core: AttentionCore = dense_attention,
     ) -> jax.Array:
-        """[batch, seq] int32 -> logits [batch, seq, vocab] float32 (full sequence, no cache)."""
-        return self.logits_from_streams(self.hidden_streams(token_ids, options, core), self)
+        """[batch, seq] int32 -> logits [batch, seq, vocab] float32 (full sequence, no cache).
+
+        The model's own reference: every layer's attention is the dense `dense_attention`, never
+        a KV-cache backend, so the parity goldens and the mutation tests (which patch the model's
+        functions) hold it independently of the serving path, `step`."""
+        return self.logits_from_streams(self.hidden_streams(token_ids, options), self)
 
     def mtp_logits(
         self,
@@ -245,14 +257,13 @@ class DeepseekV4(nnx.Module):
         next_ids: jax.Array,  # [batch, seq] the token at t + 1 for each position t
         options: ForwardOptions = ForwardOptions(),
         depth: int = 0,
-        core: AttentionCore = dense_attention,
     ) -> jax.Array:  # [batch, seq, vocab] float32: predictions of the token at t + 2
         mtp = self.mtp[depth]
         dtype = options.jnp_dtype
         e = mtp.enorm(self.embed(next_ids, dtype))
         h = mtp.h_proj(mtp.hnorm(streams.astype(dtype))) + mtp.e_proj(e)[:, :, None, :]
         main_table, _ = self.rope_tables(next_ids.shape[1])
-        h = mtp(h, next_ids, *main_table, options, core)
+        h = mtp(h, next_ids, *main_table, options)
         return self.logits_from_streams(h, mtp)
 
 

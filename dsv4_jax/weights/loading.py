@@ -13,7 +13,7 @@ import math
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -24,13 +24,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceShardin
 from dsv4_jax.parallel import sharding as sh
 from dsv4_jax.weights import converted_cache
 from dsv4_jax.config import DeepseekV4Config
-from dsv4_jax.model.attention_core import AttentionCore, dense_attention
 from dsv4_jax.model.layers import TRANSPOSED
 from dsv4_jax.model.options import ForwardOptions
 from dsv4_jax.model.transformer import DeepseekV4, Segment, check_token_ids
-
-if TYPE_CHECKING:
-    from dsv4_jax.kv_cache.resolver import KVCacheSpec
 
 Path_ = tuple[Any, ...]
 logger = logging.getLogger(__name__)
@@ -66,30 +62,31 @@ def parameter_names(path: Path_, plan: list[Segment], n_experts: int) -> Iterato
 
 
 class CausalLM:
-    """A loaded DeepSeek-V4: `model(input_ids)` -> float32 logits [batch, seq, vocab]."""
+    """A loaded DeepSeek-V4: `model(input_ids)` -> float32 logits [batch, seq, vocab].
 
-    def __init__(
-        self, module: DeepseekV4, options: ForwardOptions, mtp_enabled: bool, core: AttentionCore = dense_attention
-    ):
+    Calling it runs the whole-sequence forward (`DeepseekV4.__call__`: no KV cache, the dense
+    reference attention), the model's own reference. Serving runs the same weights through
+    `DeepseekV4.step` over a paged KV cache: `dsv4_jax.engine.runner.ModelRunner(model, layout,
+    attention_backend=...)`, as `LLM` does."""
+
+    def __init__(self, module: DeepseekV4, options: ForwardOptions, mtp_enabled: bool):
         self.config: DeepseekV4Config = module.config
         self.options = options
         self.mtp_enabled = mtp_enabled
-        self.core = core
-        self.kv_cache_spec = None
         self.graphdef, self.state = nnx.split(module)
 
     @functools.cached_property
     def _jitted(self) -> dict[str, Callable]:
-        graphdef, core = self.graphdef, self.core
+        graphdef = self.graphdef
 
         def streams(state, ids, options):
-            return nnx.merge(graphdef, state).hidden_streams(ids, options, core)
+            return nnx.merge(graphdef, state).hidden_streams(ids, options)
 
         def logits(state, ids, options):
-            return nnx.merge(graphdef, state)(ids, options, core)
+            return nnx.merge(graphdef, state)(ids, options)
 
         def mtp(state, streams, next_ids, options):
-            return nnx.merge(graphdef, state).mtp_logits(streams, next_ids, options, core=core)
+            return nnx.merge(graphdef, state).mtp_logits(streams, next_ids, options)
 
         return {
             "logits": jax.jit(logits, static_argnums=2),
@@ -246,44 +243,6 @@ def _model_directory(path: str | Path) -> Path:
     return path
 
 
-def _resolve_attention(
-    config: DeepseekV4Config, kv_cache_dtype: str | None, attention_backend: str | None, kv_cache_rounding: bool
-) -> tuple[KVCacheSpec | None, str | None, bool]:
-    """(the resolved KVCacheSpec or None, attention backend, KV rounding) for `load_model`'s arguments."""
-    kv_spec = None
-    if kv_cache_dtype is not None:
-        from dsv4_jax.kv_cache import resolve_for_device
-
-        kv_spec = resolve_for_device(kv_cache_dtype, jax.devices()[0], attention_backend, config)
-        attention_backend = kv_spec.attention_backend
-        kv_cache_rounding = kv_cache_rounding or kv_spec.kv_cache_dtype == "fp8_ds_mla"
-    fp8_kv = kv_cache_rounding or attention_backend == "pallas_fp8_ds_mla"
-    if fp8_kv and config.nope_head_dim % 64:
-        raise ValueError(
-            f"the fp8_ds_mla KV format stores NoPE dims in blocks of 64, but this model has "
-            f"{config.nope_head_dim} (head_dim {config.head_dim} - qk_rope_head_dim {config.qk_rope_head_dim}); "
-            "use kv_cache_rounding=False and a bf16 attention backend"
-        )
-    return kv_spec, attention_backend, kv_cache_rounding
-
-
-def _attention_core(
-    attention_backend: str | None, config: DeepseekV4Config, kv_spec: KVCacheSpec | None
-) -> AttentionCore:
-    """The dense reference, or the paged core on `attention_backend` with pools as the resolved
-    `--kv-cache-dtype` spec says (None: the backend's own format)."""
-    if attention_backend is None:
-        return dense_attention
-    from dsv4_jax.model.paged_core import PagedAttentionCore
-
-    core = PagedAttentionCore(
-        attention_backend, config.qk_rope_head_dim, kv_cache_dtype=kv_spec.kv_cache_dtype if kv_spec else None,
-        indexer_dtype=kv_spec.indexer_dtype if kv_spec else None,
-    )
-    core.backend  # noqa: B018  (an unknown name fails here, not at the first call)
-    return core
-
-
 def _abstract_model(config: DeepseekV4Config, mtp: bool, stack_layers: bool) -> tuple[nnx.GraphDef, nnx.State]:
     """The module's graph and its state of shapes (no arrays), as `nnx.split` gives them."""
     return nnx.split(nnx.eval_shape(lambda: DeepseekV4(config, mtp=mtp, stack_layers=stack_layers)))
@@ -414,8 +373,6 @@ def load_model(
     *,
     kv_cache_rounding: bool = False,
     stack_layers: bool | None = None,
-    attention_backend: str | None = None,
-    kv_cache_dtype: str | None = None,
     mesh: Mesh | None = None,
     parallel: sh.ParallelConfig | None = None,
     load_format: str = "safetensors",
@@ -423,14 +380,17 @@ def load_model(
 ) -> CausalLM:
     """Load a DeepSeek-V4 checkpoint directory (DeepSeek's names, or transformers' saved ones).
 
-    `dtype` is the compute dtype of activations and dequantised weights; `kv_cache_rounding`
-    rounds KV as the fp8 caches store it; `stack_layers` runs repeated layers under one scan
-    over stacked weights (True) or every layer unrolled (False); None: `default_stack_layers()`;
-    `attention_backend` ("xla", "pallas_fp8_ds_mla", "pallas_bf16") runs attention through that
-    KV-cache backend's kernels instead of the dense reference. `kv_cache_dtype` ("auto", "fp8",
-    "bfloat16", "float32", ... as `--kv-cache-dtype`) resolves the KV layout and backend for this
-    device with `resolve_kv_cache` (logged) and runs the model as that cache would: fp8_ds_mla
-    rounds KV, bfloat16 stores bf16 rows, float32 (xla backend) rounds nothing.
+    `dtype` is the compute dtype of activations and dequantised weights; `stack_layers` runs
+    repeated layers under one scan over stacked weights (True) or every layer unrolled (False);
+    None: `default_stack_layers()`.
+
+    The model's call is the whole-sequence reference forward (dense attention, no cache); the KV
+    cache's dtype and attention backend belong to the serving path, which the engine resolves
+    itself (`dsv4_jax.kv_cache.resolve_for_device`) and hands to its `ModelRunner`.
+    `kv_cache_rounding` only changes the reference: it rounds the window and compressed KV to the
+    fp8_ds_mla grid and the indexer keys to the fp8 indexer format, as the official model's QAT
+    forward does (spec 3.8), so that an fp8_ds_mla cache can be checked against the dense forward
+    it is meant to reproduce (tests/test_runner.py); it needs a NoPE width that is a multiple of 64.
 
     `mesh` / `parallel` (`dsv4_jax.parallel.sharding`; either one implies the other) load every tensor
     straight into its shards as it is read, and the model runs on that mesh
@@ -449,19 +409,19 @@ def load_model(
     config = DeepseekV4Config.from_json(path)
     if stack_layers is None:
         stack_layers = default_stack_layers(config)
-    kv_spec, attention_backend, kv_cache_rounding = _resolve_attention(
-        config, kv_cache_dtype, attention_backend, kv_cache_rounding
-    )
+    if kv_cache_rounding and config.nope_head_dim % 64:
+        raise ValueError(
+            f"kv_cache_rounding rounds KV as the fp8_ds_mla format stores it, NoPE dims in blocks of 64, but this "
+            f"model has {config.nope_head_dim} (head_dim {config.head_dim} - qk_rope_head_dim "
+            f"{config.qk_rope_head_dim})"
+        )
     options = ForwardOptions(dtype=dtype, kv_cache_rounding=kv_cache_rounding)
     if mesh is not None:
         options = sh.mesh_options(options, mesh, parallel)
     module, mtp_enabled = _load_weights(
         path, config, dtype, stack_layers, mesh, parallel, load_format, weights_cache_dir
     )
-    core = _attention_core(attention_backend, config, kv_spec)
-    model = CausalLM(module, options, mtp_enabled, core)
-    model.kv_cache_spec = kv_spec  # what --kv-cache-dtype resolved to, or None
-    return model
+    return CausalLM(module, options, mtp_enabled)
 
 
 def shard_model(model: CausalLM, mesh: Mesh, parallel: sh.ParallelConfig) -> CausalLM:
