@@ -449,10 +449,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         model = httpx.get(f"{base}/v1/models", headers=_auth(args.api_key), timeout=30).json()["data"][0]["id"]
         if process is not None:
             from dsv4_jax import LLM
-            from serve.args import engine_kwargs
             from serve.args import parse_args as server_args
 
-            llm = LLM(**engine_kwargs(server_args(list(SERVER_FLAGS))))
+            llm = LLM.from_engine_args(server_args(list(SERVER_FLAGS)).engine)
         run, reference = asyncio.run(load_and_reference(base, args.api_key, model, requests, args.concurrency,
                                                         process.pid if process else None, llm))
         after = metrics(base)

@@ -148,12 +148,12 @@ def build_app(state: ServingState) -> Starlette:
         return await _unless_disconnected(request, create_completion(state, body))
 
     async def models(request: Request):
-        llm = state.llm
+        spec, layout = state.config.kv, state.layout
         kv = {
-            "kv_cache_dtype": llm.spec.kv_cache_dtype, "attention_backend": llm.spec.attention_backend,
-            "indexer_dtype": llm.spec.indexer_dtype, "device_kind": llm.spec.device_kind,
-            "summary": llm.spec.summary(), "block_size": llm.layout.block_size,
-            "num_compressed_blocks": llm.layout.num_compressed_blocks, "num_seq_slots": llm.layout.num_seq_slots,
+            "kv_cache_dtype": spec.kv_cache_dtype, "attention_backend": spec.attention_backend,
+            "indexer_dtype": spec.indexer_dtype, "device_kind": spec.device_kind,
+            "summary": spec.summary(), "block_size": layout.block_size,
+            "num_compressed_blocks": layout.num_compressed_blocks, "num_seq_slots": layout.num_seq_slots,
         }
         created = int(state.started_at)
         return {"object": "list", "data": [
@@ -193,7 +193,15 @@ def build_app(state: ServingState) -> Starlette:
     async def health(request: Request):
         if state.ready and state.accepting and (state.engine is None or state.engine.accepting):
             return Response(status_code=200)
-        raise OpenAIError(state.load_error or ("warming up" if state.accepting else "shutting down"), status=503)
+        if state.load_error or not state.accepting:
+            raise OpenAIError(state.load_error or "shutting down", status=503)
+        if state.ready:  # ready, and the engine stopped accepting: it failed for good
+            raise OpenAIError("the engine failed and serves nothing more; restart the server", status=503)
+        # Starting: the OpenAI error body, and where the start-up is (`startup`), e.g. compiling 3 of 5.
+        progress = dict(state.startup)
+        counted = f" {progress['done']}/{progress['total']}" if progress["total"] else ""
+        body = OpenAIError(f"starting: {progress['phase']}{counted}", status=503).body()
+        return JSONResponse({**body, "startup": progress}, status_code=503)
 
     async def metrics(request: Request):
         body, content_type = state.metrics.render()

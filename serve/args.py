@@ -7,8 +7,12 @@ differs from vLLM (everything else has vLLM's name, meaning and default):
     --------------------------  --------------------------------  ---------------------------------
     MODEL / --model             optional: dsv4-tiny (built in,    required
                                 random weights, real tokenizer)
+    --disable-access-log-for-   /health,/metrics                  none
+      endpoints
     --host                      127.0.0.1 (this machine only)     all interfaces
-    --max-num-seqs              8 (sized for CPU)                 256
+    --max-num-seqs              GPUs as vLLM (1024 from 70 GiB,   1024 from 70 GiB, else 256
+                                else 256) within the KV pools;
+                                8 on CPUs
     --max-model-len             max_position_embeddings, <= 4096  the model's max_position_embeddings
     --dtype                     auto, bfloat16, float32           also half, float16, float
     --kv-cache-dtype            auto, fp8, fp8_e4m3, fp8_ds_mla,  auto, fp8, ...
@@ -47,22 +51,19 @@ import math
 import os
 import re
 import sys
-from pathlib import Path
 from typing import Any, NoReturn, Sequence
 
-from dsv4_jax.parallel.distributed import DistributedConfig
+from dsv4_jax.engine.args import BUILTIN_MODEL, DTYPES, EngineArgs
 from dsv4_jax.engine.sampling_params import MAX_LOGPROBS
-from dsv4_jax.engine.sampling_params import generation_defaults as sampling_defaults
+from dsv4_jax.parallel.distributed import DistributedConfig
 from pallas_kernels.cli import OneLineParser, add_debug_flag
 
 PROG = "serve"  # the name in error lines; the entry point passes it to run_main
 USAGE_PROG = "python -m serve"
 logger = logging.getLogger("serve")
 
-# These mirror names owned elsewhere (dsv4_jax.engine.llm, dsv4_jax.kv_cache): importing them here
-# would pull jax into `--help`; tests/test_serve_args.py checks that they agree.
-BUILTIN_MODEL = "dsv4-tiny"
-DTYPES = ("auto", "bfloat16", "float32")
+# These mirror names owned by dsv4_jax.kv_cache: importing them here would pull jax into `--help`;
+# tests/test_serve_args.py checks that they agree.
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_ds_mla", "bfloat16", "bf16", "float32")
 ATTENTION_BACKENDS = ("xla", "pallas_fp8_ds_mla", "pallas_bf16")
 BLOCK_SIZE_MULTIPLE = 128  # the KV planner's rule: a block holds whole CSA (r=4) and HCA (r=128) entries
@@ -72,6 +73,7 @@ TOOL_CALL_PARSERS = ("deepseek_v4",)
 REASONING_PARSERS = ("deepseek_v4",)
 UVICORN_LOG_LEVELS = ("debug", "info", "warning", "error", "critical", "trace")
 API_KEY_ENV = "VLLM_API_KEY"
+DEFAULT_QUIET_ENDPOINTS = ("/health", "/metrics")
 SIZE_SUFFIXES = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "K": 2**10, "M": 2**20, "G": 2**30}
 
 # vLLM flags accepted for its recipes' sake; each changes nothing here. flag -> (takes a value, why).
@@ -92,43 +94,36 @@ REFUSED_FLAGS = {
 
 @dataclasses.dataclass(frozen=True)
 class ServerArgs:
-    """The parsed command line; one field per flag that does something, named as argparse names it."""
+    """The parsed command line: the engine's arguments (`EngineArgs`, one field per engine flag)
+    and the server's own flags, named as argparse names them."""
 
-    model: str  # a checkpoint directory, or BUILTIN_MODEL
+    engine: EngineArgs
     model_is_builtin: bool
     served_model_name: tuple[str, ...]  # the first is the name the API reports
     host: str
     port: int
-    tokenizer: str | None
-    tensor_parallel_size: int
-    data_parallel_size: int
-    enable_expert_parallel: bool
-    load_format: str
-    gpu_memory_utilization: float
-    max_num_seqs: int
-    max_num_batched_tokens: int | None
-    num_gpu_blocks_override: int | None
-    max_model_len: int | None  # None: LLM.resolve_max_model_len, once the model is known
-    dtype: str
-    kv_cache_dtype: str
-    attention_backend: str | None  # None: the KV resolver chooses by device
-    block_size: int
     enable_auto_tool_choice: bool
     tool_call_parser: str | None
     reasoning_parser: str | None
     api_key: str | None = dataclasses.field(repr=False)  # never printed with the rest
-    seed: int
-    generation_config: str  # "auto", "vllm" or a folder holding generation_config.json
     uvicorn_log_level: str
+    disable_access_log_for_endpoints: tuple[str, ...]  # paths whose requests leave no access-log line
+    disable_uvicorn_access_log: bool  # no access-log line at all
     default_chat_template_kwargs: dict[str, Any] | None
     enable_force_include_usage: bool
     max_logprobs: int
     max_waiting_requests: int
     no_web_ui: bool
-    async_scheduling: bool
     debug: bool
-    distributed: DistributedConfig  # --nnodes, --node-rank, --master-addr, --master-port, --headless
     ignored_flags: tuple[str, ...]  # one warning line per vLLM flag that changes nothing here
+
+    @property
+    def model(self) -> str:
+        return self.engine.model
+
+    @property
+    def distributed(self) -> DistributedConfig:
+        return self.engine.distributed
 
 
 # ---- value types: each raises ArgumentTypeError, which argparse prefixes with the flag ----------
@@ -202,6 +197,14 @@ def _dtype(text: str) -> str:
     if text in ("half", "float16"):
         raise argparse.ArgumentTypeError(f"{text!r}: float16 is not supported; use bfloat16 or float32 (or auto)")
     raise argparse.ArgumentTypeError(f"{text!r} is not one of {', '.join(DTYPES)}")
+
+
+def _paths(text: str) -> tuple[str, ...]:
+    paths = tuple(p.strip() for p in text.split(",") if p.strip())
+    bad = [p for p in paths if not p.startswith("/")]
+    if bad:
+        raise argparse.ArgumentTypeError(f"{', '.join(bad)}: a path starts with / (example: /health,/metrics)")
+    return paths
 
 
 def _json_object(text: str) -> dict[str, Any]:
@@ -289,8 +292,9 @@ def build_parser() -> argparse.ArgumentParser:
              "(docs/deployment.md; default: %(default)s)")
     add("--gpu-memory-utilization", type=_memory_fraction, default=0.9,
         help="fraction of device memory for weights and KV cache, in (0, 1] (default: %(default)s)")
-    add("--max-num-seqs", type=_positive_int, default=8,
-        help="sequences decoded together at most (default: %(default)s; vLLM's is 256, ours is sized for CPU)")
+    add("--max-num-seqs", type=_positive_int, default=None,
+        help="sequences decoded together at most, per data-parallel rank (default: as vLLM's, 1024 on GPUs with "
+             "70 GiB or more and 256 on smaller ones, at most what the KV pools hold; 8 on CPUs)")
     add("--max-num-batched-tokens", type=_human_positive_int, default=None,
         help="tokens per engine step at most (default: None = chosen from --max-num-seqs and the chunk length)")
     add("--num-gpu-blocks-override", type=_positive_int, default=None,
@@ -325,6 +329,10 @@ def build_parser() -> argparse.ArgumentParser:
              "none, or a directory holding the file (default: %(default)s)")
     add("--uvicorn-log-level", choices=UVICORN_LOG_LEVELS, default="info",
         help="log level of the HTTP server (default: %(default)s)")
+    add("--disable-access-log-for-endpoints", type=_paths, default=DEFAULT_QUIET_ENDPOINTS, metavar="PATHS",
+        help="comma-separated paths whose requests leave no access-log line, '' for none "
+             f"(default: {','.join(DEFAULT_QUIET_ENDPOINTS)}: the probes a supervisor and Prometheus send)")
+    add("--disable-uvicorn-access-log", action="store_true", help="no access-log line for any request (default: off)")
     add("--default-chat-template-kwargs", type=_json_object, default=None, metavar="JSON",
         help="a JSON object of chat-template arguments for every request, e.g. '{\"thinking\": false}' "
              "(default: None)")
@@ -421,12 +429,8 @@ def parse_args(argv: Sequence[str] | None = None) -> ServerArgs:
             ignored.append(f"{given} is ignored: {why}")
     for line in ignored:
         logger.warning("%s", line)
-    return ServerArgs(
+    engine = EngineArgs(
         model=model or BUILTIN_MODEL,
-        model_is_builtin=(model or BUILTIN_MODEL) == BUILTIN_MODEL,
-        served_model_name=tuple(namespace.served_model_name or [model or BUILTIN_MODEL]),
-        host=namespace.host,
-        port=namespace.port,
         tokenizer=namespace.tokenizer,
         tensor_parallel_size=namespace.tensor_parallel_size,
         data_parallel_size=namespace.data_parallel_size,
@@ -441,57 +445,35 @@ def parse_args(argv: Sequence[str] | None = None) -> ServerArgs:
         kv_cache_dtype=namespace.kv_cache_dtype,
         attention_backend=attention_backend,
         block_size=namespace.block_size,
+        seed=namespace.seed,
+        generation_config=namespace.generation_config,
+        async_scheduling=not namespace.no_async_scheduling,
+        nnodes=namespace.nnodes,
+        node_rank=namespace.node_rank,
+        master_addr=namespace.master_addr,
+        master_port=namespace.master_port,
+    )
+    if namespace.headless != (namespace.node_rank > 0):
+        DistributedConfig(namespace.nnodes, namespace.node_rank, namespace.master_addr, namespace.master_port,
+                          namespace.headless)  # its ValueError names --headless / --node-rank
+    return ServerArgs(
+        engine=engine,
+        model_is_builtin=engine.model == BUILTIN_MODEL,
+        served_model_name=tuple(namespace.served_model_name or [engine.model]),
+        host=namespace.host,
+        port=namespace.port,
         enable_auto_tool_choice=namespace.enable_auto_tool_choice,
         tool_call_parser=namespace.tool_call_parser,
         reasoning_parser=namespace.reasoning_parser,
         api_key=namespace.api_key or os.environ.get(API_KEY_ENV) or None,
-        seed=namespace.seed,
-        generation_config=namespace.generation_config,
         uvicorn_log_level=namespace.uvicorn_log_level,
+        disable_access_log_for_endpoints=namespace.disable_access_log_for_endpoints,
+        disable_uvicorn_access_log=namespace.disable_uvicorn_access_log,
         default_chat_template_kwargs=namespace.default_chat_template_kwargs,
         enable_force_include_usage=namespace.enable_force_include_usage,
         max_logprobs=namespace.max_logprobs,
         max_waiting_requests=namespace.max_waiting_requests,
         no_web_ui=namespace.no_web_ui,
-        async_scheduling=not namespace.no_async_scheduling,
         debug=namespace.debug,
-        distributed=DistributedConfig(namespace.nnodes, namespace.node_rank, namespace.master_addr,
-                                      namespace.master_port, namespace.headless),
         ignored_flags=tuple(ignored),
     )
-
-
-# ---- what the server makes of them ---------------------------------------------------------------
-def generation_defaults(args: ServerArgs, model_dir: Path) -> dict[str, Any]:
-    """vLLM's request defaults from generation_config.json: the SamplingParams values (temperature,
-    top_p, top_k, min_p, repetition_penalty, max_tokens from max_new_tokens) that the file sets,
-    for requests that leave them unset. `--generation-config vllm` means none."""
-    return sampling_defaults(model_dir, args.generation_config, "--generation-config")
-
-
-def engine_kwargs(args: ServerArgs) -> dict[str, Any]:
-    """The keyword arguments of `dsv4_jax.LLM(...)`."""
-    return {
-        "model": args.model,
-        "dtype": args.dtype,
-        "kv_cache_dtype": args.kv_cache_dtype,
-        "attention_backend": args.attention_backend,
-        "max_model_len": args.max_model_len,
-        "max_num_seqs": args.max_num_seqs,
-        "max_num_batched_tokens": args.max_num_batched_tokens,
-        "num_gpu_blocks_override": args.num_gpu_blocks_override,
-        "gpu_memory_utilization": args.gpu_memory_utilization,
-        "tensor_parallel_size": args.tensor_parallel_size,
-        "data_parallel_size": args.data_parallel_size,
-        "enable_expert_parallel": args.enable_expert_parallel,
-        "load_format": args.load_format,
-        "seed": args.seed,
-        "tokenizer": args.tokenizer,
-        "generation_config": args.generation_config,
-        "block_size": args.block_size,
-        "async_scheduling": args.async_scheduling,
-        "nnodes": args.distributed.nnodes,
-        "node_rank": args.distributed.node_rank,
-        "master_addr": args.distributed.master_addr,
-        "master_port": args.distributed.master_port,
-    }

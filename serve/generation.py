@@ -31,7 +31,7 @@ def check_capacity(state: ServingState, sequences: int) -> None:
     if sequences > limit:
         raise OpenAIError(f"this request needs {sequences} sequences (prompts x n), more than the "
                           f"{limit} that may wait (--max-waiting-requests); send fewer prompts per request")
-    if state.engine.engine.scheduler.num_waiting + sequences > limit:
+    if state.engine.num_waiting + sequences > limit:
         raise OpenAIError(f"too many requests waiting ({limit}, --max-waiting-requests); retry later", status=503)
 
 
@@ -64,13 +64,13 @@ class Generation:
             for p, prompt_ids in enumerate(self.prompts):
                 capped = params
                 if cap_to_room:
-                    capped = default_max_tokens_within(params, state.engine.engine.max_model_len - len(prompt_ids))
+                    capped = default_max_tokens_within(params, state.engine.max_model_len - len(prompt_ids))
                 for i in range(params.n):
                     child = capped.for_child(i)
                     rid = f"{request_id}-{p}-{i}"
                     stream = state.engine.add_request(rid, prompt_ids, child, forced=forced)
                     self.children.append((rid, stream))
-                    room = state.engine.engine.max_model_len - len(prompt_ids)
+                    room = state.engine.max_model_len - len(prompt_ids)
                     self._max_tokens.append(room if child.max_tokens is None else child.max_tokens)
                     self._generated.append(0)
                     state.metrics.request_started(rid, len(prompt_ids))

@@ -50,7 +50,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, disable_cre
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
 
-from dsv4_jax.engine.outputs import RequestMetrics
+from dsv4_jax.engine.outputs import EngineStats, RequestMetrics
 
 # No `*_created` series, as vLLM (they double the scrape for nothing a dashboard reads).
 disable_created_metrics()
@@ -89,26 +89,6 @@ def token_count_buckets(max_model_len: int) -> tuple[int, ...]:
                 return tuple(buckets)
             buckets.append(mantissa * decade)
         decade *= 10
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    """The engine's state at one instant, read at scrape time."""
-
-    num_requests_running: int
-    num_requests_waiting: int
-    kv_cache_usage_perc: float  # fraction in [0, 1], as vLLM
-    num_preemptions_total: int  # cumulative, read from the scheduler
-
-    def __post_init__(self) -> None:
-        for name in ("num_requests_running", "num_requests_waiting", "num_preemptions_total"):
-            value = getattr(self, name)
-            if value < 0:
-                raise ValueError(f"EngineStats.{name}: got {value}, allowed: an integer >= 0")
-        if not 0.0 <= self.kv_cache_usage_perc <= 1.0:
-            raise ValueError(
-                f"EngineStats.kv_cache_usage_perc: got {self.kv_cache_usage_perc}, allowed: a fraction in [0, 1]"
-            )
 
 
 class _EngineStatsCollector:

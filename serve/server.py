@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import errno
 import logging
 import os
@@ -29,11 +28,32 @@ from pallas_kernels.cli import one_line, run_main
 logger = logging.getLogger("serve")
 
 SHUTDOWN_GRACE_SECONDS = 10.0
+NOISY_LOGGERS = ("jax", "absl", "orbax")
 
 
 def _configure_logging() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
+    # Other libraries' start-up chatter at INFO (JAX probing for TPUs, orbax's and absl's settings)
+    # says nothing a user of this server can act on; their warnings and errors still show.
+    for noisy in NOISY_LOGGERS:
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+class _QuietPaths(logging.Filter):
+    """Drops uvicorn's access-log lines of requests to `paths` (a health probe every few seconds,
+    a Prometheus scrape: lines that would bury every other one)."""
+
+    def __init__(self, paths: Sequence[str]):
+        super().__init__()
+        self.paths = frozenset(paths)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        # uvicorn's access record: (client address, method, path with its query, HTTP version, status)
+        if isinstance(args, tuple) and len(args) >= 3 and isinstance(args[2], str):
+            return args[2].partition("?")[0] not in self.paths
+        return True
 
 
 def _enable_compilation_cache() -> None:
@@ -45,7 +65,7 @@ def _enable_compilation_cache() -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     _configure_logging()
-    from serve.args import engine_kwargs, generation_defaults, node_flags, parse_args
+    from serve.args import node_flags, parse_args
 
     try:
         args = parse_args(argv)
@@ -56,35 +76,30 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise
     _enable_compilation_cache()
 
-    from dsv4_jax import LLM
     from dsv4_jax.parallel.distributed import StartUp, initialize
 
     initialize(args.distributed)  # several hosts: before anything touches a device
-    kwargs = engine_kwargs(args)
     if args.distributed.headless:
-        return _follow(kwargs)
+        return _follow(args.engine)
     if args.model_is_builtin:
         logger.info("no model given: serving the built-in %s (random weights, the real V4 tokenizer)", args.model)
     with StartUp(args.distributed):  # several hosts: a failure here is told to the followers
-        model_dir = LLM.check_arguments(**kwargs)  # every check that needs no weights, before the port opens
-        generation_defaults(args, model_dir)  # a bad generation_config.json fails here too, naming the flag
+        # Every check that needs no weights, and every default resolved, before the port opens.
+        config = args.engine.create_engine_config()
         # Bound before the model loads (uvicorn would bind after starting the lifespan, which loads).
         listeners = _listen(args.host, args.port)
     state = None
     try:
-        if args.max_model_len is None:  # the model's own limit (at most 4096), reported as the server's
-            args = dataclasses.replace(args, max_model_len=LLM.resolve_max_model_len(model_dir, None))
-            kwargs["max_model_len"] = args.max_model_len
-
         from serve.app import build_app
         from serve.state import ServingState
 
-        state = ServingState(args, served_model_names=tuple(args.served_model_name))
+        state = ServingState(args, served_model_names=tuple(args.served_model_name), config=config)
         app = build_app(state)
         server = _Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-                                        lifespan="on", timeout_graceful_shutdown=int(SHUTDOWN_GRACE_SECONDS) + 5),
-                         state)
-        app.router.lifespan_context = _lifespan(state, server, kwargs)
+                                        access_log=not args.disable_uvicorn_access_log, lifespan="on",
+                                        timeout_graceful_shutdown=int(SHUTDOWN_GRACE_SECONDS) + 5), state)
+        logging.getLogger("uvicorn.access").addFilter(_QuietPaths(args.disable_access_log_for_endpoints))
+        app.router.lifespan_context = _lifespan(state, server)
         scope = "this machine only" if args.host in ("127.0.0.1", "localhost", "::1") else "the network"
         logger.info("listening on http://%s:%d (%s; vllm serve binds all interfaces by default, "
                     "pass --host 0.0.0.0 for that)", args.host, listeners[0].getsockname()[1], scope)
@@ -145,32 +160,35 @@ def _listen(host: str, port: int) -> list[socket.socket]:
 
 def _release_followers(node, state) -> None:
     """Node 0 of several is leaving: its followers may wait for it (in the handshake, or in a
-    collective while loading). Once it served, the lifespan released them; once loaded, they are
-    sent the stop; a load that failed announced itself; else (a signal while loading, or an
-    error before it) the stop is announced, and every node leaves (`leave_failed_start`)."""
+    collective while loading). Once it served, the engine's shutdown released them; once built,
+    they are sent the stop; a start-up that failed announced itself; else (a signal while loading,
+    or an error before it) the stop is announced, and every node leaves (`leave_failed_start`)."""
     from dsv4_jax.parallel.distributed import announce_start_failure
 
     if state is not None and state.engine is not None:
         return
-    if state is not None and state.started_llm is not None:
-        state.started_llm.engine.stop_followers()
+    if state is not None and state.built is not None:
+        state.built.engine.stop_followers()
     elif state is None or state.load_error is None:
         announce_start_failure(node, "node 0's server stopped before its model was loaded")
 
 
-def _follow(kwargs: dict) -> int:
-    """A follower node: load the same model on its devices, then run node 0's steps until node 0
+def _follow(engine_args) -> int:
+    """A follower node: build the same engine on its devices, then run node 0's steps until node 0
     shuts down (exit 0) or disappears (exit 1, with the reason)."""
-    from dsv4_jax import LLM
+    from dsv4_jax.engine.builder import build_engine
+    from dsv4_jax.parallel.distributed import StartUp
 
     try:
-        llm = LLM(**kwargs)  # a ValueError (flags that differ from node 0's, ...) is one line and status 2
+        with StartUp(engine_args.distributed):  # a ValueError (flags that differ from node 0's, ...) is one line
+            config = engine_args.create_engine_config()
+        built = build_engine(config)
     except RuntimeError as error:  # node 0 unreachable, or gone while starting
         print(f"serve: error: {error}", file=sys.stderr)
         return 1
-    logger.info("follower node %d: running node 0's steps", llm.distributed.node_rank)
+    logger.info("follower node %d: running node 0's steps", engine_args.node_rank)
     try:
-        calls = llm.follow()
+        calls = built.follow()
     except RuntimeError as error:
         print(f"serve: error: {error}", file=sys.stderr)
         return 1
@@ -197,34 +215,31 @@ class _Server(uvicorn.Server):
         self.should_exit = True
 
 
-def _lifespan(state, server, kwargs: dict):
+def _lifespan(state, server):
     @contextlib.asynccontextmanager
     async def lifespan(app):
         from dsv4_jax.engine.async_engine import AsyncLLMEngine
-        from serve.metrics import EngineStats, ServerMetrics
+        from dsv4_jax.engine.outputs import EngineStats
+        from serve.metrics import ServerMetrics
 
         def stats() -> EngineStats:
-            if state.engine is None:
-                return EngineStats(0, 0, 0.0, 0)
-            scheduler = state.engine.engine.scheduler
-            return EngineStats(scheduler.num_running, scheduler.num_waiting, scheduler.kv_cache_usage,
-                               scheduler.num_preemptions)
+            return EngineStats(0, 0, 0.0, 0) if state.engine is None else state.engine.stats()
 
-        state.metrics = ServerMetrics(state.model_name, stats, max_model_len=state.args.max_model_len)
+        state.metrics = ServerMetrics(state.model_name, stats, max_model_len=state.max_model_len)
         loop = asyncio.get_running_loop()
         loaded = loop.create_future()
 
         def load() -> None:
             try:
-                from dsv4_jax import LLM
+                from dsv4_jax.engine.builder import build_engine
 
-                llm = LLM(**kwargs)
-                state.started_llm = llm  # a stop before it serves must release its followers
+                built = build_engine(state.config, progress=state.starting)
+                state.built = built  # a stop before it serves must release its followers
             except BaseException as error:  # noqa: BLE001  (reported on the loop, then the server stops)
                 logger.debug("loading failed", exc_info=True)
                 loop.call_soon_threadsafe(_set, loaded, error)
                 return
-            loop.call_soon_threadsafe(_set, loaded, llm)
+            loop.call_soon_threadsafe(_set, loaded, built)
 
         threading.Thread(target=load, name="dsv4-load", daemon=True).start()
         waiter = asyncio.create_task(_become_ready(state, server, loaded, AsyncLLMEngine))
@@ -235,7 +250,6 @@ def _lifespan(state, server, kwargs: dict):
             waiter.cancel()
             if state.engine is not None:
                 await state.engine.shutdown(grace_seconds=SHUTDOWN_GRACE_SECONDS)
-                state.engine.engine.stop_followers()  # a multi-node run: the followers exit too
             logger.info("stopped")
 
     return lifespan
@@ -255,23 +269,22 @@ async def _become_ready(state, server, loaded: asyncio.Future, engine_class) -> 
         logger.error("loading the model failed: %s", state.load_error)
         server.should_exit = True
         return
-    llm, args = result, state.args
-    defaults = llm.sampling_defaults  # read by LLM under --generation-config (checked before loading)
-    if defaults:
-        logger.info("default sampling parameters from generation_config.json: %s", defaults)
+    built, args, config = result, state.args, state.config
+    if config.sampling_defaults:
+        logger.info("default sampling parameters from generation_config.json: %s", config.sampling_defaults)
     state.limits = ServerLimits(
-        served_model_names=state.served_model_names, vocab_size=llm.config.vocab_size,
+        served_model_names=state.served_model_names, vocab_size=config.model_config.vocab_size,
         max_logprobs=args.max_logprobs, enable_auto_tool_choice=args.enable_auto_tool_choice,
         reasoning_parser=args.reasoning_parser, force_include_usage=args.enable_force_include_usage,
-        default_sampling=defaults,
+        default_sampling=config.sampling_defaults,
         default_chat_template_kwargs=args.default_chat_template_kwargs or {},
     )
-    engine = engine_class(llm.engine)
+    engine = engine_class(built.engine)
     await engine.start()
-    state.llm, state.engine = llm, engine
+    state.engine, state.layout = engine, built.engine.runner.layout
     state.ready = True
     logger.info("ready: %s serves %s (max_model_len %d, up to %d sequences at once)", args.model,
-                ", ".join(state.served_model_names), args.max_model_len, llm.layout.num_seq_slots)
+                ", ".join(state.served_model_names), state.max_model_len, state.layout.num_seq_slots)
 
 
 def entry(argv: Sequence[str] | None = None) -> None:

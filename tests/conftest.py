@@ -317,6 +317,20 @@ def tiny_engine_args() -> dict:
             "num_gpu_blocks_override": 10, "seed": 0}
 
 
+def capped_block_manager(usable_blocks: int):
+    """A block-manager factory for `LLM.from_engine_args` / `Scheduler`: the pools keep their
+    shapes (so the engine's programs are the uncapped one's) but only `usable_blocks` compressed
+    blocks are handed out, so a few short requests are enough to preempt."""
+    from dsv4_jax.engine.block_manager import BlockManager
+
+    def make(num_seq_slots: int, num_compressed_blocks: int, block_size: int, max_blocks_per_seq: int):
+        if not 1 <= usable_blocks <= num_compressed_blocks:
+            raise ValueError(f"usable_blocks must be in [1, {num_compressed_blocks}], got {usable_blocks}")
+        return BlockManager(num_seq_slots, usable_blocks, block_size, max_blocks_per_seq)  # ids below it only
+
+    return make
+
+
 # ---- the chat engine shared by the engine and server tests ---------------------------------------
 # A one-layer model with the real vocabulary (the V4 chat format's special tokens are ids above
 # 128,000), float32 weights and cache, 8 sequences. The server tests start `python -m serve` with
@@ -341,12 +355,32 @@ def chat_llm(chat_checkpoint):
     """`LLM` with the server's flags: its executables are in the persistent cache (every compile
     is persisted, see above), so a server started with the same flags compiles nothing."""
     from dsv4_jax import LLM
-    from serve.args import engine_kwargs, parse_args
+    from serve.args import parse_args
 
-    return LLM(**engine_kwargs(parse_args([str(chat_checkpoint), *CHAT_SERVER_FLAGS])))
+    return LLM.from_engine_args(parse_args([str(chat_checkpoint), *CHAT_SERVER_FLAGS]).engine)
 
 
 CHAT_SERVER_KEY, CHAT_SERVER_NAME = "test-key", "dsv4-test"
+
+
+def serving_state(llm, *flags: str, name: str = CHAT_SERVER_NAME, forced_output_hook: bool = False):
+    """A ready `serve.state.ServingState` over `llm`'s engine, as `python -m serve` with the chat
+    server's flags (and `flags`) would hold it, without a server process; its engine is not
+    started yet (`await state.engine.start()`). Metrics report an idle engine."""
+    from dsv4_jax.engine.async_engine import AsyncLLMEngine
+    from dsv4_jax.engine.outputs import EngineStats
+    from serve.args import parse_args
+    from serve.metrics import ServerMetrics
+    from serve.protocol import ServerLimits
+    from serve.state import ServingState
+
+    state = ServingState(parse_args(["ckpt", *CHAT_SERVER_FLAGS, *flags]), served_model_names=(name,),
+                         config=llm.engine_config, forced_output_hook=forced_output_hook)
+    state.engine, state.layout = AsyncLLMEngine(llm.engine), llm.layout
+    state.limits = ServerLimits(served_model_names=(name,), vocab_size=llm.config.vocab_size)
+    state.metrics = ServerMetrics(name, lambda: EngineStats(0, 0, 0.0, 0))
+    state.ready = True
+    return state
 
 
 def wait_healthy(base: str, processes: list, log_path: Path, timeout_s: float = 300) -> None:

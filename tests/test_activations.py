@@ -1,13 +1,15 @@
 """The activation memory the KV pools leave room for (dsv4_jax/engine/activations.py), and steps that
-update the pools in place. On a GPU the engine compiles its programs for the largest pools the
-memory could hold and reserves what XLA's buffer assignment says they need before it sizes the
-pools; the GPU's memory is simulated here. The engine's layout is tests/test_engine.py's, so its
-programs come from this lane's persistent cache."""
+update the pools in place. On a GPU the builder (dsv4_jax/engine/builder.py) compiles the largest
+buckets for the smallest pools and reserves what XLA's buffer assignment says they need before it
+sizes the pools; the warmed-up programs are then checked against that reservation, and pools
+planned again where they need more. The GPU's memory is simulated here. The engine's layout is
+tests/test_engine.py's, so its programs come from this lane's persistent cache."""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import math
 
 import jax
@@ -16,9 +18,10 @@ import pytest
 import dsv4_jax
 from dsv4_jax import LLM
 from dsv4_jax.engine import activations as activations_module
-from dsv4_jax.engine import llm as llm_module
-from dsv4_jax.engine.activations import measure_activations
+from dsv4_jax.engine import builder
+from dsv4_jax.engine.activations import engine_activations, measure_activations
 from dsv4_jax.engine.runner import ModelRunner
+from dsv4_jax.kv_cache import KVCacheSpec, resolve_for_device
 from dsv4_jax.kv_cache.paged import PagedCacheLayout
 from dsv4_jax.kv_cache.planner import plan_capacity
 from dsv4_jax.presets import get_config
@@ -41,22 +44,27 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def model(checkpoint):
-    return dsv4_jax.load_model(checkpoint, dtype=ARGS["dtype"], kv_cache_dtype=ARGS["kv_cache_dtype"])
+    return dsv4_jax.load_model(checkpoint, dtype=ARGS["dtype"])
 
 
 @pytest.fixture(scope="module")
-def engine_layout(model) -> PagedCacheLayout:
+def spec() -> KVCacheSpec:
+    """The engine's KV cache spec for ARGS, resolved as `LLM` resolves it."""
+    return resolve_for_device(ARGS["kv_cache_dtype"], jax.devices()[0], config=CONFIG, log=False)
+
+
+@pytest.fixture(scope="module")
+def engine_layout(model, spec) -> PagedCacheLayout:
     """tests/test_engine.py's pools: max_num_seqs slots, num_gpu_blocks_override compressed blocks."""
-    plan = plan_capacity(model.config, model.kv_cache_spec, max_model_len=ARGS["max_model_len"],
+    plan = plan_capacity(model.config, spec, max_model_len=ARGS["max_model_len"],
                          max_num_seqs=ARGS["max_num_seqs"], block_size=ARGS["block_size"])
     return dataclasses.replace(PagedCacheLayout.from_plan(model.config, plan),
                                num_compressed_blocks=ARGS["num_gpu_blocks_override"])
 
 
 @pytest.fixture(scope="module")
-def activations(model, engine_layout):
-    return measure_activations(model, engine_layout, buckets=ARGS["buckets"],
-                               attention_backend=model.kv_cache_spec.attention_backend,
+def activations(model, spec, engine_layout):
+    return measure_activations(model, engine_layout, buckets=ARGS["buckets"], attention_backend=spec.attention_backend,
                                max_model_len=ARGS["max_model_len"])
 
 
@@ -64,13 +72,13 @@ def _weight_bytes(model) -> int:
     return sum(leaf.nbytes for leaf in jax.tree.leaves(model.state))
 
 
-def test_steps_update_the_pools_in_place(model, engine_layout):
+def test_steps_update_the_pools_in_place(model, spec, engine_layout):
     """A step's scratch is the same for one sequence slot and one compressed block as for 64
     slots and 400 blocks (pools given as shapes only): no step copies a pool. Prefill steps used
     to copy the whole HCA pool (XLA forwarded its write into the attention's gather), and on the
     built-in dsv4-tiny the whole sliding pool once per layer (the ring write did not wait for the
     attention's read). A float8 cache still copies its planes on XLA:CPU (docs/kv_cache.md)."""
-    backend = model.kv_cache_spec.attention_backend
+    backend = spec.attention_backend
     smallest = dataclasses.replace(engine_layout, num_seq_slots=1, num_sliding_blocks=engine_layout.sliding_ring,
                                    num_compressed_blocks=1)
     largest = dataclasses.replace(engine_layout, num_seq_slots=64, num_sliding_blocks=64 * engine_layout.sliding_ring,
@@ -98,13 +106,14 @@ def test_prefill_writes_the_sliding_ring_in_place():
     from dsv4_jax.weights.builtin import builtin_model_dir
     from dsv4_jax.engine.runner import StepBuckets
 
-    tiny = dsv4_jax.load_model(builtin_model_dir(), dtype="float32", kv_cache_dtype="float32")
-    plan = plan_capacity(tiny.config, tiny.kv_cache_spec, max_model_len=512, max_num_seqs=32, block_size=128)
+    tiny = dsv4_jax.load_model(builtin_model_dir(), dtype="float32")
+    tiny_spec = resolve_for_device("float32", jax.devices()[0], config=tiny.config, log=False)
+    plan = plan_capacity(tiny.config, tiny_spec, max_model_len=512, max_num_seqs=32, block_size=128)
     layout = PagedCacheLayout.from_plan(tiny.config, plan)
     smallest = dataclasses.replace(layout, num_seq_slots=1, num_sliding_blocks=layout.sliding_ring,
                                    num_compressed_blocks=1)
     buckets = StepBuckets(prefill=((2, 32),), decode=(2,))
-    small, large = (ModelRunner(tiny, lay, attention_backend=tiny.kv_cache_spec.attention_backend, buckets=buckets,
+    small, large = (ModelRunner(tiny, lay, attention_backend=tiny_spec.attention_backend, buckets=buckets,
                                 allocate_cache=False).program_memory(scoring=False)[2, 32].step.temp
                     for lay in (smallest, layout))
     sliding_pool = layout.num_sliding_blocks * layout.block_size * layout.head_dim * 4 * len(layout.sliding_layers)
@@ -126,11 +135,11 @@ def test_reserved_bytes_cover_what_may_be_live_at_once(activations):
     assert "MiB per device" in activations.describe()
 
 
-def _memory_for(model, activations, layout: PagedCacheLayout) -> int:
+def _memory_for(model, spec, activations, layout: PagedCacheLayout) -> int:
     """Device memory whose `UTILIZATION` share holds the weights, the activations and `layout`'s
     pools with half a compressed block to spare: each sequence slot costs its sliding ring and
     compressor state, each compressed block its CSA, indexer and HCA entries (the planner's rule)."""
-    pools = plan_capacity(model.config, model.kv_cache_spec, max_model_len=ARGS["max_model_len"],
+    pools = plan_capacity(model.config, spec, max_model_len=ARGS["max_model_len"],
                           max_num_seqs=1, block_size=ARGS["block_size"]).pools
     per_slot = sum(p.bytes_per_seq for p in pools if p.name in ("sliding", "csa_state", "hca_state"))
     per_block = sum(p.bytes_per_block for p in pools if p.name in ("csa", "indexer", "hca"))
@@ -140,41 +149,48 @@ def _memory_for(model, activations, layout: PagedCacheLayout) -> int:
 
 
 @pytest.fixture(scope="module")
-def gpu_memory(model, activations, engine_layout) -> int:
-    return _memory_for(model, activations, engine_layout)
+def gpu_memory(model, spec, activations, engine_layout) -> int:
+    return _memory_for(model, spec, activations, engine_layout)
 
 
-@pytest.fixture(scope="module")
-def gpu_llm(checkpoint, gpu_memory):
-    """tests/test_engine.py's engine, its pools sized from a simulated GPU's memory (no override);
-    with the layouts its activations were measured on."""
+def _gpu_llm(checkpoint, gpu_memory, reserve=None):
+    """tests/test_engine.py's engine, its pools sized from a simulated GPU's memory (no override),
+    and the layouts its activations were measured on. `reserve`: what the measurement reports
+    instead (bytes), to see the builder find out from the warmed-up programs."""
     args = {k: v for k, v in ARGS.items() if k != "num_gpu_blocks_override"}
     measured_on = []
 
     def measure(model, layout, **kwargs):
-        measured_on.append(layout)
-        return measure_activations(model, layout, **kwargs)
+        measured_on.append((layout, kwargs["buckets"]))
+        measured = measure_activations(model, layout, **kwargs)
+        return measured if reserve is None else dataclasses.replace(measured, step=reserve, step_outputs=0,
+                                                                    scores=0, sampler=0)
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(llm_module, "device_memory", lambda device: gpu_memory)
+        patch.setattr(builder, "device_memory", lambda device: gpu_memory)
         patch.setattr(activations_module, "measure_activations", measure)
         return LLM(str(checkpoint), **args, gpu_memory_utilization=UTILIZATION), measured_on
 
 
+@pytest.fixture(scope="module")
+def gpu_llm(checkpoint, gpu_memory):
+    return _gpu_llm(checkpoint, gpu_memory)
+
+
 def test_pools_are_sized_after_the_activations(gpu_llm, gpu_memory, activations, engine_layout, model):
     """On a GPU the pools get what remains of gpu_memory_utilization x memory after the weights and
-    the activations (measured by the engine on the larger pools it could have had without them):
-    the engine's layout exactly, for memory sized to hold it."""
+    the activations, measured once, on the largest prefill and decode buckets compiled for the
+    smallest pools (one slot): the engine's layout exactly, for memory sized to hold it, and its
+    programs compiled once, for that layout."""
     gpu_llm, measured_on = gpu_llm
-    # Measured once, on the pools the whole budget would hold (where a copied pool costs the most).
-    unreserved = plan_capacity(model.config, model.kv_cache_spec, max_model_len=ARGS["max_model_len"],
-                               device_memory_bytes=gpu_memory, gpu_memory_utilization=UTILIZATION,
-                               weight_bytes=_weight_bytes(model), block_size=ARGS["block_size"],
-                               max_num_seqs=ARGS["max_num_seqs"])
-    assert measured_on == [PagedCacheLayout.from_plan(model.config, unreserved)]
-    assert measured_on[0].num_compressed_blocks > engine_layout.num_compressed_blocks
+    [(layout, buckets)] = measured_on
+    assert (layout.num_seq_slots, layout.num_compressed_blocks) == (1, math.ceil(ARGS["max_model_len"] / ARGS["block_size"]) + 1)
+    assert buckets.prefill == (max(ARGS["buckets"].prefill, key=lambda b: b[0] * b[1]),)
+    assert buckets.decode == (max(ARGS["buckets"].decode),)
     assert gpu_llm.plan.sized_from == "memory"
+    # The largest buckets on the smallest pools need what every bucket on the engine's pools needs.
     assert abs(gpu_llm.plan.reserved_bytes - activations.reserved_bytes) <= PACKING_NOISE
+    assert engine_activations(gpu_llm.engine).reserved_bytes <= gpu_llm.plan.reserved_bytes
     assert gpu_llm.layout == engine_layout
     reserved = gpu_llm.plan.reserved_bytes
     assert _weight_bytes(gpu_llm.model) + reserved + gpu_llm.cache_bytes <= UTILIZATION * gpu_memory
@@ -183,12 +199,26 @@ def test_pools_are_sized_after_the_activations(gpu_llm, gpu_memory, activations,
     assert len(out[0].outputs[0].token_ids) == 3
 
 
-def test_activations_that_leave_no_room_are_refused(model, engine_layout, activations):
+def test_programs_that_need_more_than_measured_make_the_pools_planned_again(checkpoint, gpu_memory, engine_layout,
+                                                                          activations, caplog):
+    """A measurement that came out short (as a step whose scratch grows with the pools would make
+    it) is caught by the warmed-up programs' own figures: the builder says so, sizes the pools
+    again with those figures, and serves on pools that leave them room."""
+    with caplog.at_level(logging.WARNING, logger="dsv4_jax.engine.builder"):
+        llm, measured_on = _gpu_llm(checkpoint, gpu_memory, reserve=1)
+    assert len(measured_on) == 1  # the second plan takes the programs' figures, it does not measure
+    assert any("sizing the pools again" in r.getMessage() for r in caplog.records), caplog.text
+    assert llm.layout == engine_layout  # the memory was sized for these pools beside the true activations
+    assert engine_activations(llm.engine).reserved_bytes <= llm.plan.reserved_bytes
+    assert abs(llm.plan.reserved_bytes - activations.reserved_bytes) <= PACKING_NOISE
+
+
+def test_activations_that_leave_no_room_are_refused(model, spec, engine_layout, activations):
     """Memory that holds the weights and one sequence, but not the activations too: a ValueError
     naming the flags (the planner raises it before any pool is allocated)."""
     one_seq = dataclasses.replace(engine_layout, num_seq_slots=1, num_compressed_blocks=2)
-    memory = _memory_for(model, activations, one_seq) - math.ceil(activations.reserved_bytes / UTILIZATION)
-    plan = functools.partial(plan_capacity, model.config, model.kv_cache_spec, max_model_len=ARGS["max_model_len"],
+    memory = _memory_for(model, spec, activations, one_seq) - math.ceil(activations.reserved_bytes / UTILIZATION)
+    plan = functools.partial(plan_capacity, model.config, spec, max_model_len=ARGS["max_model_len"],
                              device_memory_bytes=memory, gpu_memory_utilization=UTILIZATION,
                              weight_bytes=_weight_bytes(model), block_size=ARGS["block_size"], max_num_seqs=1)
     assert plan(reserved_bytes=0).num_seq_slots == 1

@@ -5,7 +5,8 @@ preemption, sampling options, errors, pool sizes and chat.
 Two engines, module-scoped and shared by every test (compiles dominate CI):
 * `llm`: the runner tests' config (vocabulary 512, every boundary within a few hundred tokens),
   float32 weights and a float32 KV cache (exact), 2 prefill + 1 decode buckets, 4 sequences of up
-  to 256 tokens in blocks of 128. `usable_blocks_cap=4` lets four short requests run but forces
+  to 256 tokens in blocks of 128. A block manager that hands out 4 of the pool's blocks
+  (`conftest.capped_block_manager`) lets four short requests run but forces
   preemption when long ones (a second block each as they decode past 128) share the pool; one
   request alone always fits, so
   "alone" runs never preempt. `num_gpu_blocks_override=10` (the plan wants 12) is checked too.
@@ -41,12 +42,12 @@ from dsv4_jax.chat import (
 from dsv4_jax.engine import engine as engine_module
 from dsv4_jax.engine import runner as runner_module
 from dsv4_jax.engine.compiles import CompileCounter
-from dsv4_jax.engine.llm import default_buckets
+from dsv4_jax.engine.args import EngineArgs, default_buckets
 from dsv4_jax.engine.request import ForcedTokens
 from dsv4_jax.presets import get_config
 from dsv4_jax.testing import write_random_checkpoint
 
-from conftest import TINY_ENGINE_LAYERS, tiny_engine_args  # tests/ is on sys.path
+from conftest import TINY_ENGINE_LAYERS, capped_block_manager, tiny_engine_args  # tests/ is on sys.path
 
 CONFIG = get_config("dsv4-tiny-test").replace(**TINY_ENGINE_LAYERS)
 VOCAB = CONFIG.vocab_size
@@ -67,7 +68,8 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def llm(checkpoint):
-    return LLM(str(checkpoint), **ENGINE_ARGS, usable_blocks_cap=USABLE_BLOCKS)
+    return LLM.from_engine_args(EngineArgs(str(checkpoint), **ENGINE_ARGS),
+                                block_manager_factory=capped_block_manager(USABLE_BLOCKS))
 
 
 def _prompt(seed: int, length: int) -> list[int]:
@@ -124,7 +126,7 @@ def _assert_idle(llm) -> None:
     assert scheduler.num_running == 0 and scheduler.num_waiting == 0 and scheduler.kv_cache_usage == 0
     for bm in scheduler.block_managers:
         bm.check_invariants()
-        assert bm.num_free_blocks == bm.num_usable_blocks == USABLE_BLOCKS
+        assert bm.num_free_blocks == bm.num_compressed_blocks == USABLE_BLOCKS
         assert bm.num_free_slots == bm.num_seq_slots == SEQS
 
 
@@ -761,32 +763,37 @@ def test_bad_llm_arguments_fail_before_anything_is_loaded(tmp_path, kwargs, fiel
     ({"kv_cache_dtype": "float16", "max_model_len": 256}, "float16"),
 ])
 def test_arguments_that_need_the_config_fail_before_the_weights_load(checkpoint, monkeypatch, kwargs, message):
+    from dsv4_jax.weights import loading
+
     def no_loading(*args, **kwargs):
         raise AssertionError("load_model was called")
 
-    monkeypatch.setattr(dsv4_jax, "load_model", no_loading)
+    monkeypatch.setattr(loading, "load_model", no_loading)
     with pytest.raises(ValueError, match=message):
         LLM(str(checkpoint), **kwargs)
 
 
 def test_max_model_len_defaults_to_the_models_positions_at_most_4096(checkpoint, tmp_path, monkeypatch):
     """Without max_model_len, LLM and `python -m serve` take the model's max_position_embeddings,
-    capped at 4096: the built-in dsv4-tiny (1024 positions) starts with every default."""
+    capped at 4096: the built-in dsv4-tiny (1024 positions) starts with every default. Resolved
+    with the other defaults before any weights load."""
     import json
+
+    from dsv4_jax.weights import loading
 
     def no_loading(*args, **kwargs):
         raise AssertionError("load_model was called")
 
-    monkeypatch.setattr(dsv4_jax, "load_model", no_loading)
+    monkeypatch.setattr(loading, "load_model", no_loading)
     assert CONFIG.max_position_embeddings < 4096
-    assert LLM.check_arguments(str(checkpoint)) == checkpoint  # no max_model_len: within the model's
-    assert LLM.resolve_max_model_len(checkpoint, None) == CONFIG.max_position_embeddings
-    assert LLM.resolve_max_model_len(checkpoint, 300) == 300
+    config = EngineArgs(str(checkpoint)).create_engine_config()
+    assert config.model_dir == checkpoint and config.max_model_len == CONFIG.max_position_embeddings
+    assert EngineArgs(str(checkpoint), max_model_len=300).create_engine_config().max_model_len == 300
     long = tmp_path / "long"
     long.mkdir()
     raw = json.loads((checkpoint / "config.json").read_text())
     (long / "config.json").write_text(json.dumps({**raw, "max_position_embeddings": 1048576}))
-    assert LLM.resolve_max_model_len(long, None) == 4096
+    assert EngineArgs(str(long)).create_engine_config().max_model_len == 4096
 
 
 def test_default_buckets_prefill_short_prompts_together_in_short_rows():
@@ -821,7 +828,7 @@ def test_pools_have_the_planners_bytes_and_the_overridden_block_count(llm, chat_
     plan = llm.plan
     assert plan.num_blocks["compressed"] == SEQS * MAX_MODEL_LEN // BLOCK + SEQS != BLOCKS_OVERRIDE
     assert llm.layout.num_compressed_blocks == BLOCKS_OVERRIDE
-    assert llm.engine.scheduler.block_managers[0].num_compressed_blocks == BLOCKS_OVERRIDE
+    assert llm.engine.scheduler.config.num_compressed_blocks == BLOCKS_OVERRIDE  # the pool (its allocator hands out fewer)
     extra_blocks = BLOCKS_OVERRIDE - plan.num_blocks["compressed"]
     expected = plan.kv_budget_bytes + extra_blocks * _compressed_bytes_per_block(plan)
     assert abs(llm.cache_bytes - expected) <= 0.01 * expected
@@ -943,7 +950,8 @@ def test_without_sampling_params_generate_takes_the_generation_config_capped_to_
         add(request_id, prompt_token_ids, params, **kwargs)
 
     monkeypatch.setattr(chat_llm.engine, "add_request", spy)
-    monkeypatch.setattr(chat_llm, "sampling_defaults", {"temperature": 0.0, "max_tokens": 4})
+    defaults = {"temperature": 0.0, "max_tokens": 4}  # as generation_config.json would give them
+    monkeypatch.setattr(chat_llm, "engine_config", dataclasses.replace(chat_llm.engine_config, sampling_defaults=defaults))
     long_prompt = [0, *range(5, 5 + chat_llm.engine.max_model_len - 4)]  # leaves 3 tokens
     outs = chat_llm.generate([{"prompt_token_ids": [0, 5, 6]}, {"prompt_token_ids": long_prompt}], use_tqdm=False)
     assert [(p.temperature, p.max_tokens) for p in seen] == [(0.0, 4), (0.0, None)]  # None: what is left

@@ -239,13 +239,15 @@ def test_idle_layers_keep_the_most_blocks_below_a_band_edge_and_sliding_only_mod
 def test_num_gpu_blocks_override_in_the_band_gets_idle_layers():
     from types import SimpleNamespace
 
-    from dsv4_jax.engine.llm import LLM
+    from dsv4_jax.engine.args import EngineArgs
+    from dsv4_jax.engine.builder import _layout
     from dsv4_jax.kv_cache.paged import abstract_paged_cache
 
     tiny = get_config("dsv4-tiny")
     spec = resolve_kv_cache("auto", "NVIDIA H200", None, config=tiny)
     plan = plan_capacity(tiny, spec, max_model_len=1024, device_memory_bytes=8 * GiB, max_num_seqs=8)
-    layout = LLM._layout(SimpleNamespace(config=tiny), plan, 1024, 256, 2_200_000)
+    config = SimpleNamespace(model_config=tiny, max_model_len=1024, args=EngineArgs(num_gpu_blocks_override=2_200_000))
+    layout = _layout(config, plan)
     cache = abstract_paged_cache(layout)
     assert layout.num_compressed_blocks == 2_200_000 and cache.compressed.csa.scales.shape[0] == 4
     assert not _wrapping_planes(cache)

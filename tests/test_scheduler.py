@@ -21,11 +21,11 @@ from dsv4_jax.engine.block_manager import BlockManager
 from dsv4_jax.engine.request import PLACEHOLDER, Request, RequestRejected, RequestStatus
 from dsv4_jax.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 
-# Small pools: 600 + 64 tokens need 42 blocks of 16, and 96 usable blocks hold few such requests at
-# once, so long runs preempt often.
+# Small pools: 600 + 64 tokens need 42 blocks of 16, and 96 blocks hold few such requests at once,
+# so long runs preempt often.
 CONFIG = SchedulerConfig(
-    max_num_seqs=12, max_model_len=704, num_seq_slots=14, num_compressed_blocks=128, block_size=16,
-    max_blocks_per_seq=44, max_prefill_rows=4, max_prefill_tokens=128, max_decode_rows=16, usable_blocks_cap=96,
+    max_num_seqs=12, max_model_len=704, num_seq_slots=14, num_compressed_blocks=96, block_size=16,
+    max_blocks_per_seq=44, max_prefill_rows=4, max_prefill_tokens=128, max_decode_rows=16,
 )
 
 
@@ -166,7 +166,7 @@ def simulate(config: SchedulerConfig, num_requests: int, max_prompt: int, max_ou
         assert len(request.prompt_token_ids) == prompt_len
     for bm in scheduler.block_managers:
         bm.check_invariants()
-        assert (bm.num_free_slots, bm.num_free_blocks) == (config.num_seq_slots, bm.num_usable_blocks)
+        assert (bm.num_free_slots, bm.num_free_blocks) == (config.num_seq_slots, config.num_compressed_blocks)
         assert not any(bm._ref_counts)
     assert scheduler.num_running == scheduler.num_waiting == 0
     return scheduler
@@ -189,10 +189,10 @@ def test_random_limits_keep_every_invariant(block_size, cap, rows, tokens, decod
                                             chunked, dp_size, seed):
     max_prompt = min(tokens, budget) if not chunked else 40
     config = SchedulerConfig(
-        max_num_seqs=max_num_seqs, max_model_len=max_prompt + 8, num_seq_slots=6, num_compressed_blocks=40,
+        max_num_seqs=max_num_seqs, max_model_len=max_prompt + 8, num_seq_slots=6,
+        num_compressed_blocks=max(cap, math.ceil((max_prompt + 7) / block_size)),
         block_size=block_size, max_blocks_per_seq=40, max_prefill_rows=rows, max_prefill_tokens=tokens,
-        max_decode_rows=decode_rows, max_num_batched_tokens=budget, enable_chunked_prefill=chunked,
-        dp_size=dp_size, usable_blocks_cap=max(cap, math.ceil((max_prompt + 7) / block_size)),
+        max_decode_rows=decode_rows, max_num_batched_tokens=budget, enable_chunked_prefill=chunked, dp_size=dp_size,
     )
     simulate(config, num_requests=24, max_prompt=max_prompt, max_out=8, abort_share=0.1, seed=seed)
 
@@ -205,14 +205,14 @@ def test_random_limits_keep_every_invariant(block_size, cap, rows, tokens, decod
         (700, 5, {}, "prompt 700 + max_tokens 5 = 705 tokens exceed max_model_len=704", "max_tokens"),
         (10, 0, {}, "max_tokens must be an int >= 1, got 0", "max_tokens"),
         (500, 100, {}, "599 cached positions need 38 compressed blocks of 16, more than the 30 usable", "max_tokens"),
-        (600, 64, {"usable_blocks_cap": None, "max_blocks_per_seq": 41}, "need 42 compressed blocks", "max_tokens"),
+        (600, 64, {"num_compressed_blocks": 96, "max_blocks_per_seq": 41}, "need 42 compressed blocks", "max_tokens"),
         (129, 1, {"enable_chunked_prefill": False},
          "prompt 129 is longer than one prefill row (max_prefill_tokens=128", "prompt"),
     ],
 )
 def test_add_refuses_a_request_that_can_never_run(prompt_len, max_tokens, overrides, expected, param):
     """With the numbers, and the request field to change (the server's OpenAI error `param`)."""
-    config = SchedulerConfig(**{**vars(CONFIG), "usable_blocks_cap": 30, **overrides})
+    config = SchedulerConfig(**{**vars(CONFIG), "num_compressed_blocks": 30, **overrides})
     scheduler = Scheduler(config)
     with pytest.raises(RequestRejected, match=re.escape(expected)) as refused:
         scheduler.add(new_request("big", prompt_len, max_tokens))
@@ -233,9 +233,6 @@ def test_a_chunk_of_token_ids_is_the_slice_of_prompt_then_outputs(prompt_len, ou
 def test_config_and_block_manager_name_bad_values():
     with pytest.raises(ValueError, match=r"SchedulerConfig.max_num_seqs must be an int >= 1, got 0"):
         SchedulerConfig(**{**vars(CONFIG), "max_num_seqs": 0})
-    bad_cap = "usable_blocks_cap must be None or an int in [1, num_compressed_blocks=128], got 129"
-    with pytest.raises(ValueError, match=re.escape(bad_cap)):
-        Scheduler(SchedulerConfig(**{**vars(CONFIG), "usable_blocks_cap": 129}))
     scheduler = Scheduler(CONFIG)
     scheduler.add(new_request("a", 3, 2))
     with pytest.raises(ValueError, match="request id 'a' is already queued"):
@@ -315,7 +312,7 @@ def test_a_third_schedule_and_updates_out_of_order_are_refused():
 
 
 def test_preemption_frees_the_newest_and_it_recomputes_prompt_and_output():
-    config = SchedulerConfig(**{**vars(CONFIG), "usable_blocks_cap": 3})
+    config = SchedulerConfig(**{**vars(CONFIG), "num_compressed_blocks": 3})
     scheduler, runner = Scheduler(config), FakeRunner(config)
     scheduler.add(new_request("old", 16, 20))
     scheduler.add(new_request("new", 15, 20))
@@ -376,7 +373,7 @@ def test_decodes_keep_every_row_while_the_queue_head_waits_for_blocks():
     """Four decoding requests hold 16 of 24 blocks; a 300-token prompt (19 blocks) must wait until
     they finish. Meanwhile every step is a decode step with all four: a prefill step for a head
     that cannot be admitted would hold only max_prefill_rows = 2 of them."""
-    config = SchedulerConfig(**{**vars(CONFIG), "max_prefill_rows": 2, "usable_blocks_cap": 24})
+    config = SchedulerConfig(**{**vars(CONFIG), "max_prefill_rows": 2, "num_compressed_blocks": 24})
     scheduler, runner = decoding(config, 4, 60, 30)
     scheduler.add(new_request("long", 300, 2))
     steps = 0
@@ -454,8 +451,7 @@ def test_a_rank_that_only_decodes_fits_the_prefill_bucket_another_rank_needs():
 
 
 def test_block_manager_counts_and_refuses_what_it_cannot_hold():
-    bm = BlockManager(num_seq_slots=2, num_compressed_blocks=10, block_size=4, max_blocks_per_seq=3,
-                      usable_blocks_cap=5)
+    bm = BlockManager(num_seq_slots=2, num_compressed_blocks=5, block_size=4, max_blocks_per_seq=3)
     a, b = new_request("a", 1, 1), new_request("b", 1, 1)
     assert bm.allocate_slot(a) == 0 and bm.allocate_blocks(a, 9) and a.compressed_blocks.tolist() == [0, 1, 2]
     assert bm.allocate_blocks(a, 12) and len(a.compressed_blocks) == 3  # already covered

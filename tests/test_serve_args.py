@@ -7,24 +7,16 @@ serve/args.py agree with their owners.
 
 from __future__ import annotations
 
-import inspect
 import json
 import logging
 
 import pytest
 
+from dsv4_jax.engine.args import EngineArgs
+from dsv4_jax.engine.sampling_params import generation_defaults as sampling_defaults
 from dsv4_jax.parallel.distributed import DistributedConfig
 from pallas_kernels.cli import run_main
-from serve.args import (
-    API_KEY_ENV,
-    IGNORED_FLAGS,
-    ServerArgs,
-    build_parser,
-    engine_kwargs,
-    generation_defaults,
-    node_flags,
-    parse_args,
-)
+from serve.args import API_KEY_ENV, IGNORED_FLAGS, ServerArgs, build_parser, node_flags, parse_args
 
 
 @pytest.fixture(autouse=True)
@@ -47,16 +39,20 @@ def _error_line(argv: list[str], capsys) -> str:
 # ---- values -------------------------------------------------------------------------------------
 def test_defaults():
     args = parse_args([])
+    assert args.engine == EngineArgs()  # the engine's own defaults, vLLM's names
     assert (args.model, args.model_is_builtin, args.served_model_name) == ("dsv4-tiny", True, ("dsv4-tiny",))
-    assert (args.host, args.port, args.tokenizer) == ("127.0.0.1", 8000, None)
-    assert (args.tensor_parallel_size, args.data_parallel_size, args.enable_expert_parallel) == (1, 1, False)
-    assert (args.gpu_memory_utilization, args.max_num_seqs, args.max_model_len) == (0.9, 8, None)  # the model's
-    assert (args.max_num_batched_tokens, args.num_gpu_blocks_override) == (None, None)
-    assert (args.dtype, args.kv_cache_dtype, args.attention_backend, args.block_size) == ("auto", "auto", None, 256)
+    assert (args.host, args.port, args.engine.tokenizer) == ("127.0.0.1", 8000, None)
+    e = args.engine
+    assert (e.tensor_parallel_size, e.data_parallel_size, e.enable_expert_parallel) == (1, 1, False)
+    # max_num_seqs and max_model_len: chosen for the device and the model (EngineArgs.create_engine_config)
+    assert (e.gpu_memory_utilization, e.max_num_seqs, e.max_model_len) == (0.9, None, None)
+    assert (e.max_num_batched_tokens, e.num_gpu_blocks_override) == (None, None)
+    assert (e.dtype, e.kv_cache_dtype, e.attention_backend, e.block_size) == ("auto", "auto", None, 256)
     assert (args.enable_auto_tool_choice, args.tool_call_parser, args.reasoning_parser) == (False, None, None)
-    assert (args.api_key, args.seed, args.generation_config, args.uvicorn_log_level) == (None, 0, "auto", "info")
+    assert (args.api_key, e.seed, e.generation_config, args.uvicorn_log_level) == (None, 0, "auto", "info")
     assert (args.default_chat_template_kwargs, args.max_logprobs, args.max_waiting_requests) == (None, 20, 1024)
     assert (args.no_web_ui, args.debug, args.ignored_flags, args.enable_force_include_usage) == (False, False, (), False)
+    assert (args.disable_access_log_for_endpoints, args.disable_uvicorn_access_log) == (("/health", "/metrics"), False)
 
 
 def test_every_flag_by_its_vllm_name(tmp_path):
@@ -70,23 +66,29 @@ def test_every_flag_by_its_vllm_name(tmp_path):
         "--reasoning-parser", "deepseek_v4", "--api-key", "k", "--seed", "-7", "--generation-config", "vllm",
         "--uvicorn-log-level", "trace", "--default-chat-template-kwargs", '{"thinking": false}',
         "--max-logprobs", "0", "--max-waiting-requests", "5", "--no-web-ui", "--no-async-scheduling", "--debug",
-        "--enable-force-include-usage",
+        "--enable-force-include-usage", "--disable-access-log-for-endpoints", "/health,/v1/models",
+        "--disable-uvicorn-access-log",
     ]
     assert parse_args(argv) == ServerArgs(
-        model=str(tmp_path), model_is_builtin=False, served_model_name=("deepseek-ai/DeepSeek-V4-Flash", "v4"),
-        host="0.0.0.0", port=0, tokenizer="/tok", tensor_parallel_size=2, data_parallel_size=4,
-        enable_expert_parallel=True, load_format="orbax", gpu_memory_utilization=0.5, max_num_seqs=3, max_num_batched_tokens=512,
-        num_gpu_blocks_override=40, max_model_len=1024, dtype="float32", kv_cache_dtype="fp8",
-        attention_backend="pallas_bf16", block_size=384, enable_auto_tool_choice=True, tool_call_parser="deepseek_v4",
-        reasoning_parser="deepseek_v4", api_key="k", seed=-7, generation_config="vllm", uvicorn_log_level="trace",
-        default_chat_template_kwargs={"thinking": False}, enable_force_include_usage=True, max_logprobs=0,
-        max_waiting_requests=5, no_web_ui=True,
-        async_scheduling=False, debug=True, distributed=DistributedConfig(), ignored_flags=(),
+        engine=EngineArgs(
+            model=str(tmp_path), tokenizer="/tok", tensor_parallel_size=2, data_parallel_size=4,
+            enable_expert_parallel=True, load_format="orbax", gpu_memory_utilization=0.5, max_num_seqs=3,
+            max_num_batched_tokens=512, num_gpu_blocks_override=40, max_model_len=1024, dtype="float32",
+            kv_cache_dtype="fp8", attention_backend="pallas_bf16", block_size=384, seed=-7, generation_config="vllm",
+            async_scheduling=False,
+        ),
+        model_is_builtin=False, served_model_name=("deepseek-ai/DeepSeek-V4-Flash", "v4"), host="0.0.0.0", port=0,
+        enable_auto_tool_choice=True, tool_call_parser="deepseek_v4", reasoning_parser="deepseek_v4", api_key="k",
+        uvicorn_log_level="trace", disable_access_log_for_endpoints=("/health", "/v1/models"),
+        disable_uvicorn_access_log=True, default_chat_template_kwargs={"thinking": False},
+        enable_force_include_usage=True, max_logprobs=0, max_waiting_requests=5, no_web_ui=True, debug=True,
+        ignored_flags=(),
     )
+    assert parse_args(argv).distributed == DistributedConfig()
 
 
 def test_short_parallel_flags_are_kept_as_given():
-    args = parse_args(["-tp", "2", "-dp", "8"])
+    args = parse_args(["-tp", "2", "-dp", "8"]).engine
     assert (args.tensor_parallel_size, args.data_parallel_size) == (2, 8)
 
 
@@ -105,15 +107,15 @@ def test_api_key_from_the_environment_unless_given(monkeypatch):
 
 
 def test_vllm_spellings_underscores_and_human_readable_sizes():
-    args = parse_args(["--max_model_len=8k", "--max-num-batched-tokens", "2K"])
+    args = parse_args(["--max_model_len=8k", "--max-num-batched-tokens", "2K"]).engine
     assert (args.max_model_len, args.max_num_batched_tokens) == (8000, 2048)
-    assert parse_args(["--max-model-len", "1.5k"]).max_model_len == 1500
+    assert parse_args(["--max-model-len", "1.5k"]).engine.max_model_len == 1500
 
 
 @pytest.mark.parametrize("name", ["FLASHMLA_SPARSE", "flashmla_sparse_v4"])
 def test_vllm_flashmla_sparse_means_pallas_fp8_ds_mla(name, caplog):
     with caplog.at_level(logging.INFO, logger="serve"):
-        assert parse_args(["--attention-backend", name]).attention_backend == "pallas_fp8_ds_mla"
+        assert parse_args(["--attention-backend", name]).engine.attention_backend == "pallas_fp8_ds_mla"
     assert [r.levelno for r in caplog.records] == [logging.INFO] and name in caplog.records[0].getMessage()
 
 
@@ -180,25 +182,25 @@ def test_a_node_with_refused_flags_still_knows_where_to_join():
 
 
 # ---- what the server makes of them -------------------------------------------------------------
-def test_engine_kwargs_are_llm_arguments():
-    from dsv4_jax.engine.llm import LLM
-
+def test_the_engine_flags_are_the_engine_arguments_llm_takes():
+    """One set of engine arguments: the server's flags parse into the `EngineArgs` that `LLM(...)`
+    builds from its keywords (`LLM.from_engine_args` takes the server's as they are)."""
     args = parse_args(["/ckpt", "--max-model-len", "2048", "--seed", "3", "--attention-backend", "xla"])
-    kwargs = engine_kwargs(args)
-    assert set(kwargs) <= set(inspect.signature(LLM.__init__).parameters)
-    assert (kwargs["model"], kwargs["max_model_len"], kwargs["seed"]) == ("/ckpt", 2048, 3)
-    assert kwargs["attention_backend"] == "xla"
+    assert args.engine == EngineArgs(model="/ckpt", max_model_len=2048, seed=3, attention_backend="xla")
 
 
 def test_mirrored_names_agree_with_their_owners():
-    from dsv4_jax.engine import llm
     from dsv4_jax.kv_cache import planner, resolver
     from serve import args
 
-    assert args.BUILTIN_MODEL in llm.BUILTIN_NAMES and set(args.DTYPES) == set(llm.DTYPES)
     assert set(args.KV_CACHE_DTYPES) <= set(resolver.ACCEPTED_REQUESTS)
     assert set(args.ATTENTION_BACKENDS) == set(resolver.ATTENTION_BACKENDS)
     assert args.BLOCK_SIZE_MULTIPLE == planner.BLOCK_SIZE_MULTIPLE
+
+
+def generation_defaults(args: ServerArgs, model_dir) -> dict:
+    """The sampling defaults the engine reads for these flags (`EngineArgs.create_engine_config`)."""
+    return sampling_defaults(model_dir, args.engine.generation_config, "generation_config (--generation-config)")
 
 
 def _write_generation_config(folder, content) -> None:

@@ -487,13 +487,13 @@ def test_completion_text_offsets_index_the_echoed_and_generated_text(tokenizer, 
 
 
 class _FakeEngine:
-    """add_request streams `steps` cumulative outputs per request, as fast as it can (a yield to the
-    loop between steps), as an engine far ahead of a slow client."""
+    """An `EngineClient` whose add_request streams `steps` cumulative outputs per request, as fast as
+    it can (a yield to the loop between steps), as an engine far ahead of a slow client."""
 
     def __init__(self, tokenizer, generated: list[int], steps: int):
         self.outputs = _cumulative(tokenizer, [0], generated)[:steps]
         self.outputs[-1].metrics = RequestMetrics(1.0, 2.0, 3.0, 4.0)  # the engine's timestamps, at the end
-        self.engine = types.SimpleNamespace(scheduler=types.SimpleNamespace(num_waiting=0), max_model_len=256)
+        self.num_waiting, self.max_model_len = 0, 256
         self.aborted: list[str] = []
 
     def add_request(self, rid, prompt_ids, params, forced=None):
@@ -511,7 +511,7 @@ def test_a_server_default_max_tokens_is_capped_to_each_prompts_room_and_a_sent_o
     """`Generation(cap_to_room=True)`: the server's default max_tokens beyond what max_model_len
     leaves a prompt becomes None (the engine's "what is left"), prompt by prompt, for every child."""
     engine = _FakeEngine(tokenizer, [5], steps=1)
-    engine.engine.max_model_len = 64
+    engine.max_model_len = 64
     seen = []
     add = engine.add_request
     engine.add_request = lambda rid, ids, params, forced=None: (seen.append(params.max_tokens), add(rid, ids, params))[1]
@@ -648,4 +648,4 @@ def test_a_request_refused_between_its_choices_leaves_no_parent_metrics(tokenize
             Generation(state, "c", prompts, SamplingParams(n=2, max_tokens=None))
         assert state.metrics.finished == {rid: "abort" for rid in aborted} and engine.aborted == aborted
         assert state.metrics.parents == []
-        assert {max_tokens for _, max_tokens in state.metrics.phases.values()} == {engine.engine.max_model_len - 1}
+        assert {max_tokens for _, max_tokens in state.metrics.phases.values()} == {engine.max_model_len - 1}

@@ -30,7 +30,7 @@ import pytest
 
 from dsv4_jax import SamplingParams
 from dsv4_jax.chat import EOS, THINK_END, render_tool_calls
-from conftest import CHAT_SERVER_FLAGS, CHAT_SERVER_KEY, CHAT_SERVER_NAME, REPO  # tests/ is on sys.path
+from conftest import CHAT_SERVER_KEY, CHAT_SERVER_NAME, REPO, serving_state  # tests/ is on sys.path
 
 KEY, NAME = CHAT_SERVER_KEY, CHAT_SERVER_NAME
 MAX_MODEL_LEN = 512
@@ -393,19 +393,9 @@ def test_bad_requests_get_openai_errors_and_harm_no_one(server):
 async def _in_process_app(chat_llm):
     """The server's app in this process over the chat_llm engine (the same routes as the server
     process, without its flags), as an httpx client."""
-    from dsv4_jax.engine.async_engine import AsyncLLMEngine
     from serve.app import build_app
-    from serve.args import parse_args
-    from serve.metrics import EngineStats, ServerMetrics
-    from serve.protocol import ServerLimits
-    from serve.state import ServingState
 
-    state = ServingState(parse_args(["ckpt", *CHAT_SERVER_FLAGS]), served_model_names=(NAME,),
-                         forced_output_hook=True)
-    state.llm, state.engine = chat_llm, AsyncLLMEngine(chat_llm.engine)
-    state.limits = ServerLimits(served_model_names=(NAME,), vocab_size=chat_llm.config.vocab_size)
-    state.metrics = ServerMetrics(NAME, lambda: EngineStats(0, 0, 0.0, 0))
-    state.ready = True
+    state = serving_state(chat_llm, name=NAME, forced_output_hook=True)
     await state.engine.start()
     transport = httpx.ASGITransport(app=build_app(state))
     try:

@@ -22,7 +22,7 @@ import time
 import httpx
 import pytest
 
-from conftest import CHAT_SERVER_FLAGS  # tests/ is on sys.path
+from conftest import serving_state  # tests/ is on sys.path
 
 HELLO = [{"role": "user", "content": "Hello"}]
 
@@ -66,12 +66,7 @@ def test_a_full_waiting_queue_answers_503_and_aborted_requests_free_everything(c
     """--max-waiting-requests 1 on an in-process app over the chat_llm engine: 8 requests fill the
     sequence slots, a 9th waits, a 10th is refused with a 503 OpenAI error body; cancelling the
     clients aborts all nine and every allocator is back at its initial free count."""
-    from dsv4_jax.engine.async_engine import AsyncLLMEngine
     from serve.app import build_app
-    from serve.args import parse_args
-    from serve.metrics import EngineStats, ServerMetrics
-    from serve.protocol import ServerLimits
-    from serve.state import ServingState
 
     name = "dsv4-test"
     scheduler = chat_llm.engine.scheduler
@@ -84,12 +79,7 @@ def test_a_full_waiting_queue_answers_503_and_aborted_requests_free_everything(c
             await asyncio.sleep(0.01)
 
     async def main():
-        args = parse_args(["ckpt", *CHAT_SERVER_FLAGS, "--max-waiting-requests", "1"])
-        state = ServingState(args, served_model_names=(name,))
-        state.llm, state.engine = chat_llm, AsyncLLMEngine(chat_llm.engine)
-        state.limits = ServerLimits(served_model_names=(name,), vocab_size=chat_llm.config.vocab_size)
-        state.metrics = ServerMetrics(name, lambda: EngineStats(0, 0, 0.0, 0))
-        state.ready = True
+        state = serving_state(chat_llm, "--max-waiting-requests", "1", name=name)
         await state.engine.start()
         long = {"model": name, "prompt": [0, 5, 6], "max_tokens": 400, "ignore_eos": True}
         try:
@@ -129,18 +119,9 @@ LONG = {"model": NAME, "max_tokens": 400, "ignore_eos": True}  # far longer than
 @contextlib.asynccontextmanager
 async def _serving(chat_llm, *flags: str):
     """A ServingState and its app over the chat_llm engine (no server process, nothing compiled)."""
-    from dsv4_jax.engine.async_engine import AsyncLLMEngine
     from serve.app import build_app
-    from serve.args import parse_args
-    from serve.metrics import EngineStats, ServerMetrics
-    from serve.protocol import ServerLimits
-    from serve.state import ServingState
 
-    state = ServingState(parse_args(["ckpt", *CHAT_SERVER_FLAGS, *flags]), served_model_names=(NAME,))
-    state.llm, state.engine = chat_llm, AsyncLLMEngine(chat_llm.engine)
-    state.limits = ServerLimits(served_model_names=(NAME,), vocab_size=chat_llm.config.vocab_size)
-    state.metrics = ServerMetrics(NAME, lambda: EngineStats(0, 0, 0.0, 0))
-    state.ready = True
+    state = serving_state(chat_llm, *flags, name=NAME)
     await state.engine.start()
     try:
         yield state, build_app(state)

@@ -52,11 +52,22 @@ class ActivationMemory:
 def measure_activations(model, layout: PagedCacheLayout, *, buckets: StepBuckets, attention_backend: str,
                         max_model_len: int, sampler_config: SamplerConfig = SamplerConfig()) -> ActivationMemory:
     """The `ActivationMemory` of an engine serving `model` (dsv4_jax.weights.loading.CausalLM) with these
-    buckets on pools of `layout` or smaller: its programs compiled for those pools' shapes, none
-    run and no pool allocated."""
+    buckets on pools of `layout`: its programs compiled for those pools' shapes, none run and no
+    pool allocated."""
     runner = ModelRunner(model, layout, attention_backend=attention_backend, buckets=buckets, allocate_cache=False)
+    return _activations(runner, lambda config: Sampler(config, runner.mesh), max_model_len, sampler_config)
+
+
+def engine_activations(engine) -> ActivationMemory:
+    """The `ActivationMemory` of a warmed-up `LLMEngine`, from the executables its warm-up built
+    (nothing is compiled)."""
+    return _activations(engine.runner, lambda config: engine.sampler, engine.max_model_len, engine.sampler_config)
+
+
+def _activations(runner: ModelRunner, sampler_for, max_model_len: int, sampler_config: SamplerConfig
+                 ) -> ActivationMemory:
     programs = runner.program_memory()
-    vocab = model.config.vocab_size
+    vocab = runner.config.vocab_size
     widest = max(programs.values(), key=lambda bucket: bucket.logits.shape[0])
     config = dataclasses.replace(sampler_config, pad_rows=widest.logits.shape[0])  # as the engine pads them
     width = config.penalty_widths(min(vocab + 1, max_model_len))[-1]
@@ -67,5 +78,5 @@ def measure_activations(model, layout: PagedCacheLayout, *, buckets: StepBuckets
         step=max(p.step.total for p in programs.values()),
         step_outputs=max(p.step.outputs for p in programs.values()),
         scores=max((p.scores.total for p in programs.values() if p.scores is not None), default=0),
-        sampler=Sampler(config, runner.mesh).program_memory(widest.logits, penalised),
+        sampler=sampler_for(config).program_memory(widest.logits, penalised),
     )

@@ -19,6 +19,9 @@ batch costs its requests, not the server (and a client that resends a request th
 time cannot stop it). If the reset or that step fails too (a lost device, a broken cache), the
 engine stops for good (`EngineDeadError`; the server's /health then answers 503 so that a
 supervisor restarts it).
+
+`EngineClient` is the interface the server is written against; `AsyncLLMEngine` is the one
+implementation.
 """
 
 from __future__ import annotations
@@ -26,12 +29,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from typing import AsyncIterator, Sequence
+from typing import Any, AsyncIterator, Protocol, Sequence
 
 import jax
 
 from dsv4_jax.engine.engine import LLMEngine
-from dsv4_jax.engine.outputs import RequestOutput
+from dsv4_jax.engine.outputs import EngineStats, RequestOutput
 from dsv4_jax.engine.request import ForcedTokens
 from dsv4_jax.engine.sampling_params import SamplingParams
 
@@ -69,7 +72,35 @@ class _Latest:
         return item
 
 
+class EngineClient(Protocol):
+    """What the server needs of an engine, and all it may use: requests in (`add_request`, whose
+    outputs stream back), out (`abort_now`), the numbers it reports (`stats`, `num_waiting`), the
+    limits and tokenizer requests are checked against, and the life cycle."""
+
+    max_model_len: int
+    tokenizer: Any
+
+    @property
+    def accepting(self) -> bool: ...
+
+    @property
+    def num_waiting(self) -> int: ...
+
+    def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
+                    prompt: str | None = None, forced: ForcedTokens | None = None) -> AsyncIterator[RequestOutput]: ...
+
+    def abort_now(self, request_id: str) -> None: ...
+
+    def stats(self) -> EngineStats: ...
+
+    async def start(self) -> None: ...
+
+    async def shutdown(self, grace_seconds: float = 10.0) -> None: ...
+
+
 class AsyncLLMEngine:
+    """The `EngineClient` over an `LLMEngine` whose steps run on a thread of its own."""
+
     def __init__(self, engine: LLMEngine):
         self.engine = engine
         self._lock = threading.Lock()
@@ -102,10 +133,29 @@ class AsyncLLMEngine:
             self._work.notify()
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join)
+        self.engine.stop_followers()  # a multi-node run: the followers exit too
 
     @property
     def accepting(self) -> bool:
         return self._accepting and self.error is None
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    @property
+    def num_waiting(self) -> int:
+        """Sequences queued for a slot, every data-parallel rank's."""
+        return self.engine.scheduler.num_waiting
+
+    def stats(self) -> EngineStats:
+        scheduler = self.engine.scheduler
+        return EngineStats(scheduler.num_running, scheduler.num_waiting, scheduler.kv_cache_usage,
+                           scheduler.num_preemptions)
 
     @property
     def num_unfinished(self) -> int:

@@ -25,7 +25,6 @@ class BlockManager:
         num_compressed_blocks: int,
         block_size: int,
         max_blocks_per_seq: int,
-        usable_blocks_cap: int | None = None,  # test-only: fewer usable blocks, same pool sizes
     ):
         for name, value in (
             ("num_seq_slots", num_seq_slots), ("num_compressed_blocks", num_compressed_blocks),
@@ -33,20 +32,12 @@ class BlockManager:
         ):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"BlockManager {name} must be an int >= 1, got {value!r}")
-        if usable_blocks_cap is not None and not (
-            isinstance(usable_blocks_cap, int) and 1 <= usable_blocks_cap <= num_compressed_blocks
-        ):
-            raise ValueError(
-                f"usable_blocks_cap must be None or an int in [1, num_compressed_blocks={num_compressed_blocks}], "
-                f"got {usable_blocks_cap!r}"
-            )
         self.num_seq_slots = num_seq_slots
         self.num_compressed_blocks = num_compressed_blocks
         self.block_size = block_size
         self.max_blocks_per_seq = max_blocks_per_seq
-        self.num_usable_blocks = usable_blocks_cap or num_compressed_blocks
         self._free_slots = collections.deque(range(num_seq_slots))
-        self._free_blocks = collections.deque(range(self.num_usable_blocks))
+        self._free_blocks = collections.deque(range(num_compressed_blocks))
         self._ref_counts = [0] * num_compressed_blocks
         self._holders: dict[str, Request] = {}  # requests holding a slot or blocks, by id
 
@@ -61,8 +52,8 @@ class BlockManager:
 
     @property
     def usage(self) -> float:
-        """Fraction of the usable compressed blocks in use, 0..1 (vllm:kv_cache_usage_perc)."""
-        return 1.0 - self.num_free_blocks / self.num_usable_blocks
+        """Fraction of the compressed blocks in use, 0..1 (vllm:kv_cache_usage_perc)."""
+        return 1.0 - self.num_free_blocks / self.num_compressed_blocks
 
     def blocks_for(self, num_tokens: int) -> int:
         """Compressed blocks that positions [0, num_tokens) occupy."""
@@ -115,9 +106,9 @@ class BlockManager:
 
     # ---- checks -----------------------------------------------------------------------------
     def check_invariants(self) -> None:
-        """Every usable block is either free (count 0, listed once) or referenced exactly as often
-        as holders list it; no block beyond the usable cap is ever handed out; every slot is
-        either free or held by exactly one request. Raises RuntimeError naming the first breach."""
+        """Every block is either free (count 0, listed once) or referenced exactly as often as
+        holders list it; every slot is either free or held by exactly one request. Raises
+        RuntimeError naming the first breach."""
         held = [0] * self.num_compressed_blocks
         for request in self._holders.values():
             for block in request.compressed_blocks:
@@ -125,13 +116,12 @@ class BlockManager:
         free = [0] * self.num_compressed_blocks
         for block in self._free_blocks:
             free[block] += 1
-        expected_free = [int(count == 0 and b < self.num_usable_blocks) for b, count in enumerate(held)]
+        expected_free = [int(count == 0) for count in held]
         if held != self._ref_counts or free != expected_free:
             block = next(b for b, count in enumerate(held)
                          if (count, free[b]) != (self._ref_counts[b], expected_free[b]))
             raise RuntimeError(f"block {block}: reference count {self._ref_counts[block]}, listed by holders "
-                               f"{held[block]} times, free {free[block]} times "
-                               f"(usable blocks: {self.num_usable_blocks})")
+                               f"{held[block]} times, free {free[block]} times")
         slots = [r.slot for r in self._holders.values() if r.slot is not None]
         if sorted([*slots, *self._free_slots]) != list(range(self.num_seq_slots)):
             raise RuntimeError(f"slots held {sorted(slots)} and free {sorted(self._free_slots)} do not partition "

@@ -138,13 +138,18 @@ def compile_threads() -> int:
     return int(value)
 
 
-def compile_concurrently(jobs: dict, describe: Callable[[object], contextlib.AbstractContextManager]) -> dict:
+def compile_concurrently(jobs: dict, describe: Callable[[object], contextlib.AbstractContextManager],
+                         on_done: Callable[[], None] | None = None) -> dict:
     """`{key: lowered.compile()}` of lowered programs, `compile_threads()` at once on threads (XLA
     compiles without holding the GIL: on a GPU each step program took 11-15 s to compile, one
-    after another). Errors are raised in `describe(key)`'s context, the first key's first."""
+    after another). Errors are raised in `describe(key)`'s context, the first key's first.
+    `on_done()` is called as each compile ends (start-up progress)."""
     workers = max(1, min(len(jobs), compile_threads()))
     with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="dsv4-compile") as pool:
         futures = {key: pool.submit(lowered.compile) for key, lowered in jobs.items()}
+        if on_done is not None:
+            for future in futures.values():
+                future.add_done_callback(lambda _: on_done())
     out = {}
     for key, future in futures.items():
         with describe(key):

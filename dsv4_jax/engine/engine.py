@@ -19,13 +19,14 @@ import collections
 import dataclasses
 import itertools
 import logging
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from dsv4_jax.parallel.distributed import StepChannel
+from dsv4_jax.engine.block_manager import BlockManager
 from dsv4_jax.engine.detokenizer import IncrementalDetokenizer
 from dsv4_jax.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, TokenIdsSoFar
 from dsv4_jax.engine.request import (
@@ -168,9 +169,10 @@ class LLMEngine:
         max_num_batched_tokens: int | None = None,
         seed: int = 0,
         sampler_config: SamplerConfig = SamplerConfig(),
-        usable_blocks_cap: int | None = None,  # test-only: forces preemption (BlockManager)
         async_scheduling: bool = True,
+        block_manager_factory: Callable[..., BlockManager] | None = None,
     ):
+        """`block_manager_factory`: each data-parallel rank's allocators (`Scheduler`'s default when None)."""
         self.config = model.config
         self.tokenizer = tokenizer
         self._token_texts: dict[int, str] = {}  # token id -> its text, for logprobs (`_logprob`)
@@ -186,8 +188,8 @@ class LLMEngine:
         self.eos_token_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
         self.scheduler = Scheduler(SchedulerConfig.for_runner(
             buckets, layout, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-            max_num_batched_tokens=max_num_batched_tokens, usable_blocks_cap=usable_blocks_cap, dp_size=dp,
-        ))
+            max_num_batched_tokens=max_num_batched_tokens, dp_size=dp,
+        ), block_manager_factory or BlockManager)
         mesh = self.runner.mesh
         self.sampler = Sampler(self.sampler_config, mesh)
         # Every device call of a step, by name: made in lockstep by the followers of a multi-host
@@ -204,6 +206,19 @@ class LLMEngine:
         self._numbers = itertools.count()
         self._steps = 0
         self._in_flight: _InFlight | None = None  # launched, not completed (async scheduling)
+
+    @property
+    def cache_bytes(self) -> int:
+        """Bytes of the KV cache on the mesh (every rank's pools)."""
+        from dsv4_jax.kv_cache.paged import cache_nbytes
+
+        return cache_nbytes(self.runner.cache)
+
+    def release_cache(self) -> None:
+        """Free the KV pools now: an engine about to be replaced, whose successor's pools are
+        planned to fill the same memory."""
+        for leaf in jax.tree.leaves(self.runner.cache):
+            leaf.delete()
 
     # ---- requests ---------------------------------------------------------------------------------
     def add_request(
@@ -556,11 +571,17 @@ class LLMEngine:
         self.device.stop()
 
     # ---- warm-up ----------------------------------------------------------------------------------
-    def warmup(self) -> int:
+    def warmup(self, progress: Callable[[str, int, int], None] | None = None) -> int:
         """Compile every runner bucket, the sampler for each bucket's row count (its draw, and the
         small programs of batches with bans or penalties) and the placeholder filling of async
-        scheduling. Returns the compiles it took; after it, serving compiles nothing."""
-        compiled = self.runner.warmup()
+        scheduling. Returns the compiles it took; after it, serving compiles nothing.
+        `progress(what, done, total)` counts the step programs built (compiled or read from the
+        persistent compilation cache), then says when the sampler's are ("sampler", 0 or 1, 1)."""
+        progress = progress or (lambda what, done, total: None)
+        done = itertools.count(1)
+        total = self.runner.num_programs
+        progress("steps", 0, total)
+        compiled = self.runner.warmup(on_compiled=lambda: progress("steps", next(done), total))
         self.runner.compiles.reset()
         vocab = self.config.vocab_size
         # On the warm-up steps' own logits and samples: on a mesh their shardings are part of what
@@ -576,6 +597,7 @@ class LLMEngine:
         cases = [(logits, build_sampling_batch([SamplingRow(params, 0, prompt, [])], b, vocab_size=vocab,
                                                eos_token_ids=self.eos_token_ids, config=self.sampler_config))
                  for b, logits in sorted(self.runner.warmup_logits.items()) for params, prompt in kinds]
+        progress("sampler", 0, 1)
         self.sampler.compile(cases)  # several at once; the calls below run them
         for logits, batch in cases:
             previous = self.sampler(logits, batch).token_ids
@@ -589,4 +611,5 @@ class LLMEngine:
         self.runner.warmup_logits.clear()
         compiled += self.runner.compiles.compiles
         self.runner.compiles.reset()
+        progress("sampler", 1, 1)
         return compiled

@@ -87,3 +87,23 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineStats:
+    """The engine's state at one instant (read at a metrics scrape)."""
+
+    num_requests_running: int
+    num_requests_waiting: int
+    kv_cache_usage_perc: float  # fraction in [0, 1], as vLLM
+    num_preemptions_total: int  # cumulative, read from the scheduler
+
+    def __post_init__(self) -> None:
+        for name in ("num_requests_running", "num_requests_waiting", "num_preemptions_total"):
+            value = getattr(self, name)
+            if value < 0:
+                raise ValueError(f"EngineStats.{name}: got {value}, allowed: an integer >= 0")
+        if not 0.0 <= self.kv_cache_usage_perc <= 1.0:
+            raise ValueError(
+                f"EngineStats.kv_cache_usage_perc: got {self.kv_cache_usage_perc}, allowed: a fraction in [0, 1]"
+            )

@@ -452,17 +452,17 @@ class ModelRunner:
         """`x` whole on every device of the mesh (itself without a mesh)."""
         return x if self.mesh is None else self._gather(x)
 
-    def compile_buckets(self, scoring: bool = True) -> None:
+    def compile_buckets(self, scoring: bool = True, on_done: Callable[[], None] | None = None) -> None:
         """Compile every bucket's step and, with `scoring`, each prefill bucket's prompt scoring,
         those not compiled yet: traced one after another, compiled several at once. Steps and
-        prompt scoring of those shapes then run these executables."""
+        prompt scoring of those shapes then run these executables. `on_done()` after each compile."""
         steps = {}
         for rank_rows, s in self.buckets.all:
             key = (rank_rows * self.dp, s)
             if key not in self._steps:
                 with self._naming_the_backend((rank_rows, s)):
                     steps[key] = self._step.lower(self.weights, self.cache, *self._put(self.padding_step(key)))
-        self._steps.update(compile_concurrently(steps, self._naming_the_step))
+        self._steps.update(compile_concurrently(steps, self._naming_the_step, on_done))
         if not scoring:
             return
         scorers = {}
@@ -470,7 +470,7 @@ class ModelRunner:
             if key[1] > 1 and key not in self._scorers:
                 streams = step.out_info[1]  # as the step lays them out; targets come from the host
                 scorers[key] = self._head_scores.lower(self.weights, streams, np.zeros(key, np.int32))
-        self._scorers.update(compile_concurrently(scorers, self._naming_the_step))
+        self._scorers.update(compile_concurrently(scorers, self._naming_the_step, on_done))
 
     def _naming_the_step(self, key: tuple[int, int]):
         return self._naming_the_backend((key[0] // self.dp, key[1]))
@@ -489,21 +489,25 @@ class ModelRunner:
             out[(rank_rows, s)] = BucketMemory(ProgramMemory.of(step), scores, step.out_info[0])
         return out
 
-    def warmup(self, progress: Callable[[int, int, tuple[int, int], float], None] | None = None) -> int:
-        """Compile every bucket (`compile_buckets`), then run a step of padding rows in each (it
-        changes nothing) and score its streams. Returns the number of compiles it took;
-        `progress(i, n, bucket, seconds)` is called after each bucket ran."""
+    @property
+    def num_programs(self) -> int:
+        """Programs `compile_buckets` compiles: each bucket's step, each prefill bucket's scoring."""
+        return len(self.buckets.all) + sum(1 for _, s in self.buckets.all if s > 1)
+
+    def warmup(self, on_compiled: Callable[[], None] | None = None) -> int:
+        """Compile every bucket (`compile_buckets`; `on_compiled()` after each program), then run a
+        step of padding rows in each (it changes nothing) and score its streams. Returns the number
+        of compiles it took."""
         self.compiles.reset()
         self._touch_interpreter()
         self.warmup_logits: dict[int, jax.Array] = {}  # step rows -> a warm-up step's logits
         buckets = self.buckets.all
         t0 = time.perf_counter()
-        self.compile_buckets()
+        self.compile_buckets(on_done=on_compiled)
         logger.info("warm-up: %d buckets' steps and prompt scoring compiled in %.1fs (%d compiles at once)",
                     len(buckets), time.perf_counter() - t0, min(len(buckets), compile_threads()))
-        for i, (rank_rows, s) in enumerate(buckets):
+        for rank_rows, s in buckets:
             b = rank_rows * self.dp
-            t0 = time.perf_counter()
             before = jax.tree.leaves(self.cache)[0]
             with self._naming_the_backend((rank_rows, s)):
                 logits, streams = self._run_padding_step((b, s))
@@ -512,8 +516,6 @@ class ModelRunner:
                 jax.block_until_ready(self.prompt_scores(streams, np.zeros((b, s), np.int32)))
             if not before.is_deleted():
                 raise RuntimeError("the KV cache was not donated to the step: every step would copy it")
-            if progress is not None:
-                progress(i + 1, len(buckets), (rank_rows, s), time.perf_counter() - t0)
         self.warm = True
         compiled = self.compiles.compiles
         self.compiles.reset()  # from here on, `compiles.compiles` counts what steps compile: 0

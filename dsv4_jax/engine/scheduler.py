@@ -47,7 +47,7 @@ import collections
 import dataclasses
 import math
 import time
-from typing import Any
+from typing import Any, Callable
 
 from dsv4_jax.engine.block_manager import BlockManager
 from dsv4_jax.engine.request import PLACEHOLDER, Request, RequestRejected, RequestStatus
@@ -69,7 +69,6 @@ class SchedulerConfig:
     max_num_batched_tokens: int | None = None  # per step; None: max_prefill_rows * max_prefill_tokens
     enable_chunked_prefill: bool = True
     dp_size: int = 1
-    usable_blocks_cap: int | None = None  # test-only (BlockManager)
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens is None:
@@ -80,8 +79,8 @@ class SchedulerConfig:
             )
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
-            if field.name in ("enable_chunked_prefill", "usable_blocks_cap"):
-                continue  # a bool, and BlockManager checks the cap against the pool
+            if field.name == "enable_chunked_prefill":
+                continue
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"SchedulerConfig.{field.name} must be an int >= 1, got {value!r}")
 
@@ -157,12 +156,13 @@ class _StepPlan:
 class Scheduler:
     """Queues, allocators and step building of every data-parallel rank (policy: module doc)."""
 
-    def __init__(self, config: SchedulerConfig):
+    def __init__(self, config: SchedulerConfig, block_manager_factory: Callable[..., BlockManager] = BlockManager):
+        """`block_manager_factory(num_seq_slots, num_compressed_blocks, block_size, max_blocks_per_seq)`
+        makes each rank's allocators (tests give one that hands out fewer blocks than the pools hold)."""
         self.config = config
         c = config
         self.block_managers = tuple(
-            BlockManager(c.num_seq_slots, c.num_compressed_blocks, c.block_size, c.max_blocks_per_seq,
-                         c.usable_blocks_cap)
+            block_manager_factory(c.num_seq_slots, c.num_compressed_blocks, c.block_size, c.max_blocks_per_seq)
             for _ in range(c.dp_size)
         )
         self._waiting = [collections.deque() for _ in range(c.dp_size)]  # preempted ones at the front
@@ -223,7 +223,7 @@ class Scheduler:
                                   f"tokens exceed max_model_len={c.max_model_len}", "max_tokens")
         # The last sampled token is never fed back: the KV covers at most total - 1 positions.
         blocks = math.ceil((total - 1) / c.block_size)
-        usable = self.block_managers[0].num_usable_blocks
+        usable = self.block_managers[0].num_compressed_blocks  # what the allocator hands out
         if blocks > min(usable, c.max_blocks_per_seq):
             raise RequestRejected(f"request {rid}: {total - 1} cached positions need {blocks} compressed blocks "
                                   f"of {c.block_size}, more than the {usable} usable blocks of the pool or "
