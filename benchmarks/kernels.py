@@ -105,7 +105,7 @@ def _tables(batch, context):
 # Pools whose planes pass 4 GiB, with the rows in use at their far end (a real V4-Flash pool on an
 # H200 holds tens of GB per plane). JAX's Triton lowering computes element offsets in int32 unless
 # an operand passes 2**32 bytes, so a 1-byte plane of 2-4 GiB wraps (an illegal memory access on
-# an H200, 2026-12-04: the kernels now refuse such pools and the planner never sizes one); past
+# an H200, docs/performance.md: the kernels refuse such pools and the planner never sizes one); past
 # 4 GiB the offsets are int64, which these points check. (window blocks, compressed blocks,
 # indexer blocks): every e4m3 plane past 2**32 elements.
 FAR_POOLS = {"> 4 GiB": (40_000, 160_000, 540_000)}

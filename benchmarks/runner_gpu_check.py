@@ -18,9 +18,9 @@ entry (ratio 128) and CSA top-k selection (50 entries for index_topk 8). Compute
   reference's top-1/top-2 gap exceeds 1e-3, and every logprob within 1e-3.
 * `xla` (reported; failing only below half the tokens equal or past 5 in logprob): the model's own
   XLA attention in float32. The kernels round their dot operands to bf16, so this measures that
-  rounding through the whole model; on 2026-12-04 it was already 39/40 tokens and 0.834 logprob
-  in the interpreter on a CPU, and 32/40 and 1.52 compiled on an H200 (whose float32 XLA dots
-  also round, as TF32).
+  rounding through the whole model: 39/40 tokens and 0.834 logprob in the interpreter on a CPU,
+  32/40 and 1.52 compiled on an H200, whose float32 XLA dots also round, as TF32
+  (docs/performance.md, "GPU runs").
 
 On a GPU the kernels are compiled (`get_backend` interprets only when JAX's default backend is
 the CPU, or when asked). Without a GPU nothing runs unless --allow-cpu: then the kernels run in
@@ -54,8 +54,8 @@ from benchmarks.runner import positive  # noqa: E402  (one flag parser for the b
 KV_CACHE_DTYPE = {PALLAS_FP8_DS_MLA: "fp8_ds_mla", PALLAS_BF16: "bfloat16"}
 NEAR_TIE = 1e-3  # top-1/top-2 logit gap below which either token is a fair greedy pick
 INTERPRET_LOGPROB_TOL = 1e-3  # compiled vs interpreted: float32 summation order only (a defect is >= 0.1)
-# Against xla, a sanity bound only (2026-12-04: 80-98% of tokens equal, 0.83-1.52 logprob): a
-# kernel that reads wrong rows gives noise, far past both.
+# Against xla, a sanity bound only (80-98% of tokens equal, 0.83-1.52 logprob: docs/performance.md,
+# "GPU runs"): a kernel that reads wrong rows gives noise, far past both.
 XLA_MIN_EQUAL_SHARE, XLA_MAX_LOGPROB_DIFF = 0.5, 5.0
 AGAINST = ("interpret", XLA)
 BLOCK_SIZE = 128  # the smallest block the tiny model's HCA ratio allows: more boundaries crossed

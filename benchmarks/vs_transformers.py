@@ -31,8 +31,8 @@ Per model, three fresh processes in a row:
    construction time and XLA compiles (`CompileCounter`; a cache hit is no compile).
 3. transformers: `tools/transformers_generate.py` (same prompts, same dtype, torch threads =
    the CPUs this process may use, which is what XLA uses; the same untimed call per batch size
-   and the same --repeats, median kept). One timed run per point moved the tiny 32-row ratio from
-   1.41 to ~2.8 between runs on a shared 2-CPU machine (2026-12-02): hence the repeats.
+   and the same --repeats, median kept). With one timed run per point the tiny 32-row ratio moves
+   from 1.41 to ~2.8 between runs on a shared 2-CPU machine: hence the repeats.
 --ref-max-tokens N gives transformers fewer tokens than ours when 64 would not fit the time
 available (its decode step on the mid model takes seconds); ours then also runs N tokens, so the
 tokens/s ratio compares equal work, and the decode ratio compares steady-state steps.

@@ -17,6 +17,7 @@ import sys
 from typing import Callable, NoReturn, Sequence
 
 USER_ERRORS = (ValueError, OSError)
+AddArgument = Callable[..., argparse.Action]  # a parser's add_argument, as flag-group helpers take it
 
 
 class OneLineParser(argparse.ArgumentParser):

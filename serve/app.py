@@ -107,127 +107,150 @@ async def _unless_disconnected(request: Request, work: Awaitable[Any]) -> Any:
     return Response(status_code=499) if result is DISCONNECTED else result
 
 
-def build_app(state: ServingState) -> Starlette:
-    """The app over `state`; the engine may still be loading (routes answer 503 until it is ready)."""
+def _check_access(state: ServingState, request: Request, needs_engine: bool) -> None:
+    """Raises the OpenAI error for a missing API key, a model still loading or a server shutting down."""
+    key = state.args.api_key
+    if key and request.url.path not in OPEN_PATHS:
+        given = request.headers.get("authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+            raise OpenAIError("invalid or missing API key (Authorization: Bearer <key>)", status=401)
+    if needs_engine and not state.ready:
+        raise OpenAIError("the model is still loading; retry when GET /health answers 200"
+                          if state.accepting else "the server is shutting down", status=503)
+    if needs_engine and not state.accepting:
+        raise OpenAIError("the server is shutting down", status=503)
 
-    def guarded(handler: Callable[[Request], Awaitable[Any]], *, needs_engine: bool = True):
-        """Auth, readiness and error mapping around one route; a dict result becomes JSON."""
 
-        async def endpoint(request: Request) -> Response:
-            try:
-                key = state.args.api_key
-                if key and request.url.path not in OPEN_PATHS:
-                    given = request.headers.get("authorization", "")
-                    if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
-                        raise OpenAIError("invalid or missing API key (Authorization: Bearer <key>)", status=401)
-                if needs_engine and not state.ready:
-                    raise OpenAIError("the model is still loading; retry when GET /health answers 200"
-                                      if state.accepting else "the server is shutting down", status=503)
-                if needs_engine and not state.accepting:
-                    raise OpenAIError("the server is shutting down", status=503)
-                result = await handler(request)
-            except OpenAIError as error:
-                return error_response(error)
-            except EngineDeadError as error:
-                return error_response(OpenAIError(str(error), status=503))
-            except Exception as error:  # noqa: BLE001  (a bug: one line in the log, a 500 to the client)
-                logger.exception("request failed")
-                return error_response(OpenAIError(f"internal error: {type(error).__name__}: {error}", status=500))
-            return JSONResponse(result) if isinstance(result, dict) else result
+Handler = Callable[[ServingState, Request], Awaitable[Any]]
+Endpoint = Callable[[Request], Awaitable[Response]]
 
-        return endpoint
 
-    # The capacity check (--max-waiting-requests) is made by each route once it knows how many
-    # sequences the request adds (serve/generation.py, check_capacity).
-    async def chat(request: Request):
-        body = await _json_body(request)
-        return await _unless_disconnected(request, create_chat_completion(state, body))
+def _guarded(state: ServingState, handler: Handler, *, needs_engine: bool = True) -> Endpoint:
+    """Auth, readiness and error mapping around one route; a dict result becomes JSON."""
 
-    async def completions(request: Request):
-        body = await _json_body(request)
-        return await _unless_disconnected(request, create_completion(state, body))
+    async def endpoint(request: Request) -> Response:
+        try:
+            _check_access(state, request, needs_engine)
+            result = await handler(state, request)
+        except OpenAIError as error:
+            return error_response(error)
+        except EngineDeadError as error:
+            return error_response(OpenAIError(str(error), status=503))
+        except Exception as error:  # noqa: BLE001  (a bug: one line in the log, a 500 to the client)
+            logger.exception("request failed")
+            return error_response(OpenAIError(f"internal error: {type(error).__name__}: {error}", status=500))
+        return JSONResponse(result) if isinstance(result, dict) else result
 
-    async def models(request: Request):
-        spec, layout = state.config.kv, state.layout
-        kv = {
-            "kv_cache_dtype": spec.kv_cache_dtype, "attention_backend": spec.attention_backend,
-            "indexer_dtype": spec.indexer_dtype, "device_kind": spec.device_kind,
-            "summary": spec.summary(), "block_size": layout.block_size,
-            "num_compressed_blocks": layout.num_compressed_blocks, "num_seq_slots": layout.num_seq_slots,
-        }
-        created = int(state.started_at)
-        return {"object": "list", "data": [
-            {"id": name, "object": "model", "created": created, "owned_by": "dsv4-jax", "root": str(state.args.model),
-             "parent": None, "max_model_len": state.max_model_len, "dsv4": kv}
-            for name in state.served_model_names]}
+    return endpoint
 
-    async def tokenize(request: Request):
-        req = parse_tokenize_request(await _json_body(request), state.limits)
-        if req.prompt is not None:  # add_special_tokens (vLLM's, default true): the one BOS completions add
-            # In a worker thread, as every prompt (serve/prompts.py): a long one must not stall the loop.
-            if req.add_special_tokens:
-                ids = await asyncio.to_thread(encode_prompt, state.tokenizer, req.prompt)
-            else:
-                encoded = await asyncio.to_thread(state.tokenizer.encode_batch, [req.prompt], add_special_tokens=False)
-                ids = encoded[0].ids  # encode_batch releases the GIL (encode_prompt says more)
+
+# The capacity check (--max-waiting-requests) is made by each route once it knows how many
+# sequences the request adds (serve/generation.py, check_capacity).
+async def _chat(state: ServingState, request: Request) -> Any:
+    body = await _json_body(request)
+    return await _unless_disconnected(request, create_chat_completion(state, body))
+
+
+async def _completions(state: ServingState, request: Request) -> Any:
+    body = await _json_body(request)
+    return await _unless_disconnected(request, create_completion(state, body))
+
+
+async def _models(state: ServingState, request: Request) -> dict[str, Any]:
+    spec, layout = state.config.kv, state.layout
+    kv = {
+        "kv_cache_dtype": spec.kv_cache_dtype, "attention_backend": spec.attention_backend,
+        "indexer_dtype": spec.indexer_dtype, "device_kind": spec.device_kind,
+        "summary": spec.summary(), "block_size": layout.block_size,
+        "num_compressed_blocks": layout.num_compressed_blocks, "num_seq_slots": layout.num_seq_slots,
+    }
+    created = int(state.started_at)
+    return {"object": "list", "data": [
+        {"id": name, "object": "model", "created": created, "owned_by": "dsv4-jax", "root": str(state.args.model),
+         "parent": None, "max_model_len": state.max_model_len, "dsv4": kv}
+        for name in state.served_model_names]}
+
+
+async def _tokenize(state: ServingState, request: Request) -> dict[str, Any]:
+    req = parse_tokenize_request(await _json_body(request), state.limits)
+    if req.prompt is not None:  # add_special_tokens (vLLM's, default true): the one BOS completions add
+        # In a worker thread, as every prompt (serve/prompts.py): a long one must not stall the loop.
+        if req.add_special_tokens:
+            ids = await asyncio.to_thread(encode_prompt, state.tokenizer, req.prompt)
         else:
-            try:
-                prompt = build_prompt(req.messages, tools=req.tools, chat_template_kwargs=req.chat_template_kwargs,
-                                      reasoning_effort=req.reasoning_effort)
-            except InvalidRequestField as error:
-                raise OpenAIError(str(error), param=error.field) from None
-            ids = await asyncio.to_thread(encode_prompt, state.tokenizer, prompt)
-        body = {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids}
-        if req.return_token_strs:
-            texts = TokenTexts(state.tokenizer, as_token_ids=False)
-            body["token_strs"] = [texts.text_of(t) for t in ids]
-        return body
+            encoded = await asyncio.to_thread(state.tokenizer.encode_batch, [req.prompt], add_special_tokens=False)
+            ids = encoded[0].ids  # encode_batch releases the GIL (encode_prompt says more)
+    else:
+        try:
+            prompt = build_prompt(req.messages, tools=req.tools, chat_template_kwargs=req.chat_template_kwargs,
+                                  reasoning_effort=req.reasoning_effort)
+        except InvalidRequestField as error:
+            raise OpenAIError(str(error), param=error.field) from None
+        ids = await asyncio.to_thread(encode_prompt, state.tokenizer, prompt)
+    body = {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids}
+    if req.return_token_strs:
+        texts = TokenTexts(state.tokenizer, as_token_ids=False)
+        body["token_strs"] = [texts.text_of(t) for t in ids]
+    return body
 
-    async def detokenize(request: Request):
-        req = parse_detokenize_request(await _json_body(request), state.limits)
-        return {"prompt": state.tokenizer.decode(req.tokens, skip_special_tokens=False)}
 
-    async def version(request: Request):
-        return {"version": _version()}
+async def _detokenize(state: ServingState, request: Request) -> dict[str, Any]:
+    req = parse_detokenize_request(await _json_body(request), state.limits)
+    return {"prompt": state.tokenizer.decode(req.tokens, skip_special_tokens=False)}
 
-    async def health(request: Request):
-        if state.ready and state.accepting and (state.engine is None or state.engine.accepting):
-            return Response(status_code=200)
-        if state.load_error or not state.accepting:
-            raise OpenAIError(state.load_error or "shutting down", status=503)
-        if state.ready:  # ready, and the engine stopped accepting: it failed for good
-            raise OpenAIError("the engine failed and serves nothing more; restart the server", status=503)
-        # Starting: the OpenAI error body, and where the start-up is (`startup`), e.g. compiling 3 of 5.
-        progress = dict(state.startup)
-        counted = f" {progress['done']}/{progress['total']}" if progress["total"] else ""
-        body = OpenAIError(f"starting: {progress['phase']}{counted}", status=503).body()
-        return JSONResponse({**body, "startup": progress}, status_code=503)
 
-    async def metrics(request: Request):
-        body, content_type = state.metrics.render()
-        return Response(body, media_type=content_type)
+async def _get_version(state: ServingState, request: Request) -> dict[str, Any]:
+    return {"version": _version()}
 
-    async def chat_page(request: Request):
-        # One static file, no build step and no outside assets (serve/web/chat.html).
-        return HTMLResponse(CHAT_PAGE.read_text(encoding="utf-8"))
 
+async def _health(state: ServingState, request: Request) -> Response:
+    if state.ready and state.accepting and (state.engine is None or state.engine.accepting):
+        return Response(status_code=200)
+    if state.load_error or not state.accepting:
+        raise OpenAIError(state.load_error or "shutting down", status=503)
+    if state.ready:  # ready, and the engine stopped accepting: it failed for good
+        raise OpenAIError("the engine failed and serves nothing more; restart the server", status=503)
+    # Starting: the OpenAI error body, and where the start-up is (`startup`), e.g. compiling 3 of 5.
+    progress = dict(state.startup)
+    counted = f" {progress['done']}/{progress['total']}" if progress["total"] else ""
+    body = OpenAIError(f"starting: {progress['phase']}{counted}", status=503).body()
+    return JSONResponse({**body, "startup": progress}, status_code=503)
+
+
+async def _metrics(state: ServingState, request: Request) -> Response:
+    body, content_type = state.metrics.render()
+    return Response(body, media_type=content_type)
+
+
+async def _chat_page(state: ServingState, request: Request) -> Response:
+    # One static file, no build step and no outside assets (serve/web/chat.html).
+    return HTMLResponse(CHAT_PAGE.read_text(encoding="utf-8"))
+
+
+async def _not_found(request: Request, exc: Exception) -> Response:
+    status = getattr(exc, "status_code", 404)
+    message = "method not allowed" if status == 405 else f"no route {request.url.path}"
+    return error_response(OpenAIError(message, status=status))
+
+
+def _routes(state: ServingState) -> list[Route]:
     routes = [
-        Route("/v1/chat/completions", guarded(chat), methods=["POST"]),
-        Route("/v1/completions", guarded(completions), methods=["POST"]),
-        Route("/v1/models", guarded(models), methods=["GET"]),
-        Route("/tokenize", guarded(tokenize), methods=["POST"]),
-        Route("/detokenize", guarded(detokenize), methods=["POST"]),
-        Route("/version", guarded(version, needs_engine=False), methods=["GET"]),
-        Route("/health", guarded(health, needs_engine=False), methods=["GET"]),
-        Route("/metrics", guarded(metrics, needs_engine=False), methods=["GET"]),
+        Route("/v1/chat/completions", _guarded(state, _chat), methods=["POST"]),
+        Route("/v1/completions", _guarded(state, _completions), methods=["POST"]),
+        Route("/v1/models", _guarded(state, _models), methods=["GET"]),
+        Route("/tokenize", _guarded(state, _tokenize), methods=["POST"]),
+        Route("/detokenize", _guarded(state, _detokenize), methods=["POST"]),
+        Route("/version", _guarded(state, _get_version, needs_engine=False), methods=["GET"]),
+        Route("/health", _guarded(state, _health, needs_engine=False), methods=["GET"]),
+        Route("/metrics", _guarded(state, _metrics, needs_engine=False), methods=["GET"]),
     ]
     if not state.args.no_web_ui:
-        routes.append(Route("/", guarded(chat_page, needs_engine=False), methods=["GET"]))
+        routes.append(Route("/", _guarded(state, _chat_page, needs_engine=False), methods=["GET"]))
+    return routes
 
-    async def not_found(request: Request, exc: Exception) -> Response:
-        status = getattr(exc, "status_code", 404)
-        message = "method not allowed" if status == 405 else f"no route {request.url.path}"
-        return error_response(OpenAIError(message, status=status))
 
+def build_app(state: ServingState) -> Starlette:
+    """The app over `state`; the engine may still be loading (routes answer 503 until it is ready)."""
+    routes = _routes(state)
     state.started_at = time.time()
-    return Starlette(routes=routes, exception_handlers={404: not_found, 405: not_found})
+    return Starlette(routes=routes, exception_handlers={404: _not_found, 405: _not_found})

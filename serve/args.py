@@ -56,7 +56,7 @@ from typing import Any, NoReturn, Sequence
 from dsv4_jax.engine.args import BUILTIN_MODEL, DTYPES, EngineArgs
 from dsv4_jax.engine.sampling_params import MAX_LOGPROBS
 from dsv4_jax.parallel.distributed import DistributedConfig
-from pallas_kernels.cli import OneLineParser, add_debug_flag
+from pallas_kernels.cli import AddArgument, OneLineParser, add_debug_flag
 
 PROG = "serve"  # the name in error lines; the entry point passes it to run_main
 USAGE_PROG = "python -m serve"
@@ -228,7 +228,7 @@ class _FlagParser(OneLineParser):
         raise ValueError(message)
 
 
-def _add_node_flags(add) -> None:
+def _add_node_flags(add: AddArgument) -> None:
     add("--nnodes", type=_positive_int, default=1,
         help="hosts (processes) the model runs on; node 0 serves HTTP (default: %(default)s)")
     add("--node-rank", type=int, default=0, help="this host's rank in [0, --nnodes) (default: %(default)s)")
@@ -264,7 +264,16 @@ def build_parser() -> argparse.ArgumentParser:
         prog=USAGE_PROG, error_prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
         allow_abbrev=False,  # a prefix of one of our flags must not silently stand for it
     )
-    add = parser.add_argument
+    # One helper per group of flags, in the order `--help` lists them.
+    for add_group in (_add_model_flags, _add_engine_flags, _add_parser_flags, _add_server_flags, _add_node_flags):
+        add_group(parser.add_argument)
+    add_debug_flag(parser)
+    _add_vllm_only_flags(parser)
+    return parser
+
+
+def _add_model_flags(add: AddArgument) -> None:
+    """What is served, under which names, where it listens, and its tokenizer."""
     add("model_tag", nargs="?", default=None, metavar="MODEL",
         help=f"DeepSeek-V4 checkpoint directory, the same as --model (default: {BUILTIN_MODEL}, built in)")
     add("--model", default=None, metavar="DIR",
@@ -277,6 +286,11 @@ def build_parser() -> argparse.ArgumentParser:
     add("--port", type=_port, default=8000, help="port to listen on, 0..65535 (default: %(default)s)")
     add("--tokenizer", default=None, metavar="DIR",
         help="directory with tokenizer.json (default: the model's own, else the bundled V4 tokenizer)")
+
+
+def _add_engine_flags(add: AddArgument) -> None:
+    """How the engine lays out the model: devices, weight loading, memory, sequence limits, dtypes
+    and KV blocks (and --trust-remote-code, which loads nothing)."""
     add("--tensor-parallel-size", "-tp", type=_positive_int, default=1,
         help="devices each data-parallel rank splits the model over: query heads, output groups, "
              "vocabulary and experts' intermediate dimension (default: %(default)s)")
@@ -314,12 +328,21 @@ def build_parser() -> argparse.ArgumentParser:
     add("--trust-remote-code", action="store_true", default=argparse.SUPPRESS,
         help="accepted for vLLM compatibility and does nothing: no code from a model directory is ever run "
              "(default: off)")
+
+
+def _add_parser_flags(add: AddArgument) -> None:
+    """Tool calls and reasoning in the model's output."""
     add("--enable-auto-tool-choice", action="store_true",
         help="let the model call tools when a request allows it; needs --tool-call-parser (default: off)")
     add("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
         help="format of the model's tool calls, for --enable-auto-tool-choice (default: None)")
     add("--reasoning-parser", choices=REASONING_PARSERS, default=None,
         help="return the thinking as reasoning_content (default: None)")
+
+
+def _add_server_flags(add: AddArgument) -> None:
+    """The API key, the sampler's seed, request defaults and limits, HTTP logging, the chat page and
+    the scheduling mode."""
     add("--api-key", default=None,
         help=f"key clients must send as a Bearer token (default: the {API_KEY_ENV} environment variable, "
              "else none: no key needed)")
@@ -348,14 +371,15 @@ def build_parser() -> argparse.ArgumentParser:
     add("--no-async-scheduling", action="store_true",
         help="schedule each step only after the last one's tokens reach the host (default: off, i.e. the next "
              "step is scheduled while the device runs this one)")
-    _add_node_flags(add)
-    add_debug_flag(parser)
+
+
+def _add_vllm_only_flags(parser: argparse.ArgumentParser) -> None:
+    """vLLM's flags that are accepted and change nothing, then those refused."""
     for flag, (takes_value, why) in IGNORED_FLAGS.items():
         _add_presence_flag(parser, flag, takes_value,
                            f"accepted for vLLM compatibility, changes nothing: {why} (default: off)")
     for flag, (takes_value, why) in REFUSED_FLAGS.items():
         _add_presence_flag(parser, flag, takes_value, f"refused: {why} (default: off)")
-    return parser
 
 
 def _add_presence_flag(parser: argparse.ArgumentParser, flag: str, takes_value: bool, help_text: str) -> None:
@@ -408,6 +432,21 @@ def parse_args(argv: Sequence[str] | None = None) -> ServerArgs:
     and a conflict between flags raise a ValueError naming them (run_main makes it one line)."""
     parser = build_parser()
     namespace, extra = parser.parse_known_args(_dashed(sys.argv[1:] if argv is None else argv))
+    _refuse_unsupported(namespace, extra)
+    model = _model(namespace)
+    attention_backend = _attention_backend(namespace.attention_backend)
+    ignored = _ignored_flags(namespace)  # warned only once every check has passed
+    for line in ignored:
+        logger.warning("%s", line)
+    engine = _engine_args(namespace, model or BUILTIN_MODEL, attention_backend)
+    if namespace.headless != (namespace.node_rank > 0):
+        DistributedConfig(namespace.nnodes, namespace.node_rank, namespace.master_addr, namespace.master_port,
+                          namespace.headless)  # its ValueError names --headless / --node-rank
+    return _server_args(namespace, engine, tuple(ignored))
+
+
+def _refuse_unsupported(namespace: argparse.Namespace, extra: list[str]) -> None:
+    """Raises for flags argparse left over, a refused vLLM flag, or a tool choice without a parser."""
     unknown = [arg.partition("=")[0] for arg in extra if arg.startswith("-")]
     if unknown:
         raise ValueError(f"{', '.join(unknown)}: not supported by dsv4-jax (see {USAGE_PROG} --help for its flags)")
@@ -420,17 +459,21 @@ def parse_args(argv: Sequence[str] | None = None) -> ServerArgs:
         raise ValueError(
             f"--enable-auto-tool-choice needs --tool-call-parser (allowed: {', '.join(TOOL_CALL_PARSERS)})"
         )
-    model = _model(namespace)
-    attention_backend = _attention_backend(namespace.attention_backend)
-    ignored = []  # warned only once every check has passed
+
+
+def _ignored_flags(namespace: argparse.Namespace) -> list[str]:
+    """One warning line per vLLM flag given that changes nothing here."""
+    ignored = []
     for flag, (takes_value, why) in IGNORED_FLAGS.items():
         if hasattr(namespace, _dest(flag)):
             given = f"{flag} {getattr(namespace, _dest(flag))}" if takes_value else flag
             ignored.append(f"{given} is ignored: {why}")
-    for line in ignored:
-        logger.warning("%s", line)
-    engine = EngineArgs(
-        model=model or BUILTIN_MODEL,
+    return ignored
+
+
+def _engine_args(namespace: argparse.Namespace, model: str, attention_backend: str | None) -> EngineArgs:
+    return EngineArgs(
+        model=model,
         tokenizer=namespace.tokenizer,
         tensor_parallel_size=namespace.tensor_parallel_size,
         data_parallel_size=namespace.data_parallel_size,
@@ -453,9 +496,9 @@ def parse_args(argv: Sequence[str] | None = None) -> ServerArgs:
         master_addr=namespace.master_addr,
         master_port=namespace.master_port,
     )
-    if namespace.headless != (namespace.node_rank > 0):
-        DistributedConfig(namespace.nnodes, namespace.node_rank, namespace.master_addr, namespace.master_port,
-                          namespace.headless)  # its ValueError names --headless / --node-rank
+
+
+def _server_args(namespace: argparse.Namespace, engine: EngineArgs, ignored: tuple[str, ...]) -> ServerArgs:
     return ServerArgs(
         engine=engine,
         model_is_builtin=engine.model == BUILTIN_MODEL,
@@ -475,5 +518,5 @@ def parse_args(argv: Sequence[str] | None = None) -> ServerArgs:
         max_waiting_requests=namespace.max_waiting_requests,
         no_web_ui=namespace.no_web_ui,
         debug=namespace.debug,
-        ignored_flags=tuple(ignored),
+        ignored_flags=ignored,
     )

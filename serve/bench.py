@@ -64,7 +64,7 @@ import httpx
 import numpy as np
 from tqdm import tqdm
 
-from pallas_kernels.cli import OneLineParser, add_debug_flag, one_line, run_main
+from pallas_kernels.cli import AddArgument, OneLineParser, add_debug_flag, one_line, run_main
 from serve.bench_datasets import (
     DATASET_NAMES,
     SampleRequest,
@@ -478,6 +478,10 @@ def _number(kind: type, low: float, allowed: str, *, high: float = math.inf, inc
     return parse
 
 
+_positive_int = _number(int, 1, "1, 2, ...")
+_count = _number(int, 0, "0, 1, ...")
+
+
 def _json_object(text: str) -> dict:
     try:
         value = json.loads(text)
@@ -514,9 +518,15 @@ def _metric(text: str) -> str:
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog=f"python -m {PROG}", error_prog=PROG, description=__doc__, allow_abbrev=False,
                             formatter_class=argparse.RawDescriptionHelpFormatter)
-    add = parser.add_argument
-    positive_int = _number(int, 1, "1, 2, ...")
-    count = _number(int, 0, "0, 1, ...")
+    # One helper per group of flags, in the order `--help` lists them.
+    for add_group in (_add_server_flags, _add_dataset_flags, _add_load_flags, _add_result_flags):
+        add_group(parser.add_argument)
+    add_debug_flag(parser)
+    return parser
+
+
+def _add_server_flags(add: AddArgument) -> None:
+    """Where the requests go, in which format, for which model, with which key."""
     add("--base-url", default=None, help="server URL, e.g. http://127.0.0.1:8000 (default: http://HOST:PORT)")
     add("--host", default="127.0.0.1", help="server host when --base-url is not given (default: %(default)s)")
     add("--port", type=_number(int, 1, "1..65535", high=65535), default=8000, help="server port (default: %(default)s)")
@@ -527,31 +537,39 @@ def build_parser() -> argparse.ArgumentParser:
     add("--model", default=None, help="model name sent in requests (default: the first one GET /v1/models lists)")
     add("--served-model-name", default=None, help="the name to send instead of --model (default: --model)")
     add("--api-key", default=None, help="Bearer token (default: $OPENAI_API_KEY, else none)")
+
+
+def _add_dataset_flags(add: AddArgument) -> None:
+    """How many prompts, and the lengths and shared prefixes of each dataset's."""
     add("--dataset-name", choices=DATASET_NAMES, default="random", help="prompt generator (default: %(default)s)")
-    add("--num-prompts", type=positive_int, default=1000, help="requests to send (default: %(default)s)")
-    add("--input-len", type=positive_int, default=None, help="sets --random-input-len (default: unset)")
-    add("--output-len", type=positive_int, default=None,
+    add("--num-prompts", type=_positive_int, default=1000, help="requests to send (default: %(default)s)")
+    add("--input-len", type=_positive_int, default=None, help="sets --random-input-len (default: unset)")
+    add("--output-len", type=_positive_int, default=None,
         help="sets --random-output-len and --prefix-repetition-output-len (default: unset)")
-    add("--random-input-len", type=positive_int, default=1024, help="prompt tokens after the prefix (default: %(default)s)")
-    add("--random-output-len", type=positive_int, default=128, help="output tokens asked for (default: %(default)s)")
-    add("--random-prefix-len", type=count, default=0, help="tokens of a prefix shared by all prompts (default: %(default)s)")
+    add("--random-input-len", type=_positive_int, default=1024, help="prompt tokens after the prefix (default: %(default)s)")
+    add("--random-output-len", type=_positive_int, default=128, help="output tokens asked for (default: %(default)s)")
+    add("--random-prefix-len", type=_count, default=0, help="tokens of a prefix shared by all prompts (default: %(default)s)")
     add("--random-range-ratio", type=_number(float, 0.0, "0 <= r < 1"), default=0.0,
         help="input and output lengths vary uniformly within +-ratio (default: %(default)s)")
-    add("--random-vocab-size", type=positive_int, default=32000,
+    add("--random-vocab-size", type=_positive_int, default=32000,
         help="token ids of completions prompts are drawn from [0, N) (default: %(default)s)")
-    add("--prefix-repetition-prefix-len", type=count, default=256, help="tokens per shared prefix (default: %(default)s)")
-    add("--prefix-repetition-suffix-len", type=count, default=256,
+    add("--prefix-repetition-prefix-len", type=_count, default=256, help="tokens per shared prefix (default: %(default)s)")
+    add("--prefix-repetition-suffix-len", type=_count, default=256,
         help="tokens after the prefix, per request (default: %(default)s)")
-    add("--prefix-repetition-num-prefixes", type=positive_int, default=10,
+    add("--prefix-repetition-num-prefixes", type=_positive_int, default=10,
         help="distinct prefixes (default: %(default)s)")
-    add("--prefix-repetition-output-len", type=positive_int, default=128,
+    add("--prefix-repetition-output-len", type=_positive_int, default=128,
         help="output tokens asked for (default: %(default)s)")
+
+
+def _add_load_flags(add: AddArgument) -> None:
+    """When requests are sent, how many at once, and what each asks for beyond its prompt."""
     add("--request-rate", type=_number(float, 0.0, "a number > 0, or inf", inclusive=False, inf_ok=True),
         default=math.inf, help="requests per second, Poisson arrivals; inf sends all at once (default: %(default)s)")
     add("--burstiness", type=_number(float, 0.0, "a number > 0, or inf", inclusive=False, inf_ok=True), default=1.0,
         help="gamma shape of the arrival gaps: 1 = Poisson, < 1 burstier, > 1 steadier, inf = equal gaps "
              "(default: %(default)s)")
-    add("--max-concurrency", type=positive_int, default=None,
+    add("--max-concurrency", type=_positive_int, default=None,
         help="requests in flight at most (default: no limit)")
     add("--seed", type=_number(int, 0, "0, 1, ..."), default=0, help="seed of prompts and arrivals (default: %(default)s)")
     add("--ignore-eos", action="store_true",
@@ -559,6 +577,10 @@ def build_parser() -> argparse.ArgumentParser:
     for flag, (_, kind) in SAMPLING_FLAGS.items():
         add(flag, type=kind, default=None, help="sampling parameter sent with every request (default: the server's)")
     add("--extra-body", type=_json_object, default=None, help="JSON object merged into every request (default: none)")
+
+
+def _add_result_flags(add: AddArgument) -> None:
+    """What the table shows, and where the result JSON goes."""
     add("--percentile-metrics", default="ttft,tpot,itl",
         help=f"metrics shown in the table, from {','.join(METRICS)} (default: %(default)s; the JSON has all)")
     add("--metric-percentiles", default="99", help="comma-separated percentiles, 0..100 (default: %(default)s)")
@@ -570,8 +592,6 @@ def build_parser() -> argparse.ArgumentParser:
     add("--result-dir", default=None, help="directory for the JSON (default: the current directory)")
     add("--result-filename", default=None, help="JSON file name (default: vLLM's pattern)")
     add("--label", default=None, help="prefix of the default file name (default: the backend)")
-    add_debug_flag(parser)
-    return parser
 
 
 def parse_args(argv: Sequence[str] | None = None) -> BenchConfig:

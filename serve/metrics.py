@@ -145,26 +145,39 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         self._lock = threading.Lock()
         self._requests: dict[str, _RequestTiming] = {}
-        labels = ["model_name"]
-        reg = self.registry
+        self._model_name = model_name
+        # Created in the order /metrics lists them.
+        self._add_counters()
+        self._add_latency_histograms()
+        self._add_request_histograms(token_count_buckets(max_model_len))
+        self.registry.register(_EngineStatsCollector(model_name, engine_stats))
 
-        def counter(name: str, doc: str) -> Counter:
-            # prometheus_client appends "_total" to a counter's name itself: pass the name without it.
-            return Counter(name, doc, labels, registry=reg)
+    def _counter(self, name: str, doc: str) -> Counter:
+        # prometheus_client appends "_total" to a counter's name itself: pass the name without it.
+        return Counter(name, doc, ["model_name"], registry=self.registry)
 
-        def histogram(name: str, doc: str, buckets: tuple[float, ...]):  # its series for this model
-            return Histogram(name, doc, labels, registry=reg, buckets=buckets).labels(model_name)
+    def _histogram(self, name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:  # its series for this model
+        return Histogram(name, doc, ["model_name"], registry=self.registry, buckets=buckets).labels(self._model_name)
 
-        self._prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.").labels(model_name)
-        self._generation_tokens = counter(
+    def _add_counters(self) -> None:
+        """Prompt and generated tokens, and requests that completed by reason."""
+        model_name = self._model_name
+        self._prompt_tokens = self._counter(
+            "vllm:prompt_tokens", "Number of prefill tokens processed."
+        ).labels(model_name)
+        self._generation_tokens = self._counter(
             "vllm:generation_tokens", "Number of generation tokens processed."
         ).labels(model_name)
         success = Counter(
-            "vllm:request_success", "Count of successfully processed requests.", [*labels, "finished_reason"],
-            registry=reg,
+            "vllm:request_success", "Count of successfully processed requests.", ["model_name", "finished_reason"],
+            registry=self.registry,
         )
         # Created up front, as vLLM does, so rate() sees the series from 0 before the first request.
         self._success = {reason: success.labels(model_name, reason) for reason in SUCCESS_REASONS}
+
+    def _add_latency_histograms(self) -> None:
+        """Time to first token, inter-token latency and end-to-end latency, observed as tokens arrive."""
+        histogram = self._histogram
         self._ttft = histogram(
             "vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", TTFT_BUCKETS_S
         )
@@ -174,7 +187,10 @@ class ServerMetrics:
         self._e2e = histogram(
             "vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", E2E_BUCKETS_S
         )
-        count_buckets = token_count_buckets(max_model_len)
+
+    def _add_request_histograms(self, count_buckets: tuple[int, ...]) -> None:
+        """What a finished request observes: its token counts, its phases, its parameters."""
+        histogram = self._histogram
         self._request_prompt_tokens = histogram(
             "vllm:request_prompt_tokens", "Number of prefill tokens processed.", count_buckets
         )
@@ -205,7 +221,6 @@ class ServerMetrics:
             "vllm:request_max_num_generation_tokens", "Histogram of maximum number of requested generation tokens.",
             count_buckets,
         )
-        reg.register(_EngineStatsCollector(model_name, engine_stats))
 
     def request_started(self, request_id: str, prompt_tokens: int, now: float | None = None) -> None:
         """A request entered the engine with `prompt_tokens` prompt tokens (counted in

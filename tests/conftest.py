@@ -25,39 +25,29 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = REPO / "tests" / "fixtures"
 # Backend compiles the whole suite may run from a cold cache, summed over both lanes (below; a
-# program both lanes need compiles once in each). Each issue that adds compiles raises it by exactly
-# what it adds (measured on a cold cache), so a test that starts recompiling per call, or a new
-# bucket nobody budgeted, fails the run. DSV4_COMPILE_REPORT=FILE writes every test's count, to diff
-# two cold runs when the cap has to move.
-# 1682 -> 1688 (2026-12-04): prompt logprobs are scored on the device (warm-up compiles that in
-# place of the whole-step head, so engines are unchanged); test_runner's views of every
-# position's logits now compile the head themselves (its runner fixture 2, the rounded-cache
-# runners 1 each), and two parity tests of the scoring compile one program each.
-# 1688 -> 1716 (2026-12-04): tests/test_activations.py measures an engine's activations (its fixture
-# on test_engine's pools, the engine it builds on the larger pools it could have had), and compiles
-# steps for the smallest and the largest pools twice (the engine's model and the built-in one).
-# 1716 -> 1722 (2026-12-04): test_runner_backends builds two runners whose start-up step fails
-# (a Pallas kernel refused, then the xla backend's own error): their caches' allocations compile.
-# 1722 -> 1383 (2026-12-05): the grouped-expert parity cases run compiled, not op by op (1714 ->
-# 1375 compiles on CI; the same 8 above it).
+# program both lanes need compiles once in each), so a test that starts recompiling per call, or a
+# new bucket nobody budgeted, fails the run. A change that adds or removes compiles moves the cap by
+# exactly that many: run the suite from a cold cache before and after it with
+# DSV4_COMPILE_REPORT=FILE (every test's count) and diff the two files. DSV4_COMPILE_COUNT_CAP
+# overrides the cap for one run.
 COMPILE_COUNT_CAP = int(os.environ.get("DSV4_COMPILE_COUNT_CAP", "1383"))
 
 # ---- two lanes ---------------------------------------------------------------------------------
 # pyproject's addopts run the suite as two pytest-xdist workers (`-n 2 --dist loadscope`): CI has
-# two cores, and a single pytest process was the run's critical path (its CPU seconds equalled the
-# wall clock's, 1452 s of 1435 s at 24 min, 2026-12-03). Each test file belongs to one lane, and
+# two cores, and a single pytest process is the run's critical path (its CPU seconds equal the wall
+# clock's: 1452 s of 1435 s in a 24-minute run). Each test file belongs to one lane, and
 # lane i runs whole on worker gw{i} (`LaneScheduling`, which makes each lane one loadscope scope) in
 # collection order, so every session- and module-scoped fixture is still built once. Files sharing a
 # session fixture share a lane: the chat engine and its server (`chat_llm`, `chat_server`) live in
 # the engine lane. Files compiling the same programs should too, or both lanes compile them
 # (test_runner.py's golden-checkpoint generation shares 26 compiles with the model tests, so it is
-# in the model lane; moving the fuzz, load-rule and KV-format files to the engine lane cost 38 more
-# and did not shorten the run; the kernel-lowering file compiles nothing for XLA, so it moved to
-# the engine lane when that lane finished ~3 min first, 2026-12-03). Lanes are balanced by
+# in the model lane; the fuzz, load-rule and KV-format files would compile 38 more in the engine
+# lane without shortening the run; the kernel-lowering file compiles nothing for XLA, so it sits
+# in the engine lane, which would otherwise finish ~3 min first). Lanes are balanced by
 # measured wall seconds per file (the summary prints them); a new file joins the model lane unless
 # named here. Each worker keeps its own persistent compilation cache (a subdirectory named after
 # it), so what a lane compiles from a cold cache does not depend on how far the other lane got and
-# the compile count stays exact. `-n 0` runs one process, as before.
+# the compile count stays exact. `-n 0` runs everything in one process.
 LANES = ("engine", "model")
 ENGINE_LANE = frozenset({
     "test_activations.py", "test_async_engine.py", "test_benchmarks_runner.py", "test_chat_encoder.py", "test_chat_layout.py",
@@ -75,6 +65,10 @@ def lane_of(path: str | Path) -> str:
 
 
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(REPO / ".jax_cache"))
+# The engine's program cache (dsv4_jax/engine/program_cache.py) is keyed by the source files, not
+# by the functions in memory: tests that patch the model's code would read back programs traced
+# without the patch. Off for the suite and the processes it starts; its own tests turn it on.
+os.environ["DSV4_JAX_PROGRAM_CACHE"] = "0"
 if XDIST_WORKER:  # children (servers, workers) inherit it, and read what this worker compiled
     os.environ["JAX_COMPILATION_CACHE_DIR"] = os.path.join(os.environ["JAX_COMPILATION_CACHE_DIR"], XDIST_WORKER)
 # LLM and the server write converted-weights cache entries (`--load-format auto`) keyed by each
@@ -84,10 +78,10 @@ _WEIGHTS_CACHE = tempfile.TemporaryDirectory(prefix="dsv4-weights-cache-")
 os.environ["DSV4_JAX_WEIGHTS_CACHE"] = _WEIGHTS_CACHE.name
 
 # The suite compiles ~1600 small programs and runs most a few times: LLVM's expensive passes
-# cost more there than they save (cold tests/test_model_parity.py on 2 AMD EPYC cores,
-# 2026-12-02: compiles 69.9 -> 55.0 s). XLA's HLO passes run exactly as in production: the
-# backend's whole optimisation level at 0 (compiles 38.4 s) changed bf16 results instead
-# (test_bfloat16_compute_stays_close_to_float32 failed; why was not traced), so it is not used.
+# cost more there than they save (cold tests/test_model_parity.py on 2 AMD EPYC cores: compiles
+# 69.9 s without the flag, 55.0 s with it). XLA's HLO passes run exactly as in production: the
+# backend's whole optimisation level at 0 (compiles 38.4 s) changes bf16 results instead
+# (test_bfloat16_compute_stays_close_to_float32 fails; why is not traced), so it is not used.
 # Set before jax is imported; child processes inherit it (`child_xla_flags`), so a server a test
 # starts reads this process's compilation-cache entries (their keys include the flags).
 OPTIMIZATION_FLAG = "--xla_llvm_disable_expensive_passes=true"
@@ -105,7 +99,8 @@ import jax  # noqa: E402  (after the cache directory and XLA_FLAGS are chosen)
 # Tracing allocates millions of short-lived Python objects, and with CPython's default thresholds
 # (700, 10, 10) the cyclic collector runs every 700 net allocations and walks the older
 # generations every 7,000: rarer collections cut this process's CPU by ~5%
-# (tests/test_model_units.py + test_kv_paged.py, cold cache, 2026-12-03: 58-60 -> 55-56 CPU s).
+# (tests/test_model_units.py + test_kv_paged.py, cold cache: 58-60 CPU s with the defaults, 55-56
+# with these).
 # Garbage without reference cycles is still freed at once.
 gc.set_threshold(10_000, 20, 100)
 
@@ -235,7 +230,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
 # `in_background` (niceness 10) and stay in this session. A process in a session of its
 # own (`start_new_session=True`) gets a scheduler group of its own under Linux's autogroups, and
 # each group an equal share of the CPU whatever its niceness: with four such processes on two
-# cores, this process (on the critical path) got a tenth of a core and CI ran 23:43 (2026-12-03).
+# cores, this process (on the critical path) gets a tenth of a core, and a CI run takes ~24 min.
 # A process group of its own (`process_group=0`) is enough to kill a process and its children.
 _early: dict[tuple[str, str], object] = {}
 _early_started: list[str] = []  # the lane of this process's first test, once it has started them
@@ -315,6 +310,18 @@ def tiny_engine_args() -> dict:
     return {"dtype": "float32", "kv_cache_dtype": "float32", "max_model_len": 256, "max_num_seqs": 4,
             "block_size": 128, "buckets": StepBuckets(prefill=((1, 16), (4, 32)), decode=(4,)),
             "num_gpu_blocks_override": 10, "seed": 0}
+
+
+@contextlib.contextmanager
+def jax_persistent_cache_off():
+    """JAX's persistent compilation cache off inside: a compile is XLA's own (the suite's cache is
+    warm), as the program cache (dsv4_jax/engine/program_cache.py) keeps only those."""
+    before = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_compilation_cache", before)
 
 
 def capped_block_manager(usable_blocks: int):
@@ -439,7 +446,8 @@ def chat_server(chat_llm, chat_checkpoint, tmp_path_factory):
     """One `python -m serve` process for the session, with the chat_llm fixture's flags and this
     process's compilation cache (so its warm-up compiles nothing, which is checked), an API key,
     both deepseek_v4 parsers, and the test-only forced-output hook (serve/state.py) switched on.
-    A dict: base URL, key, served name, process, log path, whether /health said 503 first."""
+    A dict: base URL, key, served name, process, log path, whether /health said 503 first and
+    that first 503's body."""
     import signal
     import subprocess
     import sys
@@ -458,16 +466,17 @@ def chat_server(chat_llm, chat_checkpoint, tmp_path_factory):
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 180
-    seen_503 = False
+    first_503 = None  # the body of the first 503 /health answered while the model loaded
     while True:
         assert process.poll() is None, log_path.read_text()
         assert time.monotonic() < deadline, log_path.read_text()
         try:
-            status = httpx.get(f"{base}/health", timeout=5).status_code
+            health = httpx.get(f"{base}/health", timeout=5)
         except httpx.TransportError:
-            status = None
-        seen_503 |= status == 503
-        if status == 200:
+            health = None
+        if health is not None and health.status_code == 503 and first_503 is None:
+            first_503 = health.json()
+        if health is not None and health.status_code == 200:
             break
         time.sleep(0.2)
     log_text = log_path.read_text()
@@ -479,7 +488,7 @@ def chat_server(chat_llm, chat_checkpoint, tmp_path_factory):
     assert "KV cache: float32 on xla" in log_text and "8 sequence slots" in log_text, log_text
     assert f"listening on http://127.0.0.1:{port}" in log_text, log_text
     yield {"base": base, "key": CHAT_SERVER_KEY, "name": CHAT_SERVER_NAME, "process": process, "log": log_path,
-           "seen_503": seen_503}
+           "seen_503": first_503 is not None, "first_503": first_503}
     if process.poll() is None:
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=60) == 0, log_path.read_text()[-3000:]

@@ -99,8 +99,8 @@ def test_a_bad_request_fails_alone_and_shutdown_aborts_what_is_left(llm):
 
 def test_requests_come_and_go_while_a_step_waits_for_the_device(llm):
     """The step thread waits for the device without the engine's lock: adding and aborting a
-    request meanwhile return at once (they used to wait for the whole step, freezing the event
-    loop and every stream), an aborted request's last output holds only the tokens known (not
+    request meanwhile return at once (waiting for the whole step would freeze the event loop and
+    every stream), an aborted request's last output holds only the tokens known (not
     the one the device still computes), and the step then applies its tokens to the others."""
     import threading
     import time

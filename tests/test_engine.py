@@ -27,7 +27,6 @@ import time
 import numpy as np
 import pytest
 
-import dsv4_jax
 from dsv4_jax import LLM, SamplingParams
 from dsv4_jax.chat import (
     ASSISTANT,

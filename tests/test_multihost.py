@@ -241,8 +241,8 @@ STALL_S = 20  # a host that stops running for this long (a paused VM, a stepped 
 
 def test_the_nodes_outlive_a_stall_of_both_hosts(server_pair):
     """Both processes stopped for STALL_S, then resumed: JAX's coordination service must not call
-    them dead. With a 10 s heartbeat timeout it did (a CI run, 2026-12-05: an idle pair aborted,
-    both nodes 'stopped sending heartbeats' at once), killing a healthy server."""
+    them dead. With a 10 s heartbeat timeout it does (an idle pair aborts, both nodes 'stopped
+    sending heartbeats' at once), killing a healthy server."""
     leader, follower, base = server_pair.leader, server_pair.follower, server_pair.base
     try:
         for process in (leader, follower):
@@ -294,8 +294,8 @@ def test_nodes_started_with_different_flags_stop_before_loading_naming_the_flag(
 def test_a_node_stopping_while_starting_stops_the_others_naming_why(checkpoint, tmp_path, failing, cause):
     """Its reason reaches the others through JAX's coordination service, before the step channel
     is up (the others wait for it) and after (they may wait in a collective: placing the weights).
-    Before, they waited out their timeouts (5 minutes; gloo's 30 s in a collective), and the failed
-    node with them in JAX's shutdown barrier: a CI run hung here on a taken port. A node whose
+    Otherwise they would wait out their timeouts (5 minutes; gloo's 30 s in a collective), and the
+    failed node with them in JAX's shutdown barrier (a taken port hangs here). A node whose
     flags `python -m serve` refuses joins the others only to say so (they would wait for it in
     `jax.distributed.initialize` for 5 minutes)."""
     master = master_port()

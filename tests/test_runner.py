@@ -406,14 +406,15 @@ def test_warm_up_compiles_every_bucket_on_threads_and_steps_run_those_executable
 
 
 def test_compiles_run_at_once_and_fail_in_their_buckets_context(monkeypatch):
-    """`compile_concurrently` compiles on its own threads, `DSV4_JAX_COMPILE_THREADS` at once (1:
-    one after another), and raises a failed compile inside `describe(key)` (the runner names the
+    """The program cache compiles on its own threads, `DSV4_JAX_COMPILE_THREADS` at once (1: one
+    after another), and raises a failed compile inside `describe_error(key)` (the runner names the
     bucket and the attention backend there)."""
     import contextlib
     import threading
     import time
 
-    from dsv4_jax.engine.compiles import compile_concurrently, compile_threads
+    from dsv4_jax.engine import program_cache
+    from dsv4_jax.engine.compiles import compile_threads
 
     lock, state = threading.Lock(), {"active": 0, "peak": 0, "threads": set(), "want": 1, "deadline": 0.0}
 
@@ -437,11 +438,14 @@ def test_compiles_run_at_once_and_fail_in_their_buckets_context(monkeypatch):
                 raise ValueError("refused by the compiler")
             return "executable"
 
+    # These fakes have no runtime executable to tell a JAX cache hit by: each counts as compiled here.
+    monkeypatch.setattr(program_cache, "_compile_fresh", lambda lowered: (lowered.compile(), False))
+    cache = program_cache.ProgramCache(None)
     for threads in (2, 1):
         monkeypatch.setenv("DSV4_JAX_COMPILE_THREADS", str(threads))
         state.update(peak=0, threads=set(), want=threads, deadline=time.monotonic() + 30)
-        jobs = {key: Lowered() for key in "abc"}
-        assert compile_concurrently(jobs, lambda key: contextlib.nullcontext()) == dict.fromkeys("abc", "executable")
+        jobs = {key: (key, Lowered) for key in "abc"}
+        assert cache.compile(jobs) == dict.fromkeys("abc", "executable")
         assert state["peak"] == threads and all(name.startswith("dsv4-compile") for name in state["threads"])
 
     @contextlib.contextmanager
@@ -452,11 +456,44 @@ def test_compiles_run_at_once_and_fail_in_their_buckets_context(monkeypatch):
             raise RuntimeError(f"bucket {key}: {err}") from err
 
     with pytest.raises(RuntimeError, match=r"bucket b: refused by the compiler"):
-        compile_concurrently({"a": Lowered(), "b": Lowered(fails=True)}, naming)
+        cache.compile({"a": ("a", Lowered), "b": ("b", lambda: Lowered(fails=True))}, naming)
     for bad in ("0", "two", "-1"):
         monkeypatch.setenv("DSV4_JAX_COMPILE_THREADS", bad)
         with pytest.raises(ValueError, match="DSV4_JAX_COMPILE_THREADS must be a positive integer"):
             compile_threads()
+
+
+def test_a_restarted_runner_reads_its_programs_back_and_runs_nothing_to_warm_up(model, tmp_path, monkeypatch):
+    """A second runner of the same model, layout and buckets (a restart) takes every step and
+    scoring program from the program cache: nothing traced, lowered or compiled, no padding step
+    run; its steps give the first runner's logits exactly."""
+    from dsv4_jax.engine.program_cache import ProgramCache
+
+    from conftest import jax_persistent_cache_off
+
+    # Shapes no other test compiles: a program this process already has from JAX's persistent cache
+    # (served from memory again here) is not kept (program_cache.py).
+    layout, buckets = _layout(CONFIG, "float32", slots=3), StepBuckets(prefill=((3, 24),), decode=(3,))
+    with jax_persistent_cache_off():  # what XLA compiles here is what the program cache keeps
+        first = ModelRunner(model, layout, buckets=buckets, programs=ProgramCache(tmp_path))
+        first.warmup()
+    assert (first.programs.built, first.programs.loaded) == (3, 0)  # 2 steps, the prefill's scoring
+
+    class NotTraced:
+        def lower(self, *args):
+            raise AssertionError("a program read back was traced")
+
+    ran = []
+    restarted = ModelRunner(model, layout, buckets=buckets, programs=ProgramCache(tmp_path))
+    restarted._step = restarted._head_scores = NotTraced()
+    monkeypatch.setattr(restarted, "_run_padding_step", lambda bucket: ran.append(bucket))
+    assert restarted.warmup() == 0 and not ran
+    assert (restarted.programs.built, restarted.programs.loaded) == (0, 3)
+    rows = [StepRow(0, 0, list(range(3, 20)), array.array("i", [0])), StepRow(1, 0, [5, 6, 7], array.array("i", [1]))]
+    for runner in (first, restarted):
+        runner.cache = runner._new_cache()
+    expected, got = (np.asarray(runner.step(rows).logits) for runner in (first, restarted))
+    np.testing.assert_array_equal(got, expected)
 
 
 def test_steps_compile_without_xlas_rematerialization_pass(runner, monkeypatch):

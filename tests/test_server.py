@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -82,6 +83,33 @@ def test_models_lists_the_served_name_with_its_kv_spec(server, client):
     assert model["max_model_len"] == MAX_MODEL_LEN
     assert model["dsv4"]["kv_cache_dtype"] == "float32" and model["dsv4"]["attention_backend"] == "xla"
     assert _http(server, "GET", "/version").json()["version"]
+
+
+def test_health_says_where_the_start_up_is_until_the_model_is_ready(server):
+    """While loading, /health's 503 carries the OpenAI error body and the start-up's phase, with
+    the programs built so far of all while compiling."""
+    body = server["first_503"]
+    assert body["error"]["message"].startswith("starting: ")
+    phase = body["startup"]
+    assert set(phase) == {"phase", "done", "total"} and phase["done"] <= phase["total"]
+    assert phase["phase"] in ("starting", "loading weights", "sizing the KV cache", "compiling steps",
+                              "compiling sampler"), phase
+
+
+def test_the_log_holds_what_a_user_acts_on_and_no_polling(server):
+    """No other library's INFO chatter (JAX probing for TPUs, orbax's and absl's settings), no
+    access-log line for /health or /metrics (a supervisor and Prometheus poll them), other requests
+    logged as ever; the tokenizer file a benchmark client needs and each start-up phase's seconds."""
+    for path in ("/health", "/metrics", "/v1/models"):
+        assert _http(server, "GET", path).status_code == 200
+    deadline = time.monotonic() + 30
+    while '"GET /v1/models HTTP/1.1" 200' not in (log := server["log"].read_text()):
+        assert time.monotonic() < deadline, log[-3000:]
+        time.sleep(0.1)
+    assert not re.search(r"INFO (jax|absl|orbax)[.:]", log) and "Unable to initialize backend" not in log, log[-3000:]
+    assert '"GET /health ' not in log and '"GET /metrics ' not in log
+    assert re.search(r"INFO dsv4_jax\.engine\.builder: tokenizer: \S+tokenizer\.json", log), log[-3000:]
+    assert re.search(r"start-up: load [\d.]+s, sizing [\d.]+s, warm-up [\d.]+s", log), log[-3000:]
 
 
 def test_api_key_guards_the_api_but_not_health_or_metrics(server):

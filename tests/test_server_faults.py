@@ -253,8 +253,8 @@ def test_an_unknown_route_is_a_404_that_names_no_model(chat_server):
 
 def test_a_huge_prompt_is_refused_without_stalling_the_server(chat_server, load, bystander_reference):
     """A prompt near the 16 MiB body limit is refused (400, the numbers) before it is tokenized:
-    its characters alone prove it is over max_model_len. Meanwhile /health answers at once (it
-    was tokenized on the event loop for ~13 s before) and the bystander's streams go on."""
+    its characters alone prove it is over max_model_len. Meanwhile /health answers at once
+    (tokenizing it on the event loop would hold the loop ~13 s) and the bystander's streams go on."""
     server = chat_server
     huge = "hello world " * 1_300_000  # 15.6 MB
     stop, latencies = threading.Event(), []
@@ -278,7 +278,7 @@ def test_a_huge_prompt_is_refused_without_stalling_the_server(chat_server, load,
                 status, error = _error(http.post(path, json={"model": server["name"], "max_tokens": 1, **body}))
                 seconds = time.monotonic() - started
                 assert status == 400 and str(MAX_MODEL_LEN) in error["message"], (path, error)
-                # Generous bounds for a loaded 2-core CI machine: before, each took 13-20 s.
+                # Generous bounds for a loaded 2-core CI machine: tokenizing first takes 13-20 s.
                 assert error["param"] in ("messages", "prompt") and seconds < 10, (path, error, seconds)
         finally:
             stop.set()

@@ -234,9 +234,9 @@ def test_checkpoints_written_at_once_by_several_processes_appear_whole(tmp_path,
 
 
 def test_a_sweep_just_before_a_writer_locks_its_folder_keeps_the_folder(tmp_path, monkeypatch):
-    """Another writer's sweep right before this writer takes its lock (CI hit it with four
-    threads: a lock file that already had its name but no lock yet looked like a dead writer's,
-    and the folder was removed under its writer)."""
+    """Another writer's sweep right before this writer takes its lock (four threads make it
+    likely): a lock file that already has its name but no lock yet must not look like a dead
+    writer's, or the folder is removed under its writer."""
     import fcntl
 
     from dsv4_jax.weights import partial_dirs

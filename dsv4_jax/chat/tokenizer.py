@@ -42,7 +42,7 @@ def encode_prompt(tokenizer, prompt: str) -> list[int]:
     # encode_batch, not encode: it releases the GIL while it works (tokenizers 0.23), so a long
     # prompt tokenized on a worker thread does not stall the server's event loop (a 3.6M-character
     # prompt on `asyncio.to_thread` held the loop 1.8-2.3 s through encode, 2-5 ms through
-    # encode_batch; the same ids; 2026-12-03).
+    # encode_batch, with the same ids; docs/performance.md).
     (ids,) = (e.ids for e in tokenizer.encode_batch([prompt], add_special_tokens=False))
     start = 0
     while start < len(ids) and ids[start] == bos_id:

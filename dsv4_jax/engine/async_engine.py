@@ -239,8 +239,8 @@ class AsyncLLMEngine:
             if launched is None:
                 continue
             # The device computes `launched` (and the step after it): wait without the lock, so the
-            # event loop never blocks on a step to add or abort a request (it used to wait for the
-            # whole step: every new request or disconnect froze every stream that long).
+            # event loop never blocks on a step to add or abort a request (waiting under it, every
+            # new request or disconnect would freeze every stream for a whole step).
             try:
                 self._wait(launched)
             except BaseException:  # noqa: BLE001 - finish_step reads the same arrays and reports it

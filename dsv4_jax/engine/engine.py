@@ -132,7 +132,7 @@ def _prompt_scores(logits: np.ndarray, targets: np.ndarray, k: int) -> tuple[lis
     order); only the chosen entries are normalised (a float64 log-sum-exp per position). On the
     host, for the one position of a one-token chunk in a decode step only: prefill steps score on
     the device (`sampler.prompt_scores`, the same entries), since this runs under the async
-    engine's lock and took 0.5 s for 256 positions of the real vocabulary (2026-12-03, EPYC)."""
+    engine's lock and took 0.5 s for 256 positions of the real vocabulary on a 2-core CPU."""
     peak = logits.max(-1, keepdims=True)
     log_total = peak[:, 0].astype(np.float64) + np.log(np.exp(logits - peak).sum(-1, dtype=np.float64))
     target = np.take_along_axis(logits, targets[:, None], axis=-1)  # [positions, 1]

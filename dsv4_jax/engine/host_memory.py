@@ -5,16 +5,17 @@ glibc serves a block above its mmap threshold with a fresh mapping (that thresho
 freed blocks, but never past 32 MiB), gives the top of a heap back to the system once more than
 the trim threshold is free, and a worker thread's arena drops a whole 64 MiB heap once it is
 free by more than the top pad: each time, the pages come back zeroed on first touch. The
-sampler's temporary buffer at the real vocabulary and 32 rows is 32.2 MiB, so every call paid
+sampler's temporary buffer at the real vocabulary and 32 rows is 32.2 MiB, so every call pays
 for zeroing it again: `benchmarks/sampler.py` at [32, 129280], with these settings / without,
 greedy + 5 logprobs 3.0-3.4 / 8.0-8.2 ms, temperature 1 2.0-2.4 / 6.1-6.5 ms, greedy 0.7-0.8 /
-0.8-0.9 ms (AMD EPYC, 2 CPUs, 2026-12-02; docs/performance.md, seventh session).
+0.8-0.9 ms (AMD EPYC Zen 4, 2 CPUs; docs/performance.md, "Sampler").
 
-Blocks up to MMAP_THRESHOLD now come from a heap, heaps keep up to TRIM_THRESHOLD free at their
-top, and worker threads' heaps stay while less than TOP_PAD of them is free, so a step reuses
-the pages the previous one freed. Process-wide, hence set only when a runner is about to run
-steps on the CPU, after the weights are loaded; a process that set any of glibc's variables
-for these itself (USER_SETTINGS), or whose C library has no `mallopt`, is left as it is.
+With these settings blocks up to MMAP_THRESHOLD come from a heap, heaps keep up to
+TRIM_THRESHOLD free at their top, and worker threads' heaps stay while less than TOP_PAD of them
+is free, so a step reuses the pages the previous one freed. Process-wide, hence set only when a
+runner is about to run steps on the CPU, after the weights are loaded; a process that set any of
+glibc's variables for these itself (USER_SETTINGS), or whose C library has no `mallopt`, is left
+as it is.
 """
 
 from __future__ import annotations

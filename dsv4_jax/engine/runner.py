@@ -46,7 +46,8 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from dsv4_jax.engine.compiles import CompileCounter, ProgramMemory, compile_concurrently, compile_threads
+from dsv4_jax.engine.compiles import CompileCounter, ProgramMemory, compile_threads
+from dsv4_jax.engine.program_cache import ProgramCache, describe
 from dsv4_jax.engine.host_memory import keep_freed_buffers
 from dsv4_jax.engine.sampler import prompt_scores
 from dsv4_jax.engine.sampling_params import MAX_LOGPROBS
@@ -99,7 +100,7 @@ class StepBuckets:
 
 # Rows of a decode step at least, on CPUs: XLA:CPU runs a one-row bf16 matmul by converting the
 # whole weight to float32 first (YNNPACK takes two rows and up), which made a one-row decode step
-# of the mid-size benchmark model slower than a two-row one (165 vs 106 ms, 2026-12-01).
+# of the mid-size benchmark model slower than a two-row one (165 vs 106 ms).
 CPU_MIN_DECODE_ROWS = 2
 
 
@@ -135,7 +136,7 @@ def step_compiler_options() -> dict[str, str]:
     XLA_FLAGS already disables (an option given here replaces that list). XLA:GPU runs the pass
     against a limit of the device's memory, and its points-to analysis takes each in-place update
     of the donated pools for a new buffer: on an H200 every step program seemed to need about
-    twice its pools (125 GiB against 69.48 GiB, 2026-12-04), the pass rematerialized nothing and
+    twice its pools (125 GiB against 69.48 GiB), the pass rematerialized nothing and
     spent the step's compile scanning for candidates (O(instructions^2) once over the limit).
     Buffer assignment updates the pools in place, and what a step needs besides them is measured
     from it (`program_memory`)."""
@@ -217,6 +218,7 @@ class ModelRunner:
         buckets: StepBuckets = StepBuckets(),
         allocate_cache: bool = True,
         interpret: bool | None = None,
+        programs: ProgramCache | None = None,
     ):
         """`allocate_cache=False`: the cache is only its shapes (the step's shard_map places it), for
         `program_memory` of pools that need not fit beside the ones in use; such a runner is for
@@ -233,10 +235,12 @@ class ModelRunner:
             logger.info("decode buckets %s run as %s: on CPUs a decode step has at least %d rows",
                         buckets.decode, self.buckets.decode, CPU_MIN_DECODE_ROWS)
         self.backend = get_backend(attention_backend, interpret=interpret)
+        # Compiled steps and prompt scoring, read back from disk on a restart (none kept: None).
+        self.programs = programs if programs is not None else ProgramCache.default()
         self.graphdef = model.graphdef
         # Steps take the weights as a flat list of arrays: flattening the nnx State on every call
-        # (a Python callback per variable) cost ~0.5 ms of each dispatch (dsv4-tiny, 158 weights;
-        # 2026-12-02), which on a 2-core CPU comes out of the device's time.
+        # (a Python callback per variable) cost ~0.5 ms of each dispatch (dsv4-tiny, 158 weights),
+        # which on a 2-core CPU comes out of the device's time.
         self.weights, weights_def = jax.tree.flatten(model.state)
         self.mesh = model.options.mesh
         self.dp = self.mesh.shape[DATA] if self.mesh is not None else 1
@@ -257,6 +261,10 @@ class ModelRunner:
         # step and prompt scoring ahead of time, and steps then call those executables (keyed by
         # the whole step's (B, S)); a shape without one (a runner not warmed up) compiles on call.
         self._step = jax.jit(step, donate_argnums=1, compiler_options=step_compiler_options())
+        # What the step's and the scoring's traces depend on besides their arguments (program_cache.py).
+        self._program_settings = dict(config=self.config, options=model.options, layout=layout,
+                                      backend=(self.backend.name, interpret, jax.default_backend()),
+                                      compiler_options=step_compiler_options())
         self._steps: dict[tuple[int, int], jax.stages.Compiled] = {}
         self._scorers: dict[tuple[int, int], jax.stages.Compiled] = {}
         # On a mesh: step rows go over the data axis; what the host reads is made whole on every
@@ -326,7 +334,7 @@ class ModelRunner:
         lay = self.layout
         ring, per_seq = lay.sliding_ring, lay.max_blocks_per_seq
         # Whole columns at once rather than numpy calls per row: a 32-row decode step's arrays
-        # took ~0.85 ms row by row (dsv4-tiny, 2026-12-03), host time that a CPU takes from the step.
+        # took ~0.85 ms row by row (dsv4-tiny), host time that a CPU takes from the step.
         n = len(rows)
         lens = np.fromiter((len(r.token_ids) for r in rows), np.int64, n)
         starts = np.fromiter((r.start for r in rows), np.int64, n)
@@ -364,7 +372,7 @@ class ModelRunner:
         compressed = np.full((b, per_seq), -1, np.int32)
         # Row by row: a block list is long (up to max_blocks_per_seq) and, from the scheduler, C
         # ints (`array.array`) copied whole (32 rows x 4096 blocks: the whole build 8.7 -> 0.29 ms
-        # against one ragged column of Python ints; Xeon, 2026-12-03).
+        # against one ragged column of Python ints).
         for a, blocks, k in zip(at.tolist(), (r.compressed_blocks for r in rows), nblocks.tolist()):
             compressed[a, :k] = blocks
         positions = np.arange(s, dtype=np.int32) + row_start[:, None]
@@ -427,7 +435,7 @@ class ModelRunner:
     def _put(self, host_arrays):
         """A step's host arrays as the step takes them. Without a mesh the numpy arrays go to the
         jitted call as they are (it moves them itself: ~0.35 ms a step less than a `device_put`
-        first, dsv4-tiny on CPU, 2026-12-02); on a mesh, one transfer onto the rows' sharding."""
+        first, dsv4-tiny on CPU); on a mesh, one transfer onto the rows' sharding."""
         return host_arrays if self._rows is None else jax.device_put(host_arrays, self._rows)
 
     def all_logits(self, output: StepOutput) -> jax.Array:
@@ -453,24 +461,27 @@ class ModelRunner:
         return x if self.mesh is None else self._gather(x)
 
     def compile_buckets(self, scoring: bool = True, on_done: Callable[[], None] | None = None) -> None:
-        """Compile every bucket's step and, with `scoring`, each prefill bucket's prompt scoring,
-        those not compiled yet: traced one after another, compiled several at once. Steps and
-        prompt scoring of those shapes then run these executables. `on_done()` after each compile."""
+        """Build every bucket's step and, with `scoring`, each prefill bucket's prompt scoring,
+        those not built yet: read back from the program cache, else traced one after another and
+        compiled on threads as they come. Steps and prompt scoring of those shapes then run these
+        executables. `on_done()` after each program."""
         steps = {}
         for rank_rows, s in self.buckets.all:
             key = (rank_rows * self.dp, s)
             if key not in self._steps:
-                with self._naming_the_backend((rank_rows, s)):
-                    steps[key] = self._step.lower(self.weights, self.cache, *self._put(self.padding_step(key)))
-        self._steps.update(compile_concurrently(steps, self._naming_the_step, on_done))
+                args = (self.weights, self.cache, *self._put(self.padding_step(key)))
+                steps[key] = (describe("step", args, **self._program_settings),
+                              functools.partial(self._step.lower, *args))
+        self._steps.update(self.programs.compile(steps, self._naming_the_step, on_done))
         if not scoring:
             return
         scorers = {}
         for key, step in self._steps.items():
             if key[1] > 1 and key not in self._scorers:
-                streams = step.out_info[1]  # as the step lays them out; targets come from the host
-                scorers[key] = self._head_scores.lower(self.weights, streams, np.zeros(key, np.int32))
-        self._scorers.update(compile_concurrently(scorers, self._naming_the_step, on_done))
+                args = (self.weights, step.out_info[1], np.zeros(key, np.int32))  # streams as the step lays them out
+                scorers[key] = (describe("prompt scores", args, **self._program_settings),
+                                functools.partial(self._head_scores.lower, *args))
+        self._scorers.update(self.programs.compile(scorers, self._naming_the_step, on_done))
 
     def _naming_the_step(self, key: tuple[int, int]):
         return self._naming_the_backend((key[0] // self.dp, key[1]))
@@ -495,18 +506,25 @@ class ModelRunner:
         return len(self.buckets.all) + sum(1 for _, s in self.buckets.all if s > 1)
 
     def warmup(self, on_compiled: Callable[[], None] | None = None) -> int:
-        """Compile every bucket (`compile_buckets`; `on_compiled()` after each program), then run a
-        step of padding rows in each (it changes nothing) and score its streams. Returns the number
-        of compiles it took."""
+        """Build every bucket's programs (`compile_buckets`; `on_compiled()` after each), then,
+        where any had to be compiled, run a step of padding rows in each (it changes nothing) and
+        score its streams: a kernel that compiles but fails to run fails here, and the cache's
+        donation is checked. Programs all read back from the program cache ran like that when they
+        were built, and nothing runs. Returns the number of compiles it took."""
         self.compiles.reset()
         self._touch_interpreter()
-        self.warmup_logits: dict[int, jax.Array] = {}  # step rows -> a warm-up step's logits
+        self.warmup_logits: dict[int, jax.Array] = {}  # step rows -> logits laid out as steps give them
         buckets = self.buckets.all
-        t0 = time.perf_counter()
+        t0, built = time.perf_counter(), self.programs.built
         self.compile_buckets(on_done=on_compiled)
-        logger.info("warm-up: %d buckets' steps and prompt scoring compiled in %.1fs (%d compiles at once)",
-                    len(buckets), time.perf_counter() - t0, min(len(buckets), compile_threads()))
-        for rank_rows, s in buckets:
+        logger.info("warm-up: %d buckets' steps and prompt scoring built in %.1fs (%d compiles at once, %d "
+                    "programs read back)", len(buckets), time.perf_counter() - t0,
+                    min(len(buckets), compile_threads()), self.num_programs - (self.programs.built - built))
+        if self.programs.built == built:
+            for key, step in self._steps.items():  # the sampler warms up on logits placed as steps place them
+                logits = step.out_info[0]
+                self.warmup_logits[key[0]] = jax.device_put(np.zeros(logits.shape, logits.dtype), logits.sharding)
+        for rank_rows, s in buckets if self.programs.built > built else ():
             b = rank_rows * self.dp
             before = jax.tree.leaves(self.cache)[0]
             with self._naming_the_backend((rank_rows, s)):

@@ -30,7 +30,7 @@ Why candidates for top-k / top-p: both need the tokens in order of probability, 
 vocabulary (129,280) on 2 CPU cores at B = 32 a full sort costs ~790 ms, while `lax.top_k(1024)`
 costs ~40 ms. So those rows use at most `SamplerConfig.candidates` (K, default 1024) candidates,
 as the top-k-first samplers of sglang and vLLM do, and first only
-`SamplerConfig.first_candidates` (default 64: `row_top_k` at k = 64 takes ~5 ms there, 2026-12-02).
+`SamplerConfig.first_candidates` (default 64: `row_top_k` at k = 64 takes ~5 ms there).
 Every rule keeps a prefix of the ranks, so a row whose kept tokens end inside the first
 candidates (top-k <= 64, min-p dropping the last of them, or a nucleus they hold) has its draw;
 only in a batch where some row's kept tokens reach past them are all K taken, for those rows only,
@@ -41,12 +41,9 @@ has top-p without top-k), so a nucleus within the K is exact; a wider one is cut
 with `top_k` above K act as `top_k = K`. Rows without either (OpenAI's default request,
 temperature 1 and top_p 1) are never truncated: the inverse-CDF draw needs one pass of `exp` and
 block sums over [B, V] and two short cumulative sums, where `random.categorical` would draw B x V
-random numbers (~200 ms). Measured with `benchmarks/sampler.py` at [32, 129280] on 2 cores
-(2026-12-02, Intel Xeon, medians of 40 calls, before -> after the first candidates): top_k 50
-49.7 -> 6.0 ms, top_k 50 with top_p 0.9 49.0 -> 6.9 ms, a top_p 0.95 nucleus past the K (random
-normal x 4 logits, temperature 1) 46.7 -> 44-53 ms (both lists), greedy and temperature-only rows
-unchanged (1.3-1.6, 5.1-5.6 ms). On 2 AMD EPYC cores the earlier inverse-CDF change took
-temperature-only rows from 23-25 to 5-9 ms.
+random numbers (~200 ms). `benchmarks/sampler.py` measures each kind of row at [32, 129280]
+(docs/performance.md, "Sampler": top_k 50 in ~6 ms, ~50 ms when all K candidates are taken first;
+temperature-only rows 5-9 ms, 23-25 ms before the inverse-CDF draw).
 
 Logprobs follow vLLM's default (`logprobs_mode="raw_logprobs"`): the log_softmax of the model's
 own logits, before bias, penalties, temperature and truncation. They are computed only when some
@@ -63,8 +60,8 @@ Imports: only what the GPU machine has (jax, numpy and this repository).
 from __future__ import annotations
 
 import array
-import contextlib
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
@@ -73,7 +70,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dsv4_jax.engine.compiles import ProgramMemory, compile_concurrently
+from dsv4_jax.engine.compiles import ProgramMemory
+from dsv4_jax.engine.program_cache import ProgramCache, describe
 from dsv4_jax.engine.request import PLACEHOLDER
 from dsv4_jax.engine.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
 
@@ -166,8 +164,8 @@ class PenaltyHistory:
     """The distinct prompt + output tokens of one request and how often each was generated: what
     its penalties read (a `PenaltyBatch` row). The engine keeps one per penalised request and
     feeds it each new output token (`catch_up`), so a step copies its `size` numbers instead of
-    re-deriving them from the whole sequence (32 rows of 6000-token prompts: 105 -> 1.9 ms of
-    batch building a step; Xeon, 2026-12-03).
+    re-deriving them from the whole sequence (32 rows of 6000-token prompts: 1.9 ms of batch
+    building a step, where re-deriving took 105 ms).
     The order of the tokens is free (the device scatters them, adding the counts of a token
     listed twice): the prompt's, then the outputs' new ones as they come."""
 
@@ -332,7 +330,7 @@ def row_top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     1, 16 ms for k = 20, 45 ms for k = 1024), while the k best entries always lie in the k blocks
     of the vocabulary whose best entries rank first (any entry outside them has k better ones, one
     per block), so one pass takes block maxima, a top_k picks k blocks and a last top_k runs over
-    those k blocks only (k = 1: 0.6 ms, k = 20: 1.7 ms, k = 1024: 41 ms; 2026-12-01).
+    those k blocks only (k = 1: 0.6 ms, k = 20: 1.7 ms, k = 1024: 41 ms).
     [B, V] -> ([B, k] float32, [B, k] int32)"""
     b, v = x.shape
     block = _block_length(v, k)
@@ -509,7 +507,7 @@ def _draw_untruncated(x: jax.Array, batch: SamplingBatch, keys: jax.Array) -> ja
     uniform = jax.vmap(lambda key: jax.random.uniform(key, (2,), jnp.float32))(keys)  # [B, 2]
     chosen = _inverse_cdf(jnp.sum(weigh(x).reshape(b, blocks, block), axis=-1), uniform[:, 0])  # [B] block
     # The chosen block's weights are computed again from its logits: gathering them from the
-    # weights of the whole row made XLA:CPU take 20 ms instead of 4 at [32, 129280] (2026-12-02).
+    # weights of the whole row made XLA:CPU take 20 ms instead of 4 at [32, 129280].
     inside = jax.vmap(lambda row, j: jax.lax.dynamic_slice(row, (j * block,), (block,)))(x, chosen)  # [B, block]
     return chosen * block + _inverse_cdf(weigh(inside), uniform[:, 1])
 
@@ -519,8 +517,8 @@ def _raw_logprobs(logits: jax.Array, tokens: jax.Array) -> tuple[jax.Array, ...]
     [32, 129280] on 2 CPU cores, so the top list also gives the log-sum-exp its shift (the row's
     maximum, as `jax.nn.logsumexp` takes it) and the ranks: every token more likely than one at
     or above the list's last value is in the list, so only a batch with a token below it counts
-    over the whole vocabulary (greedy rows never are: 8.6 -> 5.1 ms a greedy batch with
-    logprobs, the same outputs, 2026-12-02)."""
+    over the whole vocabulary (greedy rows never are: a greedy batch with logprobs takes 5.1 ms,
+    where counting over the whole vocabulary took 8.6, for the same outputs)."""
     top_values, top_ids = row_top_k(logits, min(MAX_LOGPROBS, logits.shape[-1]))
     best = top_values[:, :1]
     shift = jnp.where(jnp.isfinite(best), best, 0.0)
@@ -591,20 +589,22 @@ class Sampler:
     The draw (`_sample`, the costly compile) is built once per (B, V) and reads the logits as they
     are. A batch where some row has a logit bias, banned ids (EOS below `min_tokens`) or penalties
     runs two small programs around it: `process_logits` (in vLLM's order) before, and the raw
-    logprobs of the step's own logits after, when some row asked for them. Measured on 2 Xeon
-    cores (2026-12-03), compiling both kinds of batch (the engine's warm-up for one row count):
-    5.9-6.4 s -> 2.8-3.3 s at [4, 512], 7.6 -> 3.6 s at [8, 129280], where the draw used to be
-    compiled twice (with and without penalties), each with two copies of its draws (edited logits
-    or not, behind a cond). The common batch never copies [B, V] (handing the draw both arrays, or
-    editing inside it before one copy of the draws, copied them: +2 ms a greedy 32-row step at the
-    real vocabulary), and an edited batch costs one [B, V] write, as before.
+    logprobs of the step's own logits after, when some row asked for them: compiling both kinds of
+    batch (the engine's warm-up for one row count) takes half the time of one draw compiled with
+    and without penalties, each holding two copies of its draws behind a cond (2.8-3.3 s against
+    5.9-6.4 s at [4, 512] on 2 CPU cores). The common batch never copies [B, V] (handing the draw
+    both arrays, or editing inside it before one copy of the draws, copies them: +2 ms a greedy
+    32-row step at the real vocabulary), and an edited batch costs one [B, V] write.
 
     With a `mesh`, the batch is put whole on every device and every output comes back whole on
     every device, so whichever process reads the tokens has them (one small gather of [B]-sized
     arrays)."""
 
-    def __init__(self, config: SamplerConfig = SamplerConfig(), mesh: jax.sharding.Mesh | None = None):
+    def __init__(self, config: SamplerConfig = SamplerConfig(), mesh: jax.sharding.Mesh | None = None,
+                 programs: ProgramCache | None = None):
         self.config = config
+        # `compile`'s executables, read back from disk on a restart (none kept: None).
+        self.programs = programs if programs is not None else ProgramCache.default()
         self._whole = None if mesh is None else jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
         self._draw = jax.jit(_sample, static_argnames="config", out_shardings=self._whole)
         self._logprobs = jax.jit(_with_raw_logprobs, out_shardings=self._whole)
@@ -680,8 +680,9 @@ class Sampler:
             plan = self._plan(logits, batch, np.zeros(max(logits.shape[0], self.config.pad_rows), np.int32))
             key = self._program_key("draw", logits)
             if key not in self._compiled:
-                draws[key] = self._draw.lower(logits, plan.draw_batch, config=self.config)
-        self._compiled.update(compile_concurrently(draws, lambda key: contextlib.nullcontext()))
+                draws[key] = self._job("draw", logits, plan.draw_batch, lower=functools.partial(
+                    self._draw.lower, logits, plan.draw_batch, config=self.config))
+        self._compiled.update(self.programs.compile(draws))
         for logits, batch in cases:
             drawn = self._compiled[self._program_key("draw", logits)].out_info  # SampledTokens of structs
             if self._whole is None:
@@ -694,13 +695,19 @@ class Sampler:
             if plan.edit is not None:
                 key = self._program_key(("edit", plan.width), logits)
                 if key not in self._compiled and key not in later:
-                    later[key] = plan.edit.lower(*plan.edit_args)
+                    later[key] = self._job(("edit", plan.width), *plan.edit_args,
+                                           lower=functools.partial(plan.edit.lower, *plan.edit_args))
             if plan.wants_logprobs:
                 key = self._program_key("logprobs", logits)
                 if key not in self._compiled and key not in later:
-                    later[key] = self._logprobs.lower(logits, drawn)
-        self._compiled.update(compile_concurrently(later, lambda key: contextlib.nullcontext()))
+                    later[key] = self._job("logprobs", logits, drawn,
+                                           lower=functools.partial(self._logprobs.lower, logits, drawn))
+        self._compiled.update(self.programs.compile(later))
         return len(draws) + len(later)
+
+    def _job(self, program, *args, lower) -> tuple[str, Callable]:
+        """(identity, lower) of one program for the program cache."""
+        return describe(f"sampler {program}", args, config=self.config, placed=self._whole), lower
 
     def _edit_for(self, logits):
         """The jitted `process_logits` for logits placed as these are (on a mesh, one per sharding)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -124,56 +125,87 @@ class Attention(nnx.Module):
         entries they complete (before anything reads them), pick CSA entries with the backend's
         indexer, attend, and only then write the window rows later steps read."""
         cos, sin, inv_freq = rotation
-        layout, backend = ctx.layout, ctx.backend
+        layout = ctx.layout
         q_latent, q, kv = self.queries_and_kv(x, cos, sin)
         # The chunk's own rows reach the kernel as the pool would return them.
         stored_kv = kv_rounding.kv_cache_round_trip(kv, self.rope_dim) if layout.kv_cache_dtype == FP8_DS_MLA else kv
         pool = table = picks = None
         if self.layer_type != SLIDING:
-            name = "csa" if self.layer_type == CSA else "hca"
-            units = layout.csa_units_per_block if name == "csa" else layout.hca_units_per_block
-            entries, windows, cache = self._compress(self.compressor, f"{name}_state", x, inv_freq, cache, seqs, place)
-            slots = entry_slots(seqs.compressed_table, windows, units)
-            pool = backend.write_kv(getattr(cache.compressed, name), entries.reshape(-1, self.head_dim), slots, place.compressed)
-            # Reads see the written pool as a whole: XLA otherwise forwarded the write into the
-            # kernel's gather (reading the old pool beside the new entries), so the old pool had
-            # to stay readable and was copied whole (HCA, prefill steps; 6144 bytes per block here).
-            pool = jax.lax.optimization_barrier(pool)
-            cache = _replace_pool(cache, name, pool)
+            pool, slots, cache = self._write_compressed(x, inv_freq, cache, ctx, seqs, place)
             table = seqs.compressed_table
         if self.layer_type == CSA:
-            idx = self.indexer
-            keys, _, cache = self._compress(idx.compressor, "csa_indexer_state", x, inv_freq, cache, seqs, place)
-            key_pool = backend.write_indexer_keys(cache.compressed.indexer, keys.reshape(-1, idx.head_dim), slots, place.compressed)
-            cache = _replace_pool(cache, "indexer", key_pool)
-            picks = backend.indexer_topk(
-                idx.queries(q_latent, cos, sin), idx.head_weights(x), key_pool, table, seqs.start, seqs.lens,
-                place.compressed, topk=idx.topk, ratio=self.ratio,
-            )
+            picks, cache = self._pick_csa_entries(x, q_latent, rotation, cache, ctx, seqs, place, slots)
+        out, sliding = self._attend(q, stored_kv, pool, table, picks, cache.sliding.kv, ctx, seqs, place)
+        cache = dataclasses.replace(cache, sliding=dataclasses.replace(cache.sliding, kv=sliding))
+        return self.output(out, cos, sin, x.dtype), cache
+
+    def _write_compressed(
+        self, x: jax.Array, inv_freq: jax.Array, cache: PagedKVCache, ctx: CacheStep, seqs: StepSequences,
+        place: LayerPlace,
+    ) -> tuple[Any, jax.Array, PagedKVCache]:  # pool planes, as PagedKVCache holds them
+        """Advance this layer's compressor and write the entries it completes to the CSA or HCA
+        pool: (the written pool, the entries' slots, the cache with both)."""
+        layout, backend = ctx.layout, ctx.backend
+        name = "csa" if self.layer_type == CSA else "hca"
+        units = layout.csa_units_per_block if name == "csa" else layout.hca_units_per_block
+        entries, windows, cache = self._compress(self.compressor, f"{name}_state", x, inv_freq, cache, seqs, place)
+        slots = entry_slots(seqs.compressed_table, windows, units)
+        pool = backend.write_kv(getattr(cache.compressed, name), entries.reshape(-1, self.head_dim), slots, place.compressed)
+        # Reads see the written pool as a whole: XLA otherwise forwarded the write into the
+        # kernel's gather (reading the old pool beside the new entries), so the old pool had
+        # to stay readable and was copied whole (HCA, prefill steps; 6144 bytes per block here).
+        pool = jax.lax.optimization_barrier(pool)
+        return pool, slots, _replace_pool(cache, name, pool)
+
+    def _pick_csa_entries(
+        self, x: jax.Array, q_latent: jax.Array, rotation: tuple[jax.Array, jax.Array, jax.Array],
+        cache: PagedKVCache, ctx: CacheStep, seqs: StepSequences, place: LayerPlace, slots: jax.Array,
+    ) -> tuple[jax.Array, PagedKVCache]:
+        """Advance the indexer's compressor, write its keys at the CSA entries' `slots`, and pick
+        each query's top-k CSA entries: (the picks, the cache with the keys)."""
+        cos, sin, inv_freq = rotation
+        backend = ctx.backend
+        idx = self.indexer
+        keys, _, cache = self._compress(idx.compressor, "csa_indexer_state", x, inv_freq, cache, seqs, place)
+        key_pool = backend.write_indexer_keys(cache.compressed.indexer, keys.reshape(-1, idx.head_dim), slots, place.compressed)
+        cache = _replace_pool(cache, "indexer", key_pool)
+        picks = backend.indexer_topk(
+            idx.queries(q_latent, cos, sin), idx.head_weights(x), key_pool, seqs.compressed_table, seqs.start, seqs.lens,
+            place.compressed, topk=idx.topk, ratio=self.ratio,
+        )
+        return picks, cache
+
+    def _attend(
+        self, q: jax.Array, stored_kv: jax.Array, pool: Any, table: jax.Array | None, picks: jax.Array | None,
+        sliding: Any, ctx: CacheStep, seqs: StepSequences, place: LayerPlace,
+    ) -> tuple[jax.Array, Any]:
+        """The attention kernel over the window ring and the compressed pool, and the ring with
+        the chunk's rows written (before the kernel reads it in decode, after it in prefill):
+        (out [batch, S, heads, head_dim], the ring)."""
+        layout, backend = ctx.layout, ctx.backend
         sinks = self.attn_sink[...].astype(jnp.float32)
-        sliding = cache.sliding.kv
         ratio = self.ratio if pool is not None else 0
-        if x.shape[1] == 1:  # decode: the new row goes into the ring first, the kernel reads it there
+        if q.shape[1] == 1:  # decode: the new row goes into the ring first, the kernel reads it there
             sliding = backend.write_kv(sliding, stored_kv.reshape(-1, self.head_dim), window_slots(seqs, layout.block_size, 1), place.sliding)
             decode = functools.partial(backend.decode, window=self.window, ratio=ratio)
             out = heads_over_tensor(decode, (
                 q[:, 0], sliding, seqs.sliding_table, seqs.start + seqs.lens, sinks, pool, table,
                 None if picks is None else picks[:, 0], place.sliding, place.compressed,
             ), sinks_at=4, head_axis=1)[:, None]
-        else:  # a chunk: its own rows come in through window_kv; the ring is written afterwards
-            prefill = functools.partial(backend.prefill, window=self.window, ratio=ratio)
-            out = heads_over_tensor(prefill, (
-                q, sliding, seqs.sliding_table, seqs.start, seqs.lens, sinks, pool, table, picks,
-                place.sliding, place.compressed, stored_kv,
-            ), sinks_at=5, head_axis=2)
-            # The ring is written only once the kernel has read it: without this ordering (the
-            # write does not depend on `out`) XLA copied the whole sliding pool, every layer's
-            # together, once per layer of each prefill step to keep the old one readable.
-            out, sliding = jax.lax.optimization_barrier((out, sliding))
-            slots = window_slots(seqs, layout.block_size, self.window)
-            sliding = backend.write_kv(sliding, stored_kv.reshape(-1, self.head_dim), slots, place.sliding)
-        cache = dataclasses.replace(cache, sliding=dataclasses.replace(cache.sliding, kv=sliding))
-        return self.output(out, cos, sin, x.dtype), cache
+            return out, sliding
+        # A chunk: its own rows come in through window_kv; the ring is written afterwards.
+        prefill = functools.partial(backend.prefill, window=self.window, ratio=ratio)
+        out = heads_over_tensor(prefill, (
+            q, sliding, seqs.sliding_table, seqs.start, seqs.lens, sinks, pool, table, picks,
+            place.sliding, place.compressed, stored_kv,
+        ), sinks_at=5, head_axis=2)
+        # The ring is written only once the kernel has read it: without this ordering (the
+        # write does not depend on `out`) XLA copied the whole sliding pool, every layer's
+        # together, once per layer of each prefill step to keep the old one readable.
+        out, sliding = jax.lax.optimization_barrier((out, sliding))
+        slots = window_slots(seqs, layout.block_size, self.window)
+        sliding = backend.write_kv(sliding, stored_kv.reshape(-1, self.head_dim), slots, place.sliding)
+        return out, sliding
 
     def _compress(self, compressor, state_name, x, inv_freq, cache, seqs, place):
         """Advance `compressor` over the chunk from the rows it kept; store the rows to keep."""

@@ -25,7 +25,7 @@ STORED_DTYPE = jnp.bfloat16
 # Float32 rows up to which `Linear.float32` multiplies three bf16 slices of x by a bf16 weight as
 # stored rather than converting the whole weight for the call (the slices triple the rows). GPUs:
 # 32. XLA:CPU runs a bf16 weight fast (YNNPACK) up to 64 matmul rows and leaves that path above
-# (129280 x 128 head, 2026-12-01: 64 rows 4.1 ms, 65 rows 15.9 ms), so 21 there.
+# (129280 x 128 head: 64 rows 4.1 ms, 65 rows 15.9 ms), so 21 there.
 SLICED_MAX_ROWS = 32
 CPU_SLICED_MAX_ROWS = 21
 
@@ -67,8 +67,8 @@ class Linear(nnx.Module):
         # transposed: the weight lives as W^T [in, out], the checkpoint's tensor transposed once
         # at load (`TRANSPOSED` metadata tells the loader). For a short, wide weight such as the
         # vocabulary head, XLA:CPU's dot streams an [in, out] weight faster than an [out, in] one
-        # (129280 x 128 head, 2026-12: 32 rows ~20% faster on an Intel Xeon; on an AMD EPYC 2 rows ~20%,
-        # 32 rows within noise).
+        # (129280 x 128 head: 32 rows ~20% faster on an Intel Xeon; on an AMD EPYC 2 rows ~20%, 32
+        # rows within noise).
         self.transposed = transposed and not self.quantized
         if self.quantized:
             bo, bi = config.quantization.weight_block_size
@@ -124,7 +124,7 @@ def float32_matmul_bf16(
     norm's output in bf16 models), and for float32 x over three bf16 slices of it (hi + mid + lo
     = x to float32 precision) in the same dot. Fewer matmul rows than `min_rows` are padded with
     zero rows: XLA:CPU runs a one-row bf16 dot by converting the whole weight first (129280 x 128
-    head, 2026-12-01: 1 row 24 ms, 2 rows 1.9 ms; 32 rows 2.5 ms against 10 ms in float32)."""
+    head: 1 row 24 ms, 2 rows 1.9 ms; 32 rows 2.5 ms against 10 ms in float32)."""
     lead, dim = x.shape[:-1], x.shape[-1]
     rows = math.prod(lead)
     if x.dtype == jnp.bfloat16:

@@ -15,18 +15,19 @@ over the chunk's gathered weights, chunks past the used tiles skipped). XLA:CPU 
 gathered tile's weights before a batched matmul and runs few-row batches slowly, so on CPUs
 (`cpu_loop`) a loop runs the tiles holding pairs, one expert's weights per iteration
 (`_run_tiles_one_at_a_time`), tiles of at least `CPU_MIN_TILE` rows: its cost follows the experts
-in use. Mid-size benchmark model (64 experts, top-6, bf16), decode step: 2026-12-01 (an Intel
-Xeon) 1065 ms batched tiles, 342 ms the loop at 32 sequences; 2026-12-05 (an AMD EPYC, 2 cores)
-the loop 125 ms at 8 sequences and 226-235 ms at 32, against 200-213 and 252-258 ms for rounds
-that multiplied every expert by up to 16 of its pairs at once (weights read in place; removed:
-their cost did not shrink with the experts in use, and was 15% under the loop's only on that
-Xeon at 32 sequences).
+in use. Mid-size benchmark model (64 experts, top-6, bf16), decode step: on an Intel Xeon 1065
+ms batched tiles, 342 ms the loop at 32 sequences; on an AMD EPYC (2 cores) the loop 125 ms at 8
+sequences and 226-235 ms at 32, against 200-213 and 252-258 ms for rounds that multiply every
+expert by up to 16 of its pairs at once (weights read in place; docs/performance.md, "Tried and
+not kept"): they cost no less with fewer experts in use, and beat the loop (by 15%) only on the
+Xeon at 32 sequences.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -293,16 +294,52 @@ def grouped_experts(
     mine = (pair_expert >= 0) & (pair_expert < local)
     pair_weight = jnp.where(mine, weights.reshape(-1), 0.0)
     pair_expert = jnp.where(mine, pair_expert, local)
-    pairs = tokens * k
-    tile, n_tiles = tile_plan(pairs, n_experts, on_cpu)
+    tile, n_tiles = tile_plan(tokens * k, n_experts, on_cpu)
+    rows = n_tiles * tile
+    tiled = _in_tiles(x, pair_expert, pair_weight, mine, k, local, tile, n_tiles)
+    dtype = x.dtype
+    w1, w2, w3 = (functools.partial(gather_experts, fmt, block, s, dtype=dtype) for s in stored)
+
+    def run_tiles(args):
+        xt, wt, et = args  # [n, tile, hidden], [n, tile], [n]
+        g = jnp.einsum("ntd,nfd->ntf", xt, w1(et))
+        u = jnp.einsum("ntd,nfd->ntf", xt, w3(et))
+        h = (swiglu(g.astype(jnp.float32), u.astype(jnp.float32), limit) * wt[..., None]).astype(dtype)
+        return jnp.einsum("ntf,ndf->ntd", h, w2(et)).astype(jnp.float32)
+
+    tiles = (tiled.x, tiled.weight, tiled.expert)
+    if on_cpu:
+        y = _run_tiles_one_at_a_time(run_tiles, tiles, tiled.used)
+    else:
+        if local < n_experts:  # about pairs / EP rows of this device's, not all of them
+            chunk = max(1, min(_TILES_PER_STEP, math.ceil(n_tiles / (2 * (n_experts // local)))))
+        else:
+            chunk = min(n_tiles, _TILES_PER_STEP)
+        y = _run_used_tiles(run_tiles, tiles, tiled.used, chunk)
+    return jnp.zeros((tokens, x.shape[-1]), jnp.float32).at[tiled.row_token].add(y.reshape(rows, -1))
+
+
+class _Tiles(NamedTuple):
+    """The (token, expert) pairs as rows of tiles, each tile one expert's; `rows` = tiles x tile."""
+
+    x: jax.Array  # [tiles, tile, hidden]: each row's token (zeros on padding rows)
+    weight: jax.Array  # [tiles, tile] float32: each row's routing weight (0 on padding rows)
+    expert: jax.Array  # [tiles] int32: the local expert of each tile
+    row_token: jax.Array  # [rows] int32: the token each row adds to
+    used: jax.Array  # tiles that hold this device's pairs, which come first
+
+
+def _in_tiles(x: jax.Array, pair_expert: jax.Array, pair_weight: jax.Array, mine: jax.Array, k: int, local: int,
+              tile: int, n_tiles: int) -> _Tiles:
+    """The pairs sorted by expert, each expert's group padded to whole tiles (tile 1: no padding).
+    `pair_expert` [pairs]: local expert ids, `local` for the pairs that are not this device's."""
+    pairs = pair_expert.shape[0]
     rows = n_tiles * tile
     groups = local + 1  # + 1: the pairs that are not this device's
-
     order = jnp.argsort(pair_expert, stable=True)
     sorted_expert = pair_expert[order]
     sorted_token = order // k
     sorted_weight = pair_weight[order]
-    dtype = x.dtype
     if tile == 1:
         dest, tile_expert = jnp.arange(pairs), sorted_expert
     else:
@@ -320,28 +357,10 @@ def grouped_experts(
     is_pair = jnp.zeros((rows,), bool).at[dest].set(True)
     x_rows = jnp.where(is_pair[:, None], x[row_token], 0).reshape(n_tiles, tile, -1)  # padding rows: zeros
     w_rows = row_weight.reshape(n_tiles, tile)
-    w1, w2, w3 = (functools.partial(gather_experts, fmt, block, s, dtype=dtype) for s in stored)
-
-    def run_tiles(args):
-        xt, wt, et = args  # [n, tile, hidden], [n, tile], [n]
-        g = jnp.einsum("ntd,nfd->ntf", xt, w1(et))
-        u = jnp.einsum("ntd,nfd->ntf", xt, w3(et))
-        h = (swiglu(g.astype(jnp.float32), u.astype(jnp.float32), limit) * wt[..., None]).astype(dtype)
-        return jnp.einsum("ntf,ndf->ntd", h, w2(et)).astype(jnp.float32)
-
     # This device's experts' tiles come first (with expert parallelism the other devices' pairs
     # sort last): only the chunks of tiles that hold them run.
     used = jnp.sum(mine) if tile == 1 else (padded_start[local - 1] + padded[local - 1]) // tile
-    tiles = (x_rows, w_rows, tile_expert)
-    if on_cpu:
-        y = _run_tiles_one_at_a_time(run_tiles, tiles, used)
-    else:
-        if local < n_experts:  # about pairs / EP rows of this device's, not all of them
-            chunk = max(1, min(_TILES_PER_STEP, math.ceil(n_tiles / (2 * (n_experts // local)))))
-        else:
-            chunk = min(n_tiles, _TILES_PER_STEP)
-        y = _run_used_tiles(run_tiles, tiles, used, chunk)
-    return jnp.zeros((tokens, x.shape[-1]), jnp.float32).at[row_token].add(y.reshape(rows, -1))
+    return _Tiles(x_rows, w_rows, tile_expert, row_token, used)
 
 
 def _run_used_tiles(run_tiles, tiles: tuple[jax.Array, ...], used: jax.Array, chunk: int) -> jax.Array:

@@ -217,7 +217,7 @@ class DeepseekV4(nnx.Module):
         streams = self.input_streams(token_ids, options)
         # The barrier keeps each cos / sin table one array computed once a step: without it XLA
         # fuses the angles into every RoPE site and recomputes cos and sin per element of each
-        # rotated tensor (a dsv4-tiny decode step spent ~0.6 of ~12 thread-ms there, 2026-12-01).
+        # rotated tensor (a dsv4-tiny decode step spent ~0.6 of ~12 thread-ms there).
         rotations = tuple((*lax.optimization_barrier(rope_angles(seqs.positions, f)), f) for f in self.rope_frequencies())
         for plan, segment in zip(self.segments_plan, self.segments):
             if plan.count > 1:

@@ -369,60 +369,12 @@ class StepChannel:
         """Wait for every follower; each sends its node rank and `settings` (what must be the same
         on every node: model, dtype, mesh, limits). A follower whose settings differ gets the
         differences back and this raises a ValueError naming them, as the follower does."""
+        server = _listen(config)
         try:
-            server = socket.create_server(config.channel_address, reuse_port=False)
-        except OSError as error:
-            host, port = config.channel_address
-            why = os.strerror(error.errno) if error.errno else str(error)
-            advice = ("--master-addr must be an address of node 0" if error.errno == errno.EADDRNOTAVAIL else
-                      "start every node with a --master-port whose next port is free on node 0")
-            raise ValueError(f"--master-addr {host} --master-port {config.master_port}: node 0's step channel cannot "
-                             f"listen on {host}:{port} (--master-port + 1): {why}; {advice}") from None
-        server.settimeout(POLL_S)  # between accepts: has a follower announced that it stopped?
-        deadline = time.monotonic() + timeout_s
-        sockets: dict[int, socket.socket] = {}
-        differences: list[str] = []
-        try:
-            while len(sockets) < config.nnodes - 1:
-                try:
-                    conn, peer = server.accept()
-                except TimeoutError:
-                    cause = _failure_elsewhere(0)
-                    if cause is not None:
-                        raise PeerStopped(*cause) from None
-                    if time.monotonic() > deadline:
-                        raise RuntimeError(f"only {len(sockets)} of {config.nnodes - 1} followers connected to "
-                                           f"{config.channel_address} within {timeout_s:.0f}s") from None
-                    continue
-                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                conn.settimeout(30)  # a peer that connects and says nothing is not a follower
-                try:
-                    node, theirs = _read_message(conn)
-                except (OSError, EOFError, ValueError, TypeError, pickle.UnpicklingError) as error:
-                    logger.warning("step channel: dropped a connection from %s that is not a follower (%s)", peer, error)
-                    conn.close()
-                    continue
-                conn.settimeout(None)
-                if node in sockets or not 0 < node < config.nnodes:
-                    conn.close()
-                    raise ValueError(f"a follower announced --node-rank {node}: the ranks of --nnodes {config.nnodes} "
-                                     f"are 1..{config.nnodes - 1}, each once")
-                sockets[node] = conn
-                differences += [f"{name}: node 0 has {settings.get(name)!r}, node {node} has {theirs.get(name)!r}"
-                                for name in sorted(set(settings) | set(theirs)) if settings.get(name) != theirs.get(name)]
-        except BaseException:
-            for conn in sockets.values():  # the followers waiting for a verdict read the end of the channel
-                conn.close()
-            raise
+            sockets, differences = _accept_followers(server, config, settings, timeout_s)
         finally:
             server.close()
-        verdict = "; ".join(differences) or None
-        for conn in sockets.values():
-            _write_message(conn, verdict)
-        if verdict:
-            for conn in sockets.values():
-                conn.close()
-            raise ValueError(f"the nodes must be started with the same model and flags: {verdict}")
+        _send_verdict(sockets, differences)
         channel = cls(sockets, on_lost)
         for node, conn in sockets.items():  # followers never send again: a read returns only when one is gone
             threading.Thread(target=channel._watch, args=(node, conn), daemon=True, name=f"follower-{node}").start()
@@ -517,6 +469,92 @@ class StepChannel:
             reason = str(error)
         if not self._closed:
             self._on_lost(node, reason)
+
+
+# ---- the leader's side of the start-up handshake -------------------------------------------------
+def _listen(config: DistributedConfig) -> socket.socket:
+    """Node 0's step-channel socket; a ValueError naming the flags when it cannot listen."""
+    try:
+        server = socket.create_server(config.channel_address, reuse_port=False)
+    except OSError as error:
+        host, port = config.channel_address
+        why = os.strerror(error.errno) if error.errno else str(error)
+        advice = ("--master-addr must be an address of node 0" if error.errno == errno.EADDRNOTAVAIL else
+                  "start every node with a --master-port whose next port is free on node 0")
+        raise ValueError(f"--master-addr {host} --master-port {config.master_port}: node 0's step channel cannot "
+                         f"listen on {host}:{port} (--master-port + 1): {why}; {advice}") from None
+    server.settimeout(POLL_S)  # between accepts: has a follower announced that it stopped?
+    return server
+
+
+def _accept_followers(server: socket.socket, config: DistributedConfig, settings: dict[str, Any],
+                      timeout_s: float) -> tuple[dict[int, socket.socket], list[str]]:
+    """Every follower's connection by node rank, and each difference between its settings and
+    `settings`. On any error the connections made so far are closed first: the followers waiting
+    for a verdict read the end of the channel."""
+    deadline = time.monotonic() + timeout_s
+    sockets: dict[int, socket.socket] = {}
+    differences: list[str] = []
+    try:
+        while len(sockets) < config.nnodes - 1:
+            try:
+                conn, peer = server.accept()
+            except TimeoutError:
+                _raise_if_waiting_is_over(config, deadline, timeout_s, len(sockets))
+                continue
+            hello = _read_hello(conn, peer)
+            if hello is None:
+                continue
+            node, theirs = hello
+            if node in sockets or not 0 < node < config.nnodes:
+                conn.close()
+                raise ValueError(f"a follower announced --node-rank {node}: the ranks of --nnodes {config.nnodes} "
+                                 f"are 1..{config.nnodes - 1}, each once")
+            sockets[node] = conn
+            differences += [f"{name}: node 0 has {settings.get(name)!r}, node {node} has {theirs.get(name)!r}"
+                            for name in sorted(set(settings) | set(theirs)) if settings.get(name) != theirs.get(name)]
+    except BaseException:
+        for conn in sockets.values():
+            conn.close()
+        raise
+    return sockets, differences
+
+
+def _raise_if_waiting_is_over(config: DistributedConfig, deadline: float, timeout_s: float, connected: int) -> None:
+    """PeerStopped when another node announced that it stopped; a RuntimeError past the deadline."""
+    cause = _failure_elsewhere(0)
+    if cause is not None:
+        raise PeerStopped(*cause) from None
+    if time.monotonic() > deadline:
+        raise RuntimeError(f"only {connected} of {config.nnodes - 1} followers connected to "
+                           f"{config.channel_address} within {timeout_s:.0f}s") from None
+
+
+def _read_hello(conn: socket.socket, peer: Any) -> tuple[int, dict[str, Any]] | None:
+    """A new connection's node rank and settings; None (and the connection closed) when the peer is
+    not a follower."""
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    conn.settimeout(30)  # a peer that connects and says nothing is not a follower
+    try:
+        node, theirs = _read_message(conn)
+    except (OSError, EOFError, ValueError, TypeError, pickle.UnpicklingError) as error:
+        logger.warning("step channel: dropped a connection from %s that is not a follower (%s)", peer, error)
+        conn.close()
+        return None
+    conn.settimeout(None)
+    return node, theirs
+
+
+def _send_verdict(sockets: dict[int, socket.socket], differences: list[str]) -> None:
+    """Tells every follower whether the settings agree; when they do not, closes the connections
+    and raises a ValueError naming the differences."""
+    verdict = "; ".join(differences) or None
+    for conn in sockets.values():
+        _write_message(conn, verdict)
+    if verdict:
+        for conn in sockets.values():
+            conn.close()
+        raise ValueError(f"the nodes must be started with the same model and flags: {verdict}")
 
 
 def _frame(message: Any) -> bytes:

@@ -352,8 +352,8 @@ def default_stack_layers(config: DeepseekV4Config) -> bool:
     """Stacked layers (one scan: compile time independent of depth) unless on a CPU with more
     than `CPU_UNROLL_LAYER_BYTES` of layer weights. XLA:CPU copies each layer's weights out of
     the stack on every step wherever a loop or a library matmul reads them: on the mid-size
-    benchmark model (about 0.6 GB of layers) that was about a third of a 32-row decode step (490
-    ms stacked, 335 ms unrolled, 2026-12-01). Small models (the built-in, the tests' models)
+    benchmark model (about 0.6 GB of layers) that is about a third of a 32-row decode step (490
+    ms stacked, 335 ms unrolled). Small models (the built-in, the tests' models)
     copy little and compile faster stacked."""
     from dsv4_jax.weights.checkpoint import checkpoint_layout
 
