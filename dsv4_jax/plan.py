@@ -25,7 +25,9 @@ from dsv4_jax.kv_cache.planner import (
     nominal_device_memory,
     plan_capacity,
 )
-from dsv4_jax.kv_cache.resolver import ACCEPTED_REQUESTS, ATTENTION_BACKENDS, KVCacheSpec, resolve_kv_cache
+from dsv4_jax.kv_cache.resolver import (
+    ACCEPTED_REQUESTS, ATTENTION_BACKENDS, KVCacheSpec, fp8_ds_mla_layout_problem, resolve_kv_cache,
+)
 from dsv4_jax.presets import PRESETS, get_config
 from pallas_kernels.cli import OneLineParser, add_debug_flag, run_main
 
@@ -180,7 +182,9 @@ def build_report(args: argparse.Namespace) -> str:
         )
     specs = {chosen.kv_cache_dtype: (chosen, "")}
     for other in ("fp8_ds_mla", "bfloat16"):
-        if other not in specs:
+        # No column for a layout the model's shapes leave undefined (fp8_ds_mla without whole
+        # 64-dim NoPE blocks): the resolver refuses it on every backend.
+        if other not in specs and not (other == "fp8_ds_mla" and fp8_ds_mla_layout_problem(config)):
             specs[other] = _alternative("fp8" if other == "fp8_ds_mla" else "bfloat16", args, config)
     footer = (
         "Tensor-parallel attention replicates the KV cache on every rank (one KV head), so concurrent sequences = "

@@ -11,6 +11,7 @@ import dataclasses
 import functools
 import logging
 import math
+import types
 
 import jax
 import pytest
@@ -73,20 +74,23 @@ def _weight_bytes(model) -> int:
 
 
 def test_steps_update_the_pools_in_place(model, spec, engine_layout):
-    """A step's scratch is the same for one sequence slot and one compressed block as for 64
-    slots and 400 blocks (pools given as shapes only): no step copies a pool. Prefill steps used
-    to copy the whole HCA pool (XLA forwarded its write into the attention's gather), and on the
-    built-in dsv4-tiny the whole sliding pool once per layer (the ring write did not wait for the
-    attention's read). A float8 cache still copies its planes on XLA:CPU (docs/kv_cache.md)."""
+    """A step's scratch is the same for one sequence slot and one sequence's compressed blocks (the
+    pools the builder measures on) as for 64 slots and 400 blocks (pools given as shapes only): no
+    step copies a pool, so the largest buckets measured on the smallest pools give what every
+    bucket needs on any. Prefill steps used to copy the whole HCA pool (XLA forwarded its write
+    into the attention's gather), and on the built-in dsv4-tiny the whole sliding pool once per
+    layer (the ring write did not wait for the attention's read). A float8 cache still copies its
+    planes on XLA:CPU (docs/kv_cache.md)."""
     backend = spec.attention_backend
     smallest = dataclasses.replace(engine_layout, num_seq_slots=1, num_sliding_blocks=engine_layout.sliding_ring,
-                                   num_compressed_blocks=1)
+                                   num_compressed_blocks=engine_layout.max_blocks_per_seq + 1)
     largest = dataclasses.replace(engine_layout, num_seq_slots=64, num_sliding_blocks=64 * engine_layout.sliding_ring,
                                   num_compressed_blocks=400)
-    small, large = (ModelRunner(model, layout, attention_backend=backend, buckets=ARGS["buckets"],
+    buckets = builder.largest_buckets(ARGS["buckets"])  # as the builder measures (and compiles once here)
+    small, large = (ModelRunner(model, layout, attention_backend=backend, buckets=buckets,
                                 allocate_cache=False).program_memory(scoring=False)
                     for layout in (smallest, largest))
-    assert small.keys() == large.keys() and len(small) == 3
+    assert small.keys() == large.keys() == {(4, 32), (4, 1)}
     hidden, hc = model.config.hidden_size, model.config.hc_mult
     for (rows, s), measured in small.items():
         other = large[rows, s].step
@@ -199,18 +203,47 @@ def test_pools_are_sized_after_the_activations(gpu_llm, gpu_memory, activations,
     assert len(out[0].outputs[0].token_ids) == 3
 
 
-def test_programs_that_need_more_than_measured_make_the_pools_planned_again(checkpoint, gpu_memory, engine_layout,
-                                                                          activations, caplog):
+def test_programs_that_need_more_than_measured_make_the_pools_planned_again(monkeypatch, caplog):
     """A measurement that came out short (as a step whose scratch grows with the pools would make
-    it) is caught by the warmed-up programs' own figures: the builder says so, sizes the pools
-    again with those figures, and serves on pools that leave them room."""
-    with caplog.at_level(logging.WARNING, logger="dsv4_jax.engine.builder"):
-        llm, measured_on = _gpu_llm(checkpoint, gpu_memory, reserve=1)
-    assert len(measured_on) == 1  # the second plan takes the programs' figures, it does not measure
-    assert any("sizing the pools again" in r.getMessage() for r in caplog.records), caplog.text
-    assert llm.layout == engine_layout  # the memory was sized for these pools beside the true activations
-    assert engine_activations(llm.engine).reserved_bytes <= llm.plan.reserved_bytes
-    assert abs(llm.plan.reserved_bytes - activations.reserved_bytes) <= PACKING_NOISE
+    it) is caught by the warmed-up programs' own figures: the builder says so, frees the first
+    engine's pools, sizes them again with those figures and serves on the second engine; short a
+    second time is an error, never an engine that runs out of memory while serving. (The figures
+    themselves are XLA's: `engine_activations` against the plan in the test above.)"""
+    sized, engines, needs = [], [], iter([5_000, None])
+
+    class Engine:
+        def __init__(self, layout):
+            self.layout, self.released = layout, False
+
+        def warmup(self, progress):
+            return 0
+
+        def release_cache(self):
+            self.released = True
+
+    def size_pools(config, model, channel, reserved):
+        sized.append(reserved)
+        return config, types.SimpleNamespace(reserved_bytes=reserved or 1_000), f"layout {len(sized)}"
+
+    def engine(config, model, tokenizer, layout, block_manager_factory):
+        engines.append(Engine(layout))
+        return engines[-1]
+
+    config = types.SimpleNamespace(distributed=types.SimpleNamespace(nnodes=1), tokenizer="tok")
+    monkeypatch.setattr(builder, "_load", lambda config: "model")
+    monkeypatch.setattr("dsv4_jax.chat.tokenizer.load_tokenizer", lambda path: "tokenizer")
+    monkeypatch.setattr(builder, "_tokenizer_source", lambda config: "tok")
+    monkeypatch.setattr(builder, "_size_pools", size_pools)
+    monkeypatch.setattr(builder, "_engine", engine)
+    monkeypatch.setattr(builder, "_activations_beyond", lambda engine, plan: next(needs))
+    with caplog.at_level(logging.WARNING, logger=builder.__name__):
+        built = builder.build_engine(config)
+    assert sized == [None, 5_000]  # measured first, then the programs' own figure
+    assert [e.released for e in engines] == [True, False] and built.engine is engines[1]
+    assert built.engine.layout == "layout 2" and "sizing the pools again" in caplog.text
+    needs, sized[:] = iter([5_000, 6_000]), []
+    with pytest.raises(RuntimeError, match="need 0.0 MiB of activations per device, more than the 0.0 MiB"):
+        builder.build_engine(config)
 
 
 def test_activations_that_leave_no_room_are_refused(model, spec, engine_layout, activations):

@@ -370,3 +370,16 @@ def test_plan_cli_on_grace_superchips(capsys):
         assert plan_cli.main(argv) == 0, capsys.readouterr().err
         out = capsys.readouterr().out
         assert f"4 x {kind}, {gib} GiB each" in out and "fp8_ds_mla on pallas_fp8_ds_mla" in out
+
+
+def test_plan_cli_leaves_out_a_layout_the_models_shapes_leave_undefined(tmp_path, capsys):
+    """head_dim 40 with 8 RoPE dims: 32 NoPE dims are no whole fp8_ds_mla block of 64, so the plan
+    has bf16 rows only (the resolver's auto picks bfloat16 there) instead of refusing the model."""
+    import json
+
+    config = get_config("dsv4-tiny-test").replace(head_dim=40, qk_rope_head_dim=8)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config.to_dict()))
+    assert plan_cli.main(["--model", str(path), "--max-model-len", "1024"]) == 0
+    rows = [line.split()[0] for line in capsys.readouterr().out.splitlines() if line.startswith(("fp8", "bfloat16"))]
+    assert rows == ["bfloat16*"]

@@ -239,21 +239,25 @@ def _measure_activations(config: EngineConfig, model, memory: int, weight_bytes:
     """Bytes per device the pools leave for activations: the largest prefill and decode buckets'
     programs compiled for the smallest pools (one slot, one sequence's blocks; shapes only)."""
     from dsv4_jax.engine.activations import measure_activations
-    from dsv4_jax.engine.runner import StepBuckets
 
     start = time.perf_counter()
     _, smallest = _plan(dataclasses.replace(config, max_num_seqs=1, max_num_seqs_is_default=False), None, 0, 0)
     layout = _layout(dataclasses.replace(config, args=dataclasses.replace(config.args, num_gpu_blocks_override=None)),
                      smallest)
-    buckets = config.buckets
-    largest = StepBuckets(prefill=(max(buckets.prefill, key=lambda b: (b[0] * b[1], b[0])),),
-                          decode=(max(buckets.decode),))
-    activations = measure_activations(model, layout, buckets=largest, attention_backend=config.kv.attention_backend,
-                                      max_model_len=config.max_model_len)
+    activations = measure_activations(model, layout, buckets=largest_buckets(config.buckets),
+                                      attention_backend=config.kv.attention_backend, max_model_len=config.max_model_len)
     logger.info("activations: %s, measured in %.1fs; the KV cache gets what remains of --gpu-memory-utilization %s "
                 "of %.2f GiB after them and %.2f GiB of weights", activations.describe(), time.perf_counter() - start,
                 config.args.gpu_memory_utilization, memory / 2**30, weight_bytes / 2**30)
     return activations.reserved_bytes
+
+
+def largest_buckets(buckets):
+    """The prefill bucket of the most tokens (then rows) and the widest decode bucket: what the
+    activations are measured on (a step's scratch grows with its tokens)."""
+    from dsv4_jax.engine.runner import StepBuckets
+
+    return StepBuckets(prefill=(max(buckets.prefill, key=lambda b: (b[0] * b[1], b[0])),), decode=(max(buckets.decode),))
 
 
 def _activations_beyond(engine, plan) -> int | None:

@@ -246,38 +246,47 @@ class ModelRunner:
         self.dp = self.mesh.shape[DATA] if self.mesh is not None else 1
         self.ctx = CacheStep(layout, self.backend)
         self.warm = False
-        step = functools.partial(_step, self.graphdef, weights_def, model.options, self.ctx)
         self.cache: PagedKVCache = self._new_cache() if allocate_cache else jax.eval_shape(self._new_cache)
-        if self.mesh is not None:  # every rank's pools side by side, split over the data axis
-            cache_specs = partition_specs(self._whole_layout(), DATA)
-            rows = P(DATA)
-            seq_specs = StepSequences(rows, rows, rows, rows, rows)
-            step = jax.shard_map(
-                step, mesh=self.mesh, in_specs=(_data_specs(self.weights), cache_specs, rows, seq_specs),
-                out_specs=(rows, rows, cache_specs), axis_names={DATA}, check_vma=False,
-            )
         self.compiles = CompileCounter()  # counts from here: the cache's allocation is not a step's
         # One jitted function each; the cache is donated. `compile_buckets` compiles every bucket's
         # step and prompt scoring ahead of time, and steps then call those executables (keyed by
         # the whole step's (B, S)); a shape without one (a runner not warmed up) compiles on call.
-        self._step = jax.jit(step, donate_argnums=1, compiler_options=step_compiler_options())
+        self._step = jax.jit(self._step_function(weights_def, model.options), donate_argnums=1,
+                             compiler_options=step_compiler_options())
         # What the step's and the scoring's traces depend on besides their arguments (program_cache.py).
         self._program_settings = dict(config=self.config, options=model.options, layout=layout,
                                       backend=(self.backend.name, interpret, jax.default_backend()),
                                       compiler_options=step_compiler_options())
         self._steps: dict[tuple[int, int], jax.stages.Compiled] = {}
         self._scorers: dict[tuple[int, int], jax.stages.Compiled] = {}
-        # On a mesh: step rows go over the data axis; what the host reads is made whole on every
-        # device first where the host needs it, with several processes (each holds only its own
-        # devices' part).
-        replicated = None if self.mesh is None else NamedSharding(self.mesh, P())
-        self._rows = None if self.mesh is None else NamedSharding(self.mesh, P(DATA))
-        self._head = jax.jit(functools.partial(_head, self.graphdef, weights_def),
-                             out_shardings=replicated if jax.process_count() > 1 else None)
         self.weights_def = weights_def  # the weights' tree structure (`weights` is its flat leaves)
-        self._head_scores = jax.jit(functools.partial(_head_scores, self.graphdef, weights_def),
-                                    out_shardings=replicated if jax.process_count() > 1 else None)
+        self._jit_head_programs()
+
+    def _jit_head_programs(self) -> None:
+        """The head over a step's streams (`head`, `prompt_scores`) and `gather`. On a mesh, step
+        rows go over the data axis, and what the host reads is made whole on every device first
+        where the host needs it, with several processes (each holds only its own devices' part)."""
+        replicated = None if self.mesh is None else NamedSharding(self.mesh, P())
+        whole = replicated if jax.process_count() > 1 else None
+        self._rows = None if self.mesh is None else NamedSharding(self.mesh, P(DATA))
+        self._head = jax.jit(functools.partial(_head, self.graphdef, self.weights_def), out_shardings=whole)
+        self._head_scores = jax.jit(functools.partial(_head_scores, self.graphdef, self.weights_def),
+                                    out_shardings=whole)
         self._gather = jax.jit(lambda x: x, out_shardings=replicated)
+
+    def _step_function(self, weights_def, options) -> Callable:
+        """The pure step over (weights, cache, token ids, rows); on a mesh, under a shard_map manual
+        over the data axis, every rank's pools side by side and split over it."""
+        step = functools.partial(_step, self.graphdef, weights_def, options, self.ctx)
+        if self.mesh is None:
+            return step
+        cache_specs = partition_specs(self._whole_layout(), DATA)
+        rows = P(DATA)
+        seq_specs = StepSequences(rows, rows, rows, rows, rows)
+        return jax.shard_map(
+            step, mesh=self.mesh, in_specs=(_data_specs(self.weights), cache_specs, rows, seq_specs),
+            out_specs=(rows, rows, cache_specs), axis_names={DATA}, check_vma=False,
+        )
 
     def _whole_layout(self) -> PagedCacheLayout:
         """Every data-parallel rank's pools side by side (the layout itself without a mesh)."""
