@@ -360,11 +360,22 @@ def chat_checkpoint(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def chat_llm(chat_checkpoint):
     """`LLM` with the server's flags: its executables are in the persistent cache (every compile
-    is persisted, see above), so a server started with the same flags compiles nothing."""
+    is persisted, see above), and, with the program cache on for it (nothing is patched while it
+    is built), in this lane's program cache, so a server started with the same flags
+    (`CHAT_SERVER_ENV`) reads every program back: nothing traced, nothing compiled."""
     from dsv4_jax import LLM
     from serve.args import parse_args
 
-    return LLM.from_engine_args(parse_args([str(chat_checkpoint), *CHAT_SERVER_FLAGS]).engine)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("DSV4_JAX_PROGRAM_CACHE", "1")
+        return LLM.from_engine_args(parse_args([str(chat_checkpoint), *CHAT_SERVER_FLAGS]).engine)
+
+
+# What a `python -m serve` child with CHAT_SERVER_FLAGS adds to this process's environment: the
+# CPU, this worker's caches (the compilation cache and the program cache chat_llm filled).
+def chat_server_env() -> dict[str, str]:
+    return {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_COMPILATION_CACHE_DIR": jax.config.jax_compilation_cache_dir,
+            "DSV4_JAX_PROGRAM_CACHE": "1"}
 
 
 CHAT_SERVER_KEY, CHAT_SERVER_NAME = "test-key", "dsv4-test"
@@ -457,8 +468,7 @@ def chat_server(chat_llm, chat_checkpoint, tmp_path_factory):
 
     port = quiet_port()
     log_path = tmp_path_factory.mktemp("server") / "server.log"
-    env = {**os.environ, "DSV4_TEST_FORCED_OUTPUT": "1", "JAX_PLATFORMS": "cpu",
-           "JAX_COMPILATION_CACHE_DIR": jax.config.jax_compilation_cache_dir}
+    env = {**chat_server_env(), "DSV4_TEST_FORCED_OUTPUT": "1"}
     command = [sys.executable, "-m", "serve", str(chat_checkpoint), *CHAT_SERVER_FLAGS, "--port", str(port),
                "--served-model-name", CHAT_SERVER_NAME, "--api-key", CHAT_SERVER_KEY, "--enable-auto-tool-choice",
                "--tool-call-parser", "deepseek_v4", "--reasoning-parser", "deepseek_v4"]

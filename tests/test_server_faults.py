@@ -26,7 +26,7 @@ import time
 import httpx
 import numpy as np
 import pytest
-from conftest import CHAT_SERVER_FLAGS, REPO, quiet_port  # tests/ is on sys.path
+from conftest import CHAT_SERVER_FLAGS, REPO, chat_server_env, quiet_port  # tests/ is on sys.path
 
 from dsv4_jax import SamplingParams
 
@@ -443,14 +443,11 @@ def test_prompts_over_max_model_len_are_400s_with_the_numbers(chat_server, load,
 
 # ---- SIGTERM and SIGINT with requests in flight ------------------------------------------------------------------------
 def _start_second_server(checkpoint, log_path) -> tuple[subprocess.Popen, str]:
-    import jax
-
     port = quiet_port()
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_COMPILATION_CACHE_DIR": jax.config.jax_compilation_cache_dir}
     with open(log_path, "w") as log:
         process = subprocess.Popen([sys.executable, "-m", "serve", str(checkpoint), *CHAT_SERVER_FLAGS,
                                     "--port", str(port), "--served-model-name", "dsv4-test"],
-                                   stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+                                   stdout=log, stderr=subprocess.STDOUT, env=chat_server_env(), cwd=REPO)
     return process, f"http://127.0.0.1:{port}"
 
 
