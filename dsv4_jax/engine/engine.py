@@ -16,6 +16,7 @@ the text leaves out special tokens (`skip_special_tokens`) and the stop string.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import itertools
 import logging
@@ -27,6 +28,7 @@ import numpy as np
 
 from dsv4_jax.parallel.distributed import StepChannel
 from dsv4_jax.engine.block_manager import BlockManager
+from dsv4_jax.engine.compiles import CompileCounter
 from dsv4_jax.engine.detokenizer import IncrementalDetokenizer
 from dsv4_jax.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, TokenIdsSoFar
 from dsv4_jax.engine.request import (
@@ -575,31 +577,34 @@ class LLMEngine:
         """Compile every runner bucket, the sampler for each bucket's row count (its draw, and the
         small programs of batches with bans or penalties) and the placeholder filling of async
         scheduling. Returns the compiles it took; after it, serving compiles nothing.
-        `progress(what, done, total)` counts the step programs built (compiled or read from the
-        persistent compilation cache), then says when the sampler's are ("sampler", 0 or 1, 1)."""
+        `progress(what, done, total)` counts the step programs built (compiled or read back), then
+        says when the sampler's are ("sampler", 0 or 1, 1).
+
+        The sampler's programs are built on a thread of their own while the steps are (one process;
+        over several, after them), for logits as the steps place them (committed to the device, or
+        split over the data axis of a mesh);
+        then every kind of batch is sampled from the warm-up steps' own logits: an executable is
+        compiled for its arguments' placement, so a logits placement not foreseen compiles here,
+        never while serving."""
         progress = progress or (lambda what, done, total: None)
+        counter = CompileCounter()
         done = itertools.count(1)
         total = self.runner.num_programs
         progress("steps", 0, total)
-        compiled = self.runner.warmup(on_compiled=lambda: progress("steps", next(done), total))
-        self.runner.compiles.reset()
-        vocab = self.config.vocab_size
-        # On the warm-up steps' own logits and samples: on a mesh their shardings are part of what
-        # an executable is compiled for, so anything else would compile again while serving.
+        # Over several processes every call that places arrays on the mesh must come in the same order on
+        # every node, so the sampler's are made after the steps' there.
+        alongside = jax.process_count() == 1
+        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dsv4-sampler-warmup") as pool:
+            cases = self._sampler_cases(self._step_logits())
+            sampler = pool.submit(self.sampler.compile, cases) if alongside else None
+            self.runner.warmup(on_compiled=lambda: progress("steps", next(done), total))
+            progress("sampler", 0, 1)
+            if sampler is None:
+                self.sampler.compile(cases)
+            else:
+                sampler.result()
         previous = None
-        # The kinds of batch: nothing to edit; bans (or a bias) only; penalties (Sampler), with a
-        # history of each width a request can reach (its distinct tokens and a pending one: at
-        # most the vocabulary plus one, or max_model_len).
-        penalised = SamplingParams(repetition_penalty=1.1, logprobs=1)
-        widths = self.sampler_config.penalty_widths(min(vocab + 1, self.max_model_len))
-        kinds = [(SamplingParams(temperature=1.0, logprobs=1), [0]), (SamplingParams(min_tokens=1, logprobs=1), [0])]
-        kinds += [(penalised, self.sampler_config.prompt_of_width(w)) for w in widths]
-        cases = [(logits, build_sampling_batch([SamplingRow(params, 0, prompt, [])], b, vocab_size=vocab,
-                                               eos_token_ids=self.eos_token_ids, config=self.sampler_config))
-                 for b, logits in sorted(self.runner.warmup_logits.items()) for params, prompt in kinds]
-        progress("sampler", 0, 1)
-        self.sampler.compile(cases)  # several at once; the calls below run them
-        for logits, batch in cases:
+        for logits, batch in self._sampler_cases(self.runner.warmup_logits):
             previous = self.sampler(logits, batch).token_ids
             jax.block_until_ready(previous)
         if jax.process_count() > 1:  # host reads of logits gather them first (_host_logits)
@@ -609,7 +614,26 @@ class LLMEngine:
             b *= self.runner.dp
             jax.block_until_ready(_fill_placeholders(np.zeros((b, s), np.int32), np.zeros(b, np.int32), previous))
         self.runner.warmup_logits.clear()
-        compiled += self.runner.compiles.compiles
-        self.runner.compiles.reset()
+        self.runner.compiles.reset()  # from here on the runner counts what serving compiles: nothing
         progress("sampler", 1, 1)
-        return compiled
+        return counter.compiles
+
+    def _step_logits(self) -> dict[int, jax.ShapeDtypeStruct]:
+        """Step rows -> the logits [rows, vocab] float32 a step of that many rows returns, placed as
+        it places them, before any step is built."""
+        rows = {b * self.runner.dp for b, _ in self.runner.buckets.all}
+        placed = self.runner.logits_sharding
+        return {b: jax.ShapeDtypeStruct((b, self.config.vocab_size), jnp.float32, sharding=placed) for b in rows}
+
+    def _sampler_cases(self, logits_by_rows: dict[int, Any]) -> list[tuple[Any, Any]]:
+        """(logits, batch) of every kind of batch for each step's logits: nothing to edit; bans (or
+        a bias) only; penalties, with a history of each width a request can reach (its distinct
+        tokens and a pending one: at most the vocabulary plus one, or max_model_len)."""
+        vocab = self.config.vocab_size
+        penalised = SamplingParams(repetition_penalty=1.1, logprobs=1)
+        widths = self.sampler_config.penalty_widths(min(vocab + 1, self.max_model_len))
+        kinds = [(SamplingParams(temperature=1.0, logprobs=1), [0]), (SamplingParams(min_tokens=1, logprobs=1), [0])]
+        kinds += [(penalised, self.sampler_config.prompt_of_width(w)) for w in widths]
+        return [(logits, build_sampling_batch([SamplingRow(params, 0, prompt, [])], b, vocab_size=vocab,
+                                              eos_token_ids=self.eos_token_ids, config=self.sampler_config))
+                for b, logits in sorted(logits_by_rows.items()) for params, prompt in kinds]

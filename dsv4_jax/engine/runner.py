@@ -43,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jax.sharding import NamedSharding
+from jax.sharding import NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
 from dsv4_jax.engine.compiles import CompileCounter, ProgramMemory, compile_threads
@@ -287,6 +287,11 @@ class ModelRunner:
             step, mesh=self.mesh, in_specs=(_data_specs(self.weights), cache_specs, rows, seq_specs),
             out_specs=(rows, rows, cache_specs), axis_names={DATA}, check_vma=False,
         )
+
+    @property
+    def logits_sharding(self) -> jax.sharding.Sharding:
+        """Where a step's logits [rows, vocab] lie: on the device, or split by rows over the data axis."""
+        return self._rows if self.mesh is not None else SingleDeviceSharding(jax.local_devices()[0])
 
     def _whole_layout(self) -> PagedCacheLayout:
         """Every data-parallel rank's pools side by side (the layout itself without a mesh)."""
