@@ -65,9 +65,12 @@ def engine_layout(model, spec) -> PagedCacheLayout:
 
 
 @pytest.fixture(scope="module")
-def activations(model, spec, engine_layout):
-    return measure_activations(model, engine_layout, buckets=ARGS["buckets"], attention_backend=spec.attention_backend,
-                               max_model_len=ARGS["max_model_len"])
+def activations(checkpoint, engine_layout):
+    """What tests/test_engine.py's engine needs (its arguments, its layout on CPU's pools), from
+    the executables its warm-up built: the programs are that engine's, compiled once in this lane."""
+    llm = LLM(str(checkpoint), **ARGS)
+    assert llm.layout == engine_layout
+    return engine_activations(llm.engine)
 
 
 def _weight_bytes(model) -> int:
