@@ -269,7 +269,8 @@ async def _become_ready(state, server, loaded: asyncio.Future, engine_class) -> 
         logger.error("loading the model failed: %s", state.load_error)
         server.should_exit = True
         return
-    built, args, config = result, state.args, state.config
+    built, args = result, state.args
+    state.config = config = built.config  # as built (a max_num_seqs the pools bound, its buckets)
     if config.sampling_defaults:
         logger.info("default sampling parameters from generation_config.json: %s", config.sampling_defaults)
     state.limits = ServerLimits(

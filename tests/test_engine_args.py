@@ -76,17 +76,26 @@ def test_a_hugging_face_id_resolves_through_the_local_cache_as_vllms_does(tmp_pa
     assert EngineArgs(REPO_ID, max_model_len=256).create_engine_config().model_dir.resolve() == checkpoint
 
 
-def _device(platform: str, memory: int | None):
+def _device(platform: str, memory: int | None, kind: str = "unknown GPU"):
     stats = {"bytes_limit": memory} if memory else {}
-    return types.SimpleNamespace(platform=platform, memory_stats=lambda: stats)
+    return types.SimpleNamespace(platform=platform, device_kind=kind, memory_stats=lambda: stats)
 
 
-def test_max_num_seqs_defaults_to_vllms_by_device():
+def test_max_num_seqs_defaults_to_vllms_by_device(monkeypatch):
+    """1024 on GPUs of 70 GiB or more, 256 on smaller ones, 8 on CPUs; a GPU's size is its kind's,
+    not JAX's limit (75% of it by default: an 80 GB H100 reports about 60 GiB)."""
+    for name in ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION"):
+        monkeypatch.delenv(name, raising=False)
     assert default_max_num_seqs(_device("cpu", None)) == DEFAULT_MAX_NUM_SEQS["cpu"] == 8
-    assert default_max_num_seqs(_device("gpu", 80 * GiB)) == 1024  # an H100's 80 GB
-    assert default_max_num_seqs(_device("gpu", LARGE_GPU_BYTES)) == 1024
-    assert default_max_num_seqs(_device("gpu", LARGE_GPU_BYTES - 1)) == 256  # an L40S's 48 GB, say
-    assert default_max_num_seqs(_device("gpu", 24 * GiB)) == 256
+    assert default_max_num_seqs(_device("gpu", 60 * GiB, "NVIDIA H100 80GB HBM3")) == 1024
+    assert default_max_num_seqs(_device("gpu", 105 * GiB, "NVIDIA H200")) == 1024
+    assert default_max_num_seqs(_device("gpu", 34 * GiB, "NVIDIA L40S")) == 256  # 48 GB
+    # A kind the table lacks: JAX's limit over the fraction JAX takes.
+    assert default_max_num_seqs(_device("gpu", 60 * GiB)) == 1024  # 80 GiB
+    assert default_max_num_seqs(_device("gpu", int(0.75 * LARGE_GPU_BYTES) - 1)) == 256
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
+    assert default_max_num_seqs(_device("gpu", 60 * GiB)) == 256  # 63 GiB
+    assert default_max_num_seqs(_device("gpu", 70 * GiB)) == 1024
 
 
 def test_a_default_max_num_seqs_the_pools_cannot_hold_is_bounded_and_said(checkpoint, caplog):

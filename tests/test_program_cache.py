@@ -41,7 +41,9 @@ def test_a_program_is_kept_and_read_back_without_tracing(tmp_path):
     first = ProgramCache(tmp_path)
     with jax_persistent_cache_off():
         built = first.compile({"p": _job(x, y)})["p"]
-    assert (first.built, first.loaded) == (1, 0) and len(list(tmp_path.glob("*.bin"))) == 1
+    assert (first.built, first.loaded) == (1, 0) and not list(tmp_path.rglob("*.bin"))  # not known to run yet
+    first.keep()
+    assert len(list(tmp_path.rglob("*.bin"))) == 1
     identity, _ = _job(x, y)
     again = ProgramCache(tmp_path)
     loaded = again.compile({"p": (identity, _never_lowered)})["p"]
@@ -65,6 +67,7 @@ x, y = np.ones((2, 5), np.float32), np.zeros((2, 5), np.float32)
 cache = ProgramCache(sys.argv[2] if sys.argv[2] != "-" else None)
 out = cache.compile({"p": _job(x, y)})["p"]
 assert (out(x, y) == np.sort(x * 3.0) + y).all()
+cache.keep()
 print(cache.built, cache.loaded)
 """
 
@@ -92,15 +95,38 @@ def test_only_programs_xla_compiled_here_are_kept(tmp_path):
 def test_a_damaged_entry_is_compiled_again_and_replaced(tmp_path, caplog):
     x, y = np.ones((3, 3), np.float32), np.ones((3, 3), np.float32)
     with jax_persistent_cache_off():
-        ProgramCache(tmp_path).compile({"p": _job(x, y)})
-    [entry] = tmp_path.glob("*.bin")
+        kept = ProgramCache(tmp_path)
+        kept.compile({"p": _job(x, y)})
+        kept.keep()
+    [entry] = tmp_path.rglob("*.bin")
     entry.write_bytes(b"not a program")
     cache = ProgramCache(tmp_path)
     with jax_persistent_cache_off(), caplog.at_level(logging.WARNING, logger=program_cache.__name__):
         out = cache.compile({"p": _job(x, y)})["p"]
     assert "could not be read back" in caplog.text and (cache.built, cache.loaded) == (1, 0)
     np.testing.assert_array_equal(out(jnp.asarray(x), y), np.sort(x * 3.0) + y)
+    cache.keep()
     assert ProgramCache(tmp_path).compile({"p": (_job(x, y)[0], _never_lowered)})  # replaced by a good one
+
+
+def test_a_start_in_a_new_environment_removes_folders_unused_for_days(tmp_path):
+    """One folder per environment; writing a new one removes the folders no start has used for
+    STALE_DAYS (reading an entry marks its folder used), and keeps the others."""
+    import os
+    import time
+
+    old, recent = tmp_path / "old-environment", tmp_path / "recent-environment"
+    for folder in (old, recent):
+        folder.mkdir()
+        (folder / "entry.bin").write_bytes(b"x")
+    stale = time.time() - (program_cache.STALE_DAYS + 1) * 86400
+    os.utime(old, (stale, stale))
+    x, y = np.ones((2, 2), np.float32), np.ones((2, 2), np.float32)
+    cache = ProgramCache(tmp_path)
+    with jax_persistent_cache_off():
+        cache.compile({"p": _job(x, y)})
+    cache.keep()
+    assert not old.exists() and recent.exists() and len(list(tmp_path.rglob("*.bin"))) == 2
 
 
 def test_everything_the_trace_depends_on_changes_the_entry(tmp_path, monkeypatch):

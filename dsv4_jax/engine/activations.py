@@ -5,11 +5,11 @@ the compiled programs gives it without running them).
 The pools are sized from what is left of `gpu_memory_utilization` of a device's memory once the
 weights and these activations are counted. Without them the pools took all of it, and the first
 long prefill (its scratch grows with the step's tokens) or prompt-logprobs pass could run out of
-memory while serving. The programs are compiled for the largest pools the memory could hold
-before the reservation, as shapes only (nothing is allocated): where a step's scratch grows with
-the pools (XLA copying a pool it cannot update in place) that counts it at its most, and the
-pools finally allocated are smaller. Those shapes depend only on the device's memory, the
-weights and the flags, so the persistent compilation cache serves them on the next start.
+memory while serving. The builder (engine/builder.py) measures the largest buckets compiled for
+the smallest pools, as shapes only (nothing is allocated): every step updates the pools in place,
+so its scratch does not grow with them; it then checks the warmed-up engine's own programs
+(`engine_activations`, nothing compiled) against that reservation. The measured programs are kept
+in the program cache, so a restart reads them back for the same figures.
 
 What may be live at once, counted generously: the largest step (its scratch and its outputs),
 the previous step's outputs (async scheduling launches a step while the last one's logits and
@@ -55,7 +55,16 @@ def measure_activations(model, layout: PagedCacheLayout, *, buckets: StepBuckets
     buckets on pools of `layout`: its programs compiled for those pools' shapes, none run and no
     pool allocated."""
     runner = ModelRunner(model, layout, attention_backend=attention_backend, buckets=buckets, allocate_cache=False)
-    return _activations(runner, lambda config: Sampler(config, runner.mesh), max_model_len, sampler_config)
+    made: list[Sampler] = []
+
+    def sampler_for(config: SamplerConfig) -> Sampler:
+        made.append(Sampler(config, runner.mesh))
+        return made[-1]
+
+    measured = _activations(runner, sampler_for, max_model_len, sampler_config)
+    for programs in (runner.programs, *(sampler.programs for sampler in made)):
+        programs.keep()  # only analysed, never run: a restart reads them back for the same figures
+    return measured
 
 
 def engine_activations(engine) -> ActivationMemory:

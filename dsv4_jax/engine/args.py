@@ -277,13 +277,30 @@ def checkpoint_dtype(path: Path) -> str:
 
 def default_max_num_seqs(device: Any) -> int:
     """vLLM's default for the device: 1024 sequences on GPUs with >= 70 GiB (H100, H200, B200),
-    256 on smaller GPUs; 8 on CPUs. On a GPU the pools may then hold fewer (the builder says so)."""
+    256 on smaller GPUs; 8 on CPUs. On a GPU the pools may then hold fewer (the builder says so).
+    A GPU's size is its kind's (the devices table), else what JAX may use of it divided by the
+    fraction JAX takes (`XLA_CLIENT_MEM_FRACTION`, formerly `XLA_PYTHON_CLIENT_MEM_FRACTION`, 0.75
+    by default): JAX's own limit is below 70 GiB on an 80 GB H100."""
     if device.platform != "gpu":
         return DEFAULT_MAX_NUM_SEQS["cpu"]
-    from dsv4_jax.kv_cache.planner import live_device_memory
+    return DEFAULT_MAX_NUM_SEQS["large_gpu" if gpu_bytes(device) >= LARGE_GPU_BYTES else "gpu"]
 
-    memory = live_device_memory(device) or 0
-    return DEFAULT_MAX_NUM_SEQS["large_gpu" if memory >= LARGE_GPU_BYTES else "gpu"]
+
+def gpu_bytes(device: Any) -> int:
+    """The whole memory of a GPU (see `default_max_num_seqs`)."""
+    import os
+
+    from dsv4_jax.kv_cache.planner import live_device_memory, nominal_device_memory
+
+    nominal = nominal_device_memory(getattr(device, "device_kind", ""))
+    if nominal:
+        return nominal
+    given = os.environ.get("XLA_CLIENT_MEM_FRACTION", os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75"))
+    try:
+        fraction = float(given)
+    except ValueError:
+        fraction = 0.75
+    return int((live_device_memory(device) or 0) / min(max(fraction, 0.05), 1.0))
 
 
 def default_buckets(max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int | None) -> StepBuckets:

@@ -3,9 +3,11 @@
 
 The phases, each logged with its seconds: the step channel of a multi-node run (every node
 compares its settings first), the weights (`load_model`), the tokenizer, the pools (on a GPU:
-what the device's memory holds once the weights and the activations are counted), the engine,
-and the warm-up, which compiles every program once at its final shapes (or loads it from the
-persistent compilation cache) and reports its progress to a callback (the server's `/health`).
+what the device's memory holds once the weights and the activations are counted; across nodes
+the leader's pools, max_num_seqs and buckets are every node's), the engine, and the warm-up,
+which builds every program once at its final shapes (reading it back from the program cache,
+engine/program_cache.py, where an earlier start compiled it) and reports its progress to a
+callback (the server's `/health`).
 
 Activations on a GPU are measured from the largest prefill and decode buckets compiled for the
 smallest pools (shapes only: a step's scratch does not grow with the pools, since every step
@@ -75,9 +77,10 @@ def build_engine(config: EngineConfig, *, block_manager_factory: Callable[..., A
             with _phase(timings, "sizing", progress, "sizing the KV cache"):
                 config, plan, layout = _size_pools(config, model, channel, reserved)
             engine = _engine(config, model, tokenizer, layout, block_manager_factory)
+            start = time.perf_counter()
             with _phase(timings, "warm-up", progress, "compiling"):
                 compiled = engine.warmup(progress=lambda what, done, total: progress(f"compiling {what}", done, total))
-            logger.info("warm-up: %d compiles in %.1fs", compiled, timings["warm-up"])
+            logger.info("warm-up: %d compiles in %.1fs", compiled, time.perf_counter() - start)
             needed = _activations_beyond(engine, plan)
             if needed is None:
                 break
@@ -121,7 +124,8 @@ def _tokenizer_source(config: EngineConfig) -> str:
 
 
 class _phase:
-    """Times one phase into `timings[name]`, and tells `progress` it began."""
+    """Adds one phase's seconds to `timings[name]` (a phase may run twice: the pools planned again),
+    and tells `progress` it began."""
 
     def __init__(self, timings: dict[str, float], name: str, progress: Progress, description: str):
         self.timings, self.name = timings, name
@@ -131,7 +135,7 @@ class _phase:
         self.start = time.perf_counter()
 
     def __exit__(self, *exc: Any) -> None:
-        self.timings[self.name] = time.perf_counter() - self.start
+        self.timings[self.name] = self.timings.get(self.name, 0.0) + time.perf_counter() - self.start
 
 
 def _load(config: EngineConfig):
@@ -183,11 +187,12 @@ def _size_pools(config: EngineConfig, model, channel, reserved: int | None) -> t
         reserved = _measure_activations(config, model, memory, weight_bytes)
     config, plan = _plan(config, memory, weight_bytes, reserved or 0)
     layout = _layout(config, plan)
-    if channel is not None:
+    if channel is not None:  # what every node's programs are built for: the leader's
         if config.distributed.is_leader:
-            channel.send(layout)
+            channel.send((config.max_num_seqs, config.buckets, layout))
         else:
-            layout = channel.receive()
+            max_num_seqs, buckets, layout = channel.receive()
+            config = dataclasses.replace(config, max_num_seqs=max_num_seqs, buckets=buckets)
     return config, plan, layout
 
 
@@ -262,10 +267,16 @@ def largest_buckets(buckets):
 
 def _activations_beyond(engine, plan) -> int | None:
     """The warmed-up programs' activations (their executables' buffer assignment: nothing is
-    compiled) where they exceed what the plan reserved, else None (and on CPU, where nothing is)."""
+    compiled) where they exceed what the plan reserved, else None (and on CPU, where nothing is
+    reserved; and where the backend reports no figures for executables read back from the program
+    cache: they passed this check when they were built)."""
     if plan.device_memory_bytes is None:
         return None
     from dsv4_jax.engine.activations import engine_activations
 
-    needed = engine_activations(engine).reserved_bytes
+    try:
+        needed = engine_activations(engine).reserved_bytes
+    except RuntimeError as error:  # ProgramMemory.of: no memory analysis
+        logger.info("the warmed-up programs' memory was not checked against the reservation: %s", error)
+        return None
     return needed if needed > plan.reserved_bytes else None

@@ -8,18 +8,16 @@ cache hits, and a restart with a warm cache shows 0 compiles and N cache hits. T
 registered once per process, the first time a counter is made; they count into module-level
 totals that `CompileCounter` snapshots.
 
-`compile_concurrently` compiles lowered programs on threads: the runner's steps and the sampler's
-programs are compiled ahead of time that way at warm-up, and called as executables.
+`compile_threads` says how many programs compile at once (the program cache, engine/program_cache.py,
+compiles the runner's steps and the sampler's programs ahead of time on threads, and warm-up
+calls them as executables).
 """
 
 from __future__ import annotations
 
-import concurrent.futures
-import contextlib
 import dataclasses
 import os
 import threading
-from typing import Callable
 
 import jax
 
@@ -128,7 +126,7 @@ DEFAULT_COMPILE_THREADS = 4
 
 
 def compile_threads() -> int:
-    """How many programs `compile_concurrently` compiles at once: $DSV4_JAX_COMPILE_THREADS (1:
+    """How many programs compile at once in the process: $DSV4_JAX_COMPILE_THREADS (1:
     one after another), else the CPUs this process may use, at most DEFAULT_COMPILE_THREADS."""
     value = os.environ.get(COMPILE_THREADS_ENV)
     if value is None:
@@ -136,22 +134,3 @@ def compile_threads() -> int:
     if not value.strip().isdigit() or int(value) < 1:
         raise ValueError(f"{COMPILE_THREADS_ENV} must be a positive integer, got {value!r}")
     return int(value)
-
-
-def compile_concurrently(jobs: dict, describe: Callable[[object], contextlib.AbstractContextManager],
-                         on_done: Callable[[], None] | None = None) -> dict:
-    """`{key: lowered.compile()}` of lowered programs, `compile_threads()` at once on threads (XLA
-    compiles without holding the GIL: on a GPU each step program took 11-15 s to compile, one
-    after another). Errors are raised in `describe(key)`'s context, the first key's first.
-    `on_done()` is called as each compile ends (start-up progress)."""
-    workers = max(1, min(len(jobs), compile_threads()))
-    with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="dsv4-compile") as pool:
-        futures = {key: pool.submit(lowered.compile) for key, lowered in jobs.items()}
-        if on_done is not None:
-            for future in futures.values():
-                future.add_done_callback(lambda _: on_done())
-    out = {}
-    for key, future in futures.items():
-        with describe(key):
-            out[key] = future.result()
-    return out

@@ -607,6 +607,7 @@ class LLMEngine:
         for logits, batch in self._sampler_cases(self.runner.warmup_logits):
             previous = self.sampler(logits, batch).token_ids
             jax.block_until_ready(previous)
+        self.sampler.programs.keep()  # each ran above
         if jax.process_count() > 1:  # host reads of logits gather them first (_host_logits)
             for logits in self.runner.warmup_logits.values():
                 jax.block_until_ready(self.runner.gather(logits))

@@ -24,6 +24,7 @@ from dsv4_jax.engine.args import BUILTIN_MODEL, EngineArgs
 from dsv4_jax.engine.outputs import RequestOutput
 from dsv4_jax.engine.request import integer_token_ids
 from dsv4_jax.engine.sampling_params import SamplingParams, default_max_tokens_within
+from dsv4_jax.parallel.distributed import DistributedConfig
 
 
 class LLM:
@@ -32,12 +33,18 @@ class LLM:
     tensor_parallel_size, ...); a bad value is a ValueError naming it, before any weights load."""
 
     def __init__(self, model: str | Path = BUILTIN_MODEL, **engine_args: Any):
-        fields = {f.name for f in dataclasses.fields(EngineArgs)}
-        unknown = sorted(set(engine_args) - fields)
-        if unknown:
-            raise ValueError(f"LLM() got unknown argument(s) {', '.join(unknown)}; the engine's arguments are "
-                             f"{', '.join(sorted(fields - {'model'}))}")
-        self._start(EngineArgs(model=model, **engine_args))
+        def checked() -> EngineArgs:
+            fields = {f.name for f in dataclasses.fields(EngineArgs)}
+            unknown = sorted(set(engine_args) - fields)
+            if unknown:
+                raise ValueError(f"LLM() got unknown argument(s) {', '.join(unknown)}; the engine's arguments are "
+                                 f"{', '.join(sorted(fields - {'model'}))}")
+            return EngineArgs(model=model, **engine_args)
+
+        defaults = EngineArgs()
+        nodes = {name: engine_args.get(name, getattr(defaults, name))
+                 for name in ("nnodes", "node_rank", "master_addr", "master_port")}
+        self._start(DistributedConfig(**nodes, headless=nodes["node_rank"] > 0), checked)
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs, *,
@@ -45,19 +52,23 @@ class LLM:
         """An `LLM` from `EngineArgs`; `block_manager_factory` makes each data-parallel rank's
         block allocator (`engine.block_manager.BlockManager`'s constructor by default)."""
         llm = cls.__new__(cls)
-        llm._start(engine_args, block_manager_factory)
+        llm._start(engine_args.distributed, lambda: engine_args, block_manager_factory)
         return llm
 
-    def _start(self, args: EngineArgs, block_manager_factory: Callable[..., Any] | None = None) -> None:
+    def _start(self, nodes: DistributedConfig, engine_args: Callable[[], EngineArgs],
+               block_manager_factory: Callable[..., Any] | None = None) -> None:
+        """Join the other nodes (several hosts), then check `engine_args()` and build: a node whose
+        arguments are refused tells the others why, instead of leaving them waiting for it."""
         from dsv4_jax.engine.builder import build_engine
         from dsv4_jax.engine.compilation_cache import enable_compilation_cache
-        from dsv4_jax.parallel.distributed import StartUp
+        from dsv4_jax.parallel.distributed import StartUp, initialize
 
         # Before anything compiles (JAX reads the setting at the first compile): a restarted
         # notebook then loads the warm-up's executables.
         enable_compilation_cache()
-        with StartUp(args.distributed):  # a failure is told to the other nodes, which would wait for this one
-            config = args.create_engine_config()
+        initialize(nodes)  # before anything touches a device
+        with StartUp(nodes):  # a failure is told to the other nodes, which would wait for this one
+            config = engine_args().create_engine_config()
         built = build_engine(config, block_manager_factory=block_manager_factory)
         self.engine_config = built.config  # as resolved (max_num_seqs as the pools bound it)
         self.engine, self.plan, self.model = built.engine, built.plan, built.model
@@ -91,6 +102,11 @@ class LLM:
     @property
     def distributed(self):
         return self.engine_config.distributed
+
+    @property
+    def parallel(self):
+        """The mesh's sizes (`ParallelConfig`: tensor, data, expert parallel)."""
+        return self.engine_config.parallel
 
     @property
     def cache_bytes(self) -> int:

@@ -548,6 +548,7 @@ class ModelRunner:
                 jax.block_until_ready(self.prompt_scores(streams, np.zeros((b, s), np.int32)))
             if not before.is_deleted():
                 raise RuntimeError("the KV cache was not donated to the step: every step would copy it")
+        self.programs.keep()  # every program built here ran: a restart may read them back without running them
         self.warm = True
         compiled = self.compiles.compiles
         self.compiles.reset()  # from here on, `compiles.compiles` counts what steps compile: 0
