@@ -42,7 +42,6 @@ from dsv4_jax.engine import engine as engine_module
 from dsv4_jax.engine import runner as runner_module
 from dsv4_jax.engine.compiles import CompileCounter
 from dsv4_jax.engine.args import EngineArgs, default_buckets
-from dsv4_jax.engine.request import ForcedTokens
 from dsv4_jax.presets import get_config
 from dsv4_jax.testing import write_random_checkpoint
 
@@ -480,92 +479,6 @@ def test_async_scheduling_gives_the_synchronous_outputs(llm, greedy_run, monkeyp
     assert overlapped[0].token_ids == free.token_ids[: stop_at + 1] and overlapped[0].finish_reason == "stop"
     assert [len(c.token_ids) for c in overlapped[1:-1]] == [12, 9, 7, 12, 10]
     assert (overlapped[-1].token_ids, overlapped[-1].finish_reason) == (overlapped[0].token_ids, "stop")
-
-
-def test_forced_requests_overlap_steps_and_give_the_synchronous_outputs(llm, greedy_run, monkeypatch):
-    """Forced tokens are known on the host, so async scheduling puts them into the next step
-    directly instead of waiting for the previous step: requests forced from their first token and
-    after an arming token, beside ordinary ones, give one-step-at-a-time's outputs while steps
-    overlap. A request both forced and penalised (its penalty history would need the forced
-    token on the device) runs its steps one at a time while its forced tokens are armed and not
-    all out, with the same outputs; before they are armed its steps overlap."""
-    prompt, free = greedy_run
-    arming = 3 if free.token_ids[3] not in free.token_ids[:3] else free.token_ids.index(free.token_ids[3])
-    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
-    requests = [("armed", prompt, greedy, ForcedTokens((5, 6, 7), after_token=free.token_ids[arming])),
-                ("at-once", _prompt(41, 7), greedy, ForcedTokens((8, 9))),
-                ("plain", _prompt(42, 11), greedy, None),
-                ("seeded", _prompt(43, 5), SamplingParams(temperature=1.0, seed=3, max_tokens=10, ignore_eos=True,
-                                                          logprobs=2), ForcedTokens((10,)))]
-    penalised = ("penalised", _prompt(44, 6), SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True,
-                                                             logprobs=2, frequency_penalty=0.5), ForcedTokens((11, 12)))
-    # Forced after a token its bias rules out: never armed, so its pending tokens are samples.
-    unarmed = ("unarmed", _prompt(45, 6), SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=2,
-                                                         frequency_penalty=0.5, logit_bias={13: -100.0}),
-               ForcedTokens((11, 12), after_token=13))
-
-    def run(batch):
-        """Final outputs by id, and per step whether a launched step was left in flight (steps
-        overlapped) and whether a forced, penalised request was running then."""
-        for rid, p, params, forced in batch:
-            llm.engine.add_request(rid, p, params, forced=forced)
-        done, steps = {}, []
-        while llm.engine.has_unfinished():
-            done.update((o.request_id, o.outputs[0]) for o in llm.engine.step() if o.finished)
-            tracked = llm.engine._tracked.values()
-            steps.append((llm.engine._in_flight is not None,
-                          any(t.forced and t.forced_after is None and t.penalty_history for t in tracked),
-                          any(t.forced for t in tracked)))
-        _assert_idle(llm)
-        return done, steps
-
-    for name, batch in (("mixed", requests), ("penalised", [penalised]), ("unarmed", [unarmed])):
-        runs = {}
-        for mode in (False, True):
-            monkeypatch.setattr(llm.engine, "async_scheduling", mode)
-            runs[mode], steps = run(batch)
-            assert any(overlapped for overlapped, _, _ in steps) == mode  # steps overlapped in async mode
-            # never beside an armed, forced, penalised request
-            assert not any(overlapped and held for overlapped, held, _ in steps)
-            if name != "penalised":  # ... and while forced tokens (armed or not) were still to come
-                assert any(overlapped and forced for overlapped, _, forced in steps) == mode
-        for rid, _, params, forced in batch:
-            a, b = runs[False][rid], runs[True][rid]
-            assert_same_under_gap_rule(a, b, greedy=params.temperature == 0)
-            assert len(b.token_ids) == params.max_tokens
-            if rid == "unarmed":
-                assert 13 not in b.token_ids  # never armed
-            if forced is None or rid == "unarmed":
-                continue
-            start = 0 if forced.after_token is None else b.token_ids.index(forced.after_token) + 1
-            assert tuple(b.token_ids[start : start + len(forced.token_ids)]) == forced.token_ids, rid
-
-
-def test_forced_tokens_replace_samples_from_the_token_after_the_arming_one(llm, greedy_run):
-    """A tool call forced after the model's own `</think>` (serve/chat.py), with an ordinary token of
-    the free greedy run standing in for `</think>`: the model's tokens up to and including it, then
-    the forced ones, then the model again; forced tokens' logprobs are the full forward's."""
-    prompt, free = greedy_run
-    arming = 3 if free.token_ids[3] not in free.token_ids[:3] else free.token_ids.index(free.token_ids[3])
-    forced = (5, 6, 7)
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=3)
-    llm.engine.add_request("forced", prompt, params,
-                           forced=ForcedTokens(forced, after_token=free.token_ids[arming]))
-    out = None
-    while llm.engine.has_unfinished():
-        out = next((o for o in llm.engine.step() if o.finished), out)
-    tokens = out.outputs[0].token_ids
-    assert tokens[: arming + 1] == free.token_ids[: arming + 1]
-    assert tuple(tokens[arming + 1 : arming + 4]) == forced and len(tokens) == 12
-    (reference,) = _full_log_softmax(llm, [prompt + tokens])
-    for i in range(arming + 1, arming + 4):  # the forced positions: the sampler never picked these
-        row = reference[len(prompt) - 1 + i]
-        entry = out.outputs[0].logprobs[i][tokens[i]]
-        assert abs(entry.logprob - row[tokens[i]]) <= LOGPROB_TOL
-        assert entry.rank == int((row > row[tokens[i]]).sum()) + 1
-    _assert_idle(llm)
-    with pytest.raises(ValueError, match="forced token ids"):
-        llm.engine.add_request("bad", prompt, params, forced=ForcedTokens((VOCAB,)))
 
 
 def test_each_streamed_output_keeps_the_tokens_it_had(llm, greedy_run):

@@ -583,3 +583,74 @@ def test_prompt_scores_on_the_device_equal_the_hosts():
     assert top_ids[5, :2].tolist() == [9, 5] and not {2, 10} & set(top_ids[5].tolist())
     np.testing.assert_allclose(logprob, want_logprob, atol=2e-6)
     np.testing.assert_allclose(top_logprobs, want_top, atol=2e-6)
+
+
+# ---- token masks (structured outputs, allowed_token_ids, bad_words) -------------------------------
+
+
+def test_mask_rows_round_trip_and_mask_exactly_their_tokens():
+    """`packed_ids` sets the bits llguidance's layout gives each id (little-endian in int32
+    words), `allowed_ids` reads them back, and `apply_token_masks` keeps exactly those logits."""
+    from dsv4_jax.engine.sampler import apply_token_masks
+    from dsv4_jax.engine.token_masks import allowed_ids, mask_width, packed_ids
+
+    rng = np.random.default_rng(9)
+    sets = [sorted(set(rng.integers(0, V, size=k).tolist())) for k in (1, 5, 40, V)] + [[0, 31, 32, 63, V - 1]]
+    rows = np.stack([packed_ids(s, V) for s in sets])
+    assert rows.shape == (len(sets), mask_width(V)) and rows.dtype == np.int32
+    for row, ids in zip(rows, sets):
+        np.testing.assert_array_equal(allowed_ids(row, V), ids)
+        bits = np.zeros(mask_width(V) * 32, bool)
+        bits[ids] = True  # the layout by hand: word t // 32, bit t % 32
+        np.testing.assert_array_equal([(int(row[t // 32]) >> (t % 32)) & 1 for t in range(V)], bits[:V])
+    logits = rng.normal(size=(len(sets), V)).astype(np.float32)
+    masked = np.asarray(apply_token_masks(jax.numpy.asarray(logits), jax.numpy.asarray(rows)))
+    for i, ids in enumerate(sets):
+        keep = np.zeros(V, bool)
+        keep[ids] = True
+        np.testing.assert_array_equal(masked[i][keep], logits[i][keep])
+        assert np.all(masked[i][~keep] == -np.inf)
+
+
+_ROW_SETTINGS = st.fixed_dictionaries({
+    "temperature": st.sampled_from([0.0, 0.5, 1.0, 3.0]),
+    "top_k": st.sampled_from([0, 1, 5, 64]),
+    "top_p": st.sampled_from([1.0, 0.9, 0.3]),
+    "min_p": st.sampled_from([0.0, 0.1]),
+    "seed": st.integers(0, 2**31),
+    "repetition_penalty": st.sampled_from([1.0, 1.5]),
+    "frequency_penalty": st.sampled_from([0.0, -2.0]),
+    "min_tokens": st.sampled_from([0, 3]),
+    "logprobs": st.sampled_from([None, 5]),
+})
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(_ROW_SETTINGS, st.lists(st.integers(0, V - 1), min_size=1, max_size=6),
+                          st.integers(0, V - 1)), min_size=1, max_size=B), st.integers(0, 2**31))
+def test_a_masked_token_is_never_sampled_whatever_the_settings(rows, logit_seed):
+    """Whatever the sampling settings, penalties, a large bias on a masked token and min_tokens
+    bans, every row samples a token its mask allows (each mask holds at least one token that
+    is not EOS, so the bans never empty it), and its logprobs are those of the masked logits."""
+    from dsv4_jax.engine.token_masks import packed_ids
+
+    logits = (np.random.default_rng(logit_seed).normal(size=(B, V)) * 4).astype(np.float32)
+    sampling, masks = [], np.full((B, (V + 31) // 32), -1, np.int32)
+    allowed = []
+    for i, (settings_, ids, favoured) in enumerate(rows):
+        ids = sorted(set(ids) - {EOS}) or [EOS + 1]
+        allowed.append(ids)
+        masks[i] = packed_ids(ids, V)
+        params = SamplingParams(**settings_, logit_bias={favoured: 50.0})  # even a masked favourite stays out
+        sampling.append(SamplingRow(params, i, [1, 2, favoured], [3]))
+    out = _run(logits, sampling, bucket=B, eos_token_ids=[EOS], token_masks=masks)
+    for i, ids in enumerate(allowed):
+        assert int(out.token_ids[i]) in ids, (i, int(out.token_ids[i]), ids)
+        if sampling[i].params.logprobs is not None:
+            raw = np.full(V, -np.inf)
+            raw[ids] = logits[i, ids]
+            expected = _log_softmax(raw[None])[0]
+            assert abs(out.logprobs[i] - expected[out.token_ids[i]]) <= 1e-4
+            listed = out.top_token_ids[i][: sampling[i].params.logprobs]
+            finite = out.top_logprobs[i][: sampling[i].params.logprobs] > -np.inf
+            assert set(listed[finite].tolist()) <= set(ids)

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dsv4_jax.parallel.distributed import DistributedConfig
+from dsv4_jax.engine.structured_outputs import StructuredOutputsConfig
 
 if TYPE_CHECKING:
     from dsv4_jax.config import DeepseekV4Config
@@ -87,6 +88,8 @@ class EngineArgs:
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
     master_port: int = 29500
+    # vLLM's --structured-outputs-config: JSON text, a dict or a StructuredOutputsConfig (None: defaults)
+    structured_outputs_config: str | dict | StructuredOutputsConfig | None = None
     buckets: StepBuckets | None = None  # ours: the step shapes compiled (None: `default_buckets`)
     # vLLM's arguments that change nothing here, accepted so its notebooks run as written.
     enable_prefix_caching: bool | None = None  # not built: only off (False or None) is accepted
@@ -122,6 +125,7 @@ class EngineArgs:
             raise ValueError("--load-format orbax is not supported across hosts yet (--nnodes > 1): "
                              "pass --load-format safetensors")
         self.distributed  # noqa: B018  (DistributedConfig checks the node flags)
+        StructuredOutputsConfig.parse(self.structured_outputs_config)  # its errors name the flag
 
     @property
     def distributed(self) -> DistributedConfig:
@@ -168,6 +172,7 @@ class EngineArgs:
             buckets=self.buckets or default_buckets(max_num_seqs, max_model_len, self.max_num_batched_tokens),
             parallel=parallel, load_format=load_format,
             tokenizer=Path(self.tokenizer) if self.tokenizer is not None else model_dir,
+            structured_outputs_config=StructuredOutputsConfig.parse(self.structured_outputs_config),
             # generation_config.json's sampling defaults (vLLM's keys); followers never sample.
             sampling_defaults=generation_defaults(model_dir, self.generation_config,
                                                   "generation_config (--generation-config)")
@@ -210,6 +215,7 @@ class EngineConfig:
     load_format: str  # "auto", "safetensors" or "orbax"; across nodes never "auto"
     tokenizer: Path  # the directory (or file) the tokenizer is read from
     sampling_defaults: dict[str, Any]  # generation_config.json's, for requests that leave them unset
+    structured_outputs_config: StructuredOutputsConfig = StructuredOutputsConfig()
 
     @property
     def distributed(self) -> DistributedConfig:

@@ -35,7 +35,6 @@ import jax
 
 from dsv4_jax.engine.engine import LLMEngine
 from dsv4_jax.engine.outputs import EngineStats, RequestOutput
-from dsv4_jax.engine.request import ForcedTokens
 from dsv4_jax.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -87,7 +86,7 @@ class EngineClient(Protocol):
     def num_waiting(self) -> int: ...
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
-                    prompt: str | None = None, forced: ForcedTokens | None = None) -> AsyncIterator[RequestOutput]: ...
+                    prompt: str | None = None) -> AsyncIterator[RequestOutput]: ...
 
     def abort_now(self, request_id: str) -> None: ...
 
@@ -117,6 +116,7 @@ class AsyncLLMEngine:
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._accepting, self._stop = True, False
+        self.engine.on_grammar_ready = self._wake
         self._thread = threading.Thread(target=self._run, name="dsv4-engine-steps", daemon=True)
         self._thread.start()
 
@@ -135,6 +135,11 @@ class AsyncLLMEngine:
             await asyncio.to_thread(self._thread.join)
         self.engine.stop_followers()  # a multi-node run: the followers exit too
 
+    def _wake(self) -> None:
+        """A grammar compiled (on the grammar worker): its request may run now."""
+        with self._work:
+            self._work.notify()
+
     @property
     def accepting(self) -> bool:
         return self._accepting and self.error is None
@@ -149,12 +154,12 @@ class AsyncLLMEngine:
 
     @property
     def num_waiting(self) -> int:
-        """Sequences queued for a slot, every data-parallel rank's."""
-        return self.engine.scheduler.num_waiting
+        """Sequences queued for a slot, every data-parallel rank's, and those waiting for their grammar."""
+        return self.engine.scheduler.num_waiting + self.engine.num_compiling
 
     def stats(self) -> EngineStats:
         scheduler = self.engine.scheduler
-        return EngineStats(scheduler.num_running, scheduler.num_waiting, scheduler.kv_cache_usage,
+        return EngineStats(scheduler.num_running, self.num_waiting, scheduler.kv_cache_usage,
                            scheduler.num_preemptions)
 
     @property
@@ -164,7 +169,6 @@ class AsyncLLMEngine:
     # ---- requests -----------------------------------------------------------------------------------
     def add_request(
         self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, prompt: str | None = None,
-        forced: ForcedTokens | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Queue a request now (a bad one raises ValueError here, with nothing queued) and return its
         outputs as they come (each the whole output so far; the last has `finished` set). The
@@ -175,7 +179,7 @@ class AsyncLLMEngine:
             # Again under the lock: the step thread may have failed (and failed every request it
             # knew) while this call waited for the lock; a request added then would never be served.
             self._check_accepting()
-            self.engine.add_request(request_id, prompt_token_ids, params, prompt=prompt, forced=forced)
+            self.engine.add_request(request_id, prompt_token_ids, params, prompt=prompt)
             self._queues[request_id] = queue
             self._work.notify()
         return self._outputs(request_id, queue)
@@ -186,11 +190,10 @@ class AsyncLLMEngine:
 
     async def generate(
         self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, prompt: str | None = None,
-        forced: ForcedTokens | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """`add_request` and its outputs in one: a bad request raises ValueError at the first step
         of the iteration."""
-        outputs = self.add_request(request_id, prompt_token_ids, params, prompt=prompt, forced=forced)
+        outputs = self.add_request(request_id, prompt_token_ids, params, prompt=prompt)
         try:
             async for out in outputs:
                 yield out
@@ -226,8 +229,10 @@ class AsyncLLMEngine:
     def _run(self) -> None:
         while True:
             with self._work:
-                while not self._stop and not self.engine.has_unfinished():
-                    self._work.wait()
+                while not self._stop and not self.engine.has_runnable():
+                    # Requests waiting only for their grammar: woken when one compiles (`_wake`),
+                    # or at the latest to end one whose compile is late.
+                    self._work.wait(timeout=1.0 if self.engine.num_compiling else None)
                 if self._stop:
                     return
                 try:
@@ -236,6 +241,8 @@ class AsyncLLMEngine:
                     if self._step_failed(error):
                         continue
                     return
+                ended = self._delivered(self.engine.take_ended_early())
+            self._deliver(ended)
             if launched is None:
                 continue
             # The device computes `launched` (and the step after it): wait without the lock, so the
@@ -253,13 +260,21 @@ class AsyncLLMEngine:
                         continue
                     return
                 self._keep_waiting = True
-                deliveries = [(self._queues.get(o.request_id), o) for o in outputs]
-                for out in outputs:
-                    if out.finished:
-                        self._queues.pop(out.request_id, None)
-            for queue, out in deliveries:
-                if queue is not None:
-                    self._loop.call_soon_threadsafe(queue.put, out)
+                deliveries = self._delivered(outputs)
+            self._deliver(deliveries)
+
+    def _delivered(self, outputs: list[RequestOutput]) -> list[tuple[_Latest | None, RequestOutput]]:
+        """Under the lock: each output with its queue; the queues of finished requests dropped."""
+        deliveries = [(self._queues.get(o.request_id), o) for o in outputs]
+        for out in outputs:
+            if out.finished:
+                self._queues.pop(out.request_id, None)
+        return deliveries
+
+    def _deliver(self, deliveries: list[tuple[_Latest | None, RequestOutput]]) -> None:
+        for queue, out in deliveries:
+            if queue is not None:
+                self._loop.call_soon_threadsafe(queue.put, out)
 
     def _wait(self, launched) -> None:
         jax.block_until_ready(self.engine.device_outputs(launched))

@@ -15,11 +15,11 @@ the text leaves out special tokens (`skip_special_tokens`) and the stop string.
 
 from __future__ import annotations
 
-import collections
 import concurrent.futures
 import dataclasses
 import itertools
 import logging
+import time
 from typing import Any, Callable, Sequence
 
 import jax
@@ -31,14 +31,7 @@ from dsv4_jax.engine.block_manager import BlockManager
 from dsv4_jax.engine.compiles import CompileCounter
 from dsv4_jax.engine.detokenizer import IncrementalDetokenizer
 from dsv4_jax.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, TokenIdsSoFar
-from dsv4_jax.engine.request import (
-    PLACEHOLDER,
-    ForcedTokens,
-    Request,
-    RequestRejected,
-    RequestStatus,
-    integer_token_ids,
-)
+from dsv4_jax.engine.request import PLACEHOLDER, Request, RequestRejected, RequestStatus, integer_token_ids
 from dsv4_jax.engine.runner import ModelRunner, StepBuckets, StepOutput
 from dsv4_jax.engine.lockstep import Lockstep
 from dsv4_jax.engine.sampler import (
@@ -52,8 +45,11 @@ from dsv4_jax.engine.sampler import (
 )
 from dsv4_jax.engine.sampling_params import SamplingParams
 from dsv4_jax.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from dsv4_jax.engine.structured_outputs import GrammarCompiler, StructuredOutputsConfig, check_structured_outputs
+from dsv4_jax.engine.token_masks import TokenMask, bad_words_token_ids, fill_masks, packed_ids
 from dsv4_jax.kv_cache.paged import PagedCacheLayout
 from dsv4_jax.chat.tokenizer import token_text
+from dsv4_jax.chat.tokens import THINK_END, THINK_START
 
 logger = logging.getLogger(__name__)
 
@@ -91,15 +87,11 @@ class _Tracked:
     prompt_logprobs: list[dict[int, Logprob] | None] | None
     cumulative_logprob: float = 0.0
     stop_reason: int | str | None = None
-    forced: collections.deque[int] | None = None  # forced tokens not emitted yet
-    forced_after: int | None = None  # the model's token that arms them; None once armed
+    mask: TokenMask | None = None  # its token constraint (grammar, allowed ids, bad words)
+    error: str | None = None  # why it failed alone (finish_reason "error")
     # The prompt's ids for its outputs: one copy, shared by all of them (not one per step).
     prompt_token_ids: list[int] = dataclasses.field(default_factory=list)
     penalty_history: PenaltyHistory | None = None  # what its penalties read, kept up to date
-
-    def next_forced(self) -> int | None:
-        """The token to emit in place of this step's sample, if one is forced now."""
-        return self.forced[0] if self.forced and self.forced_after is None else None
 
     def output(self) -> RequestOutput:
         r, status = self.request, self.request.status
@@ -118,7 +110,7 @@ class _Tracked:
         )
         metrics = RequestMetrics(r.arrival_time, r.first_scheduled_time, r.first_token_time, r.last_token_time)
         return RequestOutput(r.request_id, self.prompt, self.prompt_token_ids, self.prompt_logprobs,
-                             [completion], status.finished, metrics)
+                             [completion], status.finished, metrics, self.error)
 
 
 def _never_ran(request: Request) -> bool:
@@ -173,8 +165,12 @@ class LLMEngine:
         sampler_config: SamplerConfig = SamplerConfig(),
         async_scheduling: bool = True,
         block_manager_factory: Callable[..., BlockManager] | None = None,
+        structured_outputs_config: StructuredOutputsConfig = StructuredOutputsConfig(),
+        tokenizer_json: str | None = None,
     ):
-        """`block_manager_factory`: each data-parallel rank's allocators (`Scheduler`'s default when None)."""
+        """`block_manager_factory`: each data-parallel rank's allocators (`Scheduler`'s default when
+        None). `tokenizer_json`: the tokenizer.json grammars are compiled against (None: no
+        structured outputs)."""
         self.config = model.config
         self.tokenizer = tokenizer
         self._token_texts: dict[int, str] = {}  # token id -> its text, for logprobs (`_logprob`)
@@ -205,6 +201,16 @@ class LLMEngine:
             "gather": self.runner.gather,
         }, passed_on=frozenset({"fill", "run", "sample"}))
         self._tracked: dict[str, _Tracked] = {}
+        self.structured_outputs_config = structured_outputs_config
+        self._tokenizer_json = tokenizer_json
+        self._grammars: GrammarCompiler | None = None  # made by the first constrained request
+        self._grammar_executor = None  # llguidance's threads that fill several rows' masks at once
+        # Requests whose grammar compiles on the worker: (request, its future, deadline); they enter
+        # the scheduler once it is ready, and run meanwhile nowhere.
+        self._compiling: dict[str, tuple[Request, concurrent.futures.Future, float]] = {}
+        self._ended_early: list[RequestOutput] = []  # finished while compiling: the next step reports them
+        self.on_grammar_ready: Callable[[], None] | None = None  # called on the worker when one is ready
+        self._think_ids = tuple(tokenizer.token_to_id(t) for t in (THINK_START, THINK_END))
         self._numbers = itertools.count()
         self._steps = 0
         self._in_flight: _InFlight | None = None  # launched, not completed (async scheduling)
@@ -225,13 +231,12 @@ class LLMEngine:
     # ---- requests ---------------------------------------------------------------------------------
     def add_request(
         self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, prompt: str | None = None,
-        forced: ForcedTokens | None = None,
     ) -> None:
-        """Queue a request; a ValueError (with the numbers) if it can never run. `forced`: tokens
-        emitted in place of sampled ones (a forced tool call; request.ForcedTokens)."""
+        """Queue a request; a ValueError (with the numbers) if it can never run. A request with a
+        grammar waits for its compile (on a worker) before the scheduler sees it."""
         if request_id in self._tracked:
             raise ValueError(f"request id {request_id!r} is already in use")
-        ids = integer_token_ids(prompt_token_ids)
+        ids = self._truncated(integer_token_ids(prompt_token_ids), params)
         vocab = self.config.vocab_size
         bad = sorted({t for t in ids if not 0 <= t < vocab})
         if bad:
@@ -244,8 +249,6 @@ class LLMEngine:
                 raise RequestRejected(
                     f"with min_tokens, at most {self.sampler_config.max_banned_ids} stop_token_ids and EOS ids "
                     f"can be banned; this request names {len(banned)}", "stop_token_ids")
-        if forced is not None and not all(0 <= t < vocab for t in forced.token_ids):
-            raise ValueError(f"forced token ids must be in [0, {vocab}) (the model's vocabulary)")
         room = self.max_model_len - len(ids)
         if room < 1:  # the prompt alone is too long, whatever max_tokens says
             raise RequestRejected(
@@ -261,7 +264,15 @@ class LLMEngine:
                 f"min_tokens ({params.min_tokens}) exceeds the {max_tokens} tokens this request can generate "
                 f"(max_model_len {self.max_model_len} minus the prompt's {len(ids)})", "min_tokens")
         request = Request(request_id, ids, max_tokens, sampling_params=params)
-        self.scheduler.add(request)  # may refuse: blocks the pool can never give
+        self.scheduler.check(request)  # may refuse: blocks the pool can never give
+        mask, grammar = self._token_mask(params, ids)
+        if grammar is None:
+            self.scheduler.add(request)
+        else:
+            future = self._grammar_compiler().submit(params.structured_outputs.key, grammar)
+            deadline = time.monotonic() + self.structured_outputs_config.compile_timeout_s
+            self._compiling[request_id] = (request, future, deadline)
+            future.add_done_callback(lambda _: self.on_grammar_ready and self.on_grammar_ready())
         detokenizer = IncrementalDetokenizer(
             self.tokenizer, skip_special_tokens=params.skip_special_tokens, stop=params.stop or (),
             include_stop_str_in_output=params.include_stop_str_in_output, stop_after_tokens=params.min_tokens,
@@ -270,9 +281,7 @@ class LLMEngine:
             request, params, next(self._numbers), prompt, detokenizer,
             logprobs=[] if params.logprobs is not None else None,
             prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
-            forced=collections.deque(forced.token_ids) if forced is not None else None,
-            forced_after=forced.after_token if forced is not None else None, prompt_token_ids=list(ids),
-            penalty_history=PenaltyHistory(ids) if params.has_penalties else None,
+            mask=mask, prompt_token_ids=list(ids), penalty_history=PenaltyHistory(ids) if params.has_penalties else None,
         )
 
     def abort(self, request_id: str) -> RequestOutput | None:
@@ -280,12 +289,119 @@ class LLMEngine:
         tracked = self._tracked.pop(request_id, None)
         if tracked is None:
             return None
-        self.scheduler.abort(request_id)
+        if self._compiling.pop(request_id, None) is None:
+            self.scheduler.abort(request_id)
+        else:
+            tracked.request.status = RequestStatus.FINISHED_ABORTED
         tracked.detokenizer.finish()
         return tracked.output()
 
     def has_unfinished(self) -> bool:
         return bool(self._tracked)
+
+    def has_runnable(self) -> bool:
+        """Whether `begin_step` has anything to do: a scheduled request, a grammar compiled (or
+        failed, or late), or an early end to report. Requests still compiling are waited for
+        elsewhere (`on_grammar_ready`, or `step`)."""
+        return (self.scheduler.has_unfinished() or bool(self._ended_early)
+                or any(f.done() or time.monotonic() > d for _, f, d in self._compiling.values()))
+
+    @property
+    def num_compiling(self) -> int:
+        """Requests waiting for their grammar (queued, not yet schedulable)."""
+        return len(self._compiling)
+
+    # ---- token constraints --------------------------------------------------------------------------
+    def _truncated(self, ids: list[int], params: SamplingParams) -> list[int]:
+        """vLLM's `truncate_prompt_tokens`: the last k prompt tokens (-1: the last max_model_len)."""
+        k = params.truncate_prompt_tokens
+        if k is None:
+            return ids
+        if k > self.max_model_len:
+            raise RequestRejected(f"truncate_prompt_tokens value ({k}) is greater than max_model_len "
+                                  f"({self.max_model_len}). Please, select a smaller truncation size.",
+                                  "truncate_prompt_tokens")
+        return ids[-(self.max_model_len if k == -1 else k):]
+
+    def _token_mask(self, params: SamplingParams, prompt_ids: list[int]) -> tuple[TokenMask | None, str | None]:
+        """The request's token constraint (None: none) and the grammar it must compile (None: none).
+        RequestRejected, naming the field, for a grammar, allowed ids or bad words it cannot hold."""
+        if not params.has_token_mask:
+            return None, None
+        vocab = self.config.vocab_size
+        bad = []
+        if params.bad_words:
+            try:
+                bad = bad_words_token_ids(
+                    params.bad_words, lambda text: self.tokenizer.encode(text, add_special_tokens=False).ids, vocab)
+            except ValueError as error:
+                raise RequestRejected(str(error), "bad_words") from None
+        allowed = None if params.allowed_token_ids is None else packed_ids(params.allowed_token_ids, vocab)
+        grammar, arm_token = None, None
+        if params.structured_outputs is not None:
+            self._check_grammar_vocabulary()
+            grammar = check_structured_outputs(params.structured_outputs, self.structured_outputs_config)
+            arm_token = self._arm_token(prompt_ids)
+        # The matcher comes with the compile (`_admit_compiled`).
+        return TokenMask(arm_token=arm_token, allowed=allowed, bad_words=bad), grammar
+
+    def _check_grammar_vocabulary(self) -> None:
+        if self._tokenizer_json is None:
+            raise RequestRejected("structured outputs need the model's tokenizer.json; this engine has none",
+                                  "structured_outputs")
+        size = self.tokenizer.get_vocab_size(with_added_tokens=True)
+        if size > self.config.vocab_size:
+            raise RequestRejected(f"structured outputs need a model whose vocabulary ({self.config.vocab_size}) "
+                                  f"holds the tokenizer's {size} tokens", "structured_outputs")
+
+    def _arm_token(self, prompt_ids: list[int]) -> int | None:
+        """`</think>`'s id when the grammar must wait for the model to end its reasoning: a
+        reasoning parser is set, constraints stay out of the reasoning (vLLM's default), and the
+        prompt's last think marker opens one. None: the grammar starts at the first token."""
+        config = self.structured_outputs_config
+        if not config.reasoning_parser or config.enable_in_reasoning:
+            return None
+        start, end = self._think_ids
+        for token in reversed(prompt_ids):
+            if token == start:
+                return end
+            if token == end:
+                return None
+        return None
+
+    def _grammar_compiler(self) -> GrammarCompiler:
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(self._tokenizer_json, self.config.vocab_size, self.eos_token_ids)
+        return self._grammars
+
+    def _admit_compiled(self) -> None:
+        """Requests whose grammar is ready enter the scheduler; a compile that failed or is late
+        ends its request alone (finish_reason "error")."""
+        now = time.monotonic()
+        for request_id, (request, future, deadline) in list(self._compiling.items()):
+            if not future.done() and now <= deadline:
+                continue
+            del self._compiling[request_id]
+            tracked = self._tracked[request_id]
+            try:
+                if not future.done():
+                    raise TimeoutError(f"the grammar did not compile within "
+                                       f"{self.structured_outputs_config.compile_timeout_s:g} s")
+                tracked.mask.matcher = future.result()
+                tracked.mask.armed = tracked.mask.arm_token is None
+                self.scheduler.add(request)
+            except Exception as error:  # noqa: BLE001 - this request alone fails
+                future.cancel()
+                tracked.error = f"structured outputs: {error}"
+                request.status = RequestStatus.FINISHED_ERROR
+                tracked.detokenizer.finish()
+                self._ended_early.append(tracked.output())
+                del self._tracked[request_id]
+
+    def take_ended_early(self) -> list[RequestOutput]:
+        """Outputs of requests that ended before any step held them (their grammar failed)."""
+        ended, self._ended_early = self._ended_early, []
+        return ended
 
     def unfinished_ids(self) -> frozenset[str]:
         return frozenset(self._tracked)
@@ -311,8 +427,7 @@ class LLMEngine:
         self.scheduler.drop_pending()
         self.runner.ensure_cache()
         for t in kept.values():
-            forced = None if t.forced is None else ForcedTokens(tuple(t.forced), t.forced_after)
-            self.add_request(t.request.request_id, t.prompt_token_ids, t.params, prompt=t.prompt, forced=forced)
+            self.add_request(t.request.request_id, t.prompt_token_ids, t.params, prompt=t.prompt)
         return aborted
 
     def probe(self) -> None:
@@ -327,23 +442,31 @@ class LLMEngine:
         With async scheduling the next step is scheduled and launched before this one's tokens
         reach the host (its rows read them on the device), so host work hides behind device work;
         it completes in the next call. A penalised row reads its pending token on the device, as
-        the step's tokens do; a forced token is known on the host and goes in directly (only a
-        request that is both forced and penalised makes steps go one at a time)."""
+        the step's tokens do; a constrained row's mask is filled on the host once the previous
+        token is fetched, while the device already runs the step's forward (`_launch`). With
+        nothing else to run, it waits for a grammar being compiled."""
+        if not self.has_runnable() and self._compiling:
+            futures = [f for _, f, _ in self._compiling.values()]
+            wait = min(d for _, _, d in self._compiling.values()) - time.monotonic()
+            concurrent.futures.wait(futures, timeout=max(wait, 0), return_when=concurrent.futures.FIRST_COMPLETED)
         launched = self.begin_step()
-        return [] if launched is None else self.finish_step(launched)
+        ended = self.take_ended_early()
+        return ended if launched is None else ended + self.finish_step(launched)
 
     def begin_step(self) -> _InFlight | None:
         """`step`'s first half: launch what runs next and return the step whose tokens
         `finish_step` applies (None: nothing to run). Between the two only the device works on
         that step (`device_outputs` says what to wait for): requests may be added and aborted
         meanwhile, as between steps."""
+        if self._compiling:
+            self._admit_compiled()
         if self._in_flight is None:
             scheduled = self.scheduler.schedule()
             if not scheduled.rows:
                 return None
             self._in_flight = self._launch(scheduled, None)
         current, self._in_flight = self._in_flight, None
-        if self.async_scheduling and self._can_overlap():
+        if self.async_scheduling:
             scheduled = self.scheduler.schedule()  # current's tokens are placeholders until its update
             if scheduled.rows:
                 self._in_flight = self._launch(scheduled, current)
@@ -358,13 +481,6 @@ class LLMEngine:
         """What `finish_step` reads from the device (ready once the launched step has run)."""
         return launched.sampled, launched.prompt_scores
 
-    def _can_overlap(self) -> bool:
-        # A forced pending token would also have to replace the device-side placeholder of the
-        # row's penalty history: such (rare) requests run one step at a time.
-        # Before its forced tokens are armed, such a request's pending token is a sample like any other.
-        return not any(t.forced and t.forced_after is None and t.penalty_history is not None
-                       for t in self._tracked.values())
-
     def _launch(self, scheduled: SchedulerOutput, previous: _InFlight | None) -> _InFlight:
         """Dispatch a step and its sampling to the device; nothing waits for the results."""
         rows = scheduled.rows
@@ -374,14 +490,7 @@ class LLMEngine:
         if previous is not None:  # rows holding a placeholder read the previous step's sample
             for at, r in zip(position, rows):
                 if PLACEHOLDER in r.token_ids:
-                    # Armed forced tokens replace that sample when it is applied: the placeholder
-                    # is the one `finish_step` will emit for the previous step (nothing in between
-                    # changes what is forced), known here.
-                    forced = self._tracked[r.request.request_id].next_forced()
-                    if forced is None:
-                        source[at] = previous.position[r.request.request_id]
-                    else:
-                        tokens[at][tokens[at] == PLACEHOLDER] = forced
+                    source[at] = previous.position[r.request.request_id]
             if (source >= 0).any():
                 token_ids = self.device.call("fill", tokens, source, previous.sampled.token_ids)
         out = self.device.call("run", bucket, tokens, seqs, len(rows), token_ids)
@@ -396,11 +505,40 @@ class LLMEngine:
         batch = build_sampling_batch(
             sampling, out.bucket[0], vocab_size=self.config.vocab_size, eos_token_ids=self.eos_token_ids,
             engine_seed=self.seed, step=self._steps, config=self.sampler_config,
+            token_masks=self._step_masks(rows, position, out.bucket[0], previous),
         )
         self._steps += 1
         sampled = self.device.call("sample", out.logits, batch, None if previous is None else previous.sampled.token_ids)
         return _InFlight(scheduled, out, sampled, {r.request.request_id: at for at, r in zip(position, rows)},
                          self._launch_prompt_scores(rows, position, out))
+
+    def _step_masks(self, rows, position, bucket: int, previous: _InFlight | None) -> np.ndarray | None:
+        """The mask rows of a step whose sampling rows include constrained ones (None: none). A
+        mask that depends on a row's newest token, still the previous step's pending sample, waits
+        for that token: the step's forward is already queued, so the device keeps working while
+        the host fetches it and fills the masks (vLLM's order)."""
+        constrained = [(at, r) for at, r in zip(position, rows)
+                       if r.is_sampling and self._tracked[r.request.request_id].mask is not None]
+        if not constrained:
+            return None
+        fetched = None
+        masked = []
+        for at, r in constrained:
+            mask, outputs = self._tracked[r.request.request_id].mask, r.request.output_token_ids
+            if outputs and outputs[-1] == PLACEHOLDER:
+                if not mask.needs_last_token:
+                    masked.append((at, mask, outputs[:-1]))
+                    continue
+                if fetched is None:
+                    fetched = np.asarray(jax.device_get(previous.sampled.token_ids))
+                outputs = [*outputs[:-1], int(fetched[previous.position[r.request.request_id]])]
+            mask.advance(outputs, r.request.num_preemptions)
+            masked.append((at, mask, outputs))
+        if self._grammar_executor is None and sum(m.matcher is not None for _, m, _ in masked) > 1:
+            import llguidance
+
+            self._grammar_executor = llguidance.LLExecutor()
+        return fill_masks(masked, bucket, self.config.vocab_size, self._grammar_executor)
 
     def _launch_prompt_scores(self, rows, position, out: StepOutput) -> tuple | None:
         """Score a prefill step's positions for prompt logprobs on the device, launched with the
@@ -431,22 +569,12 @@ class LLMEngine:
         tokens, logprob_arrays = fetched[0], (fetched[1:] if want_logprobs else None)
         chosen = {r.request.request_id: int(tokens[step.position[r.request.request_id]])
                   for r in scheduled.rows if r.is_sampling}
-        forced_now = {rid: t for rid in chosen if rid in self._tracked
-                      and (t := self._tracked[rid].next_forced()) is not None}
-        chosen.update(forced_now)
         got = self.scheduler.update(scheduled, chosen)
-        outputs, host_logits = [], None
+        outputs = []
         for request in got:
             tracked = self._tracked[request.request_id]
-            if request.request_id in forced_now:
-                tracked.forced.popleft()
             if logprob_arrays is not None and tracked.logprobs is not None:
-                # On the host first (once a step): indexing the device array would compile a slice.
-                if request.request_id in forced_now and host_logits is None:
-                    host_logits = self._host_logits(out.logits)
-                forced_logits = host_logits[step.position[request.request_id]] \
-                    if request.request_id in forced_now else None
-                self._record_logprobs(tracked, logprob_arrays, step.position[request.request_id], forced_logits)
+                self._record_logprobs(tracked, logprob_arrays, step.position[request.request_id])
             self._after_token(tracked)
             outputs.append(tracked.output())
             if request.status.finished:
@@ -465,9 +593,19 @@ class LLMEngine:
         if not (eos or stop_token) or params.include_stop_str_in_output:
             # The token that stops the request is no text of it (vLLM's detokenizer skips it too).
             tracked.detokenizer.add(token)
-        if tracked.forced_after is not None and token == tracked.forced_after:
-            tracked.forced_after = None  # the model wrote the arming token: force from the next one
         stopped, reason = eos or stop_token, token if stop_token else None
+        mask = tracked.mask
+        if mask is not None and mask.matcher is not None:
+            mask.advance(request.output_token_ids, request.num_preemptions)
+            if mask.error is not None:
+                tracked.error = mask.error
+                if not request.status.finished:
+                    self._finish(tracked, RequestStatus.FINISHED_ERROR, None)
+                request.status = RequestStatus.FINISHED_ERROR  # also over a length the scheduler set
+                tracked.detokenizer.finish()
+                return
+            # The grammar's end ends the answer (whatever min_tokens, ignore_eos or EOS say).
+            stopped = stopped or mask.finished
         if counted and tracked.detokenizer.stopped_by is not None:
             # A stop string names the reason even when the token was a stop id too (its text kept by
             # include_stop_str_in_output completed it): vLLM's output processor does the same.
@@ -488,17 +626,11 @@ class LLMEngine:
         tracked.stop_reason = reason
         self.scheduler.finish(tracked.request.request_id, status)
 
-    def _record_logprobs(self, tracked: _Tracked, arrays, i: int, forced_logits=None) -> None:
-        """The sampled (or forced) token's raw logprob and rank, and the top `logprobs` tokens."""
+    def _record_logprobs(self, tracked: _Tracked, arrays, i: int) -> None:
+        """The sampled token's raw logprob and rank, and the top `logprobs` tokens."""
         sampled_lp, top_ids, top_lps, ranks = arrays
         token = tracked.request.output_token_ids[-1]
-        if forced_logits is None:
-            logprob, rank = float(sampled_lp[i]), int(ranks[i])
-        else:  # the sampler scored another token: score the forced one from the row's raw logits
-            logits = np.asarray(forced_logits, np.float64)
-            logp = logits - logits.max()
-            logp -= np.log(np.exp(logp).sum())
-            logprob, rank = float(logp[token]), int((logp > logp[token]).sum()) + 1
+        logprob, rank = float(sampled_lp[i]), int(ranks[i])
         entry = {token: self._logprob(token, logprob, rank)}
         for top_rank, (t, lp) in enumerate(zip(top_ids[i][: tracked.params.logprobs], top_lps[i]), start=1):
             if int(t) not in entry:
@@ -635,6 +767,11 @@ class LLMEngine:
         widths = self.sampler_config.penalty_widths(min(vocab + 1, self.max_model_len))
         kinds = [(SamplingParams(temperature=1.0, logprobs=1), [0]), (SamplingParams(min_tokens=1, logprobs=1), [0])]
         kinds += [(penalised, self.sampler_config.prompt_of_width(w)) for w in widths]
-        return [(logits, build_sampling_batch([SamplingRow(params, 0, prompt, [])], b, vocab_size=vocab,
-                                              eos_token_ids=self.eos_token_ids, config=self.sampler_config))
-                for b, logits in sorted(logits_by_rows.items()) for params, prompt in kinds]
+        cases = [(logits, build_sampling_batch([SamplingRow(params, 0, prompt, [])], b, vocab_size=vocab,
+                                               eos_token_ids=self.eos_token_ids, config=self.sampler_config))
+                 for b, logits in sorted(logits_by_rows.items()) for params, prompt in kinds]
+        # A constrained batch: its token masks, then the unconstrained batch's programs.
+        cases += [(logits, build_sampling_batch(
+            [SamplingRow(SamplingParams(temperature=1.0), 0)], b, vocab_size=vocab, config=self.sampler_config,
+            token_masks=fill_masks([], b, vocab))) for b, logits in sorted(logits_by_rows.items())]
+        return cases

@@ -202,7 +202,9 @@ class LLM:
                 o.outputs[0].index = i
                 completions.append(o.outputs[0])
             # The phases of the first choice: its children arrive together, as vLLM's parent request.
-            results.append(RequestOutput(base, text, ids, outs[0].prompt_logprobs, completions, True, outs[0].metrics))
+            # The engine's prompt ids: truncate_prompt_tokens may have cut them.
+            results.append(RequestOutput(base, text, outs[0].prompt_token_ids, outs[0].prompt_logprobs, completions, True, outs[0].metrics,
+                                         next((o.error for o in outs if o.error), None)))
         return results
 
     def _run(self, total: int, use_tqdm) -> dict[str, RequestOutput]:

@@ -87,6 +87,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics | None = None
+    error: str | None = None  # why it ended alone, when its finish_reason is "error"
 
 
 @dataclasses.dataclass(frozen=True)

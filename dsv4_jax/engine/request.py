@@ -40,25 +40,17 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"  # EOS, a stop token or a stop string
     FINISHED_LENGTH = "length"  # max_tokens or max_model_len reached
     FINISHED_ABORTED = "abort"  # the caller aborted it
+    FINISHED_ERROR = "error"  # this request alone failed (its grammar: `RequestOutput.error` says why)
 
     @property
     def finished(self) -> bool:
-        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED,
+                        RequestStatus.FINISHED_ERROR)
 
     @property
     def finish_reason(self) -> str | None:
-        """OpenAI's finish_reason: "stop", "length", "abort" (None while not finished)."""
+        """OpenAI's finish_reason: "stop", "length", "abort", "error" (None while not finished)."""
         return self.value if self.finished else None
-
-
-@dataclasses.dataclass(frozen=True)
-class ForcedTokens:
-    """Tokens the engine emits in place of sampled ones, in order: from the first output token, or,
-    with `after_token`, from the token after the model itself produced that one (a tool call forced
-    after the model's `</think>`). They still run through the model and count as completion tokens."""
-
-    token_ids: tuple[int, ...]
-    after_token: int | None = None
 
 
 @dataclasses.dataclass(eq=False)

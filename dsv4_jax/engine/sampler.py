@@ -148,6 +148,9 @@ class SamplingBatch:
     bias_values: np.ndarray  # [B, MAX_LOGIT_BIAS] float32
     banned_ids: np.ndarray  # [B, max_banned_ids] int32 (PAD_ID pads)
     penalties: PenaltyBatch | None  # None: no row has penalties (the cheaper variant)
+    # [B, ceil(V / 32)] int32 bitmask of the tokens each row may sample (engine/token_masks.py);
+    # None: no row is constrained (the common batch never pays for it)
+    token_masks: np.ndarray | None = None
 
 
 @jax.tree_util.register_dataclass
@@ -235,9 +238,11 @@ def build_sampling_batch(
     engine_seed: int = 0,
     step: int = 0,
     config: SamplerConfig = SamplerConfig(),
+    token_masks: np.ndarray | None = None,
 ) -> SamplingBatch:
     """Host arrays (numpy) of a step's `rows`, padded to `bucket` rows. `step` numbers the engine's
-    steps (the random stream of unseeded rows). Raises a ValueError for ids outside the
+    steps (the random stream of unseeded rows); `token_masks` the rows' allowed tokens, when some
+    row is constrained ([bucket, ceil(V / 32)] int32). Raises a ValueError for ids outside the
     vocabulary or a row that does not fit the config's widths."""
     if not 1 <= len(rows) <= bucket:
         raise ValueError(f"a sampling batch of bucket {bucket} holds 1..{bucket} rows, got {len(rows)}")
@@ -277,6 +282,7 @@ def build_sampling_batch(
     return SamplingBatch(
         greedy, temperature, top_k, top_p, min_p, key_words, num_logprobs, bias_ids, bias_values, banned_ids,
         _penalty_batch(rows, bucket, config) if any(r.params.has_penalties for r in rows) else None,
+        token_masks,
     )
 
 
@@ -302,6 +308,14 @@ def _penalty_batch(rows: Sequence[SamplingRow], bucket: int, config: SamplerConf
 
 
 # ---- device -----------------------------------------------------------------------------------
+
+
+def apply_token_masks(logits: jax.Array, words: jax.Array) -> jax.Array:
+    """Logits of the tokens a row may not sample set to -inf, before anything reads them (bias,
+    penalties, the draw and the logprobs). [B, V] float32, [B, ceil(V / 32)] int32 -> [B, V]"""
+    b, v = logits.shape
+    bits = (words[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1  # [B, W, 32], little-endian
+    return jnp.where(bits.reshape(b, -1)[:, :v] != 0, logits, -jnp.inf)
 
 
 def process_logits(logits: jax.Array, batch: SamplingBatch, previous_token_ids: jax.Array | None = None) -> jax.Array:
@@ -608,7 +622,7 @@ class Sampler:
         self._whole = None if mesh is None else jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
         self._draw = jax.jit(_sample, static_argnames="config", out_shardings=self._whole)
         self._logprobs = jax.jit(_with_raw_logprobs, out_shardings=self._whole)
-        self._edit = {None: jax.jit(process_logits)}  # and, on a mesh, one per logits sharding
+        self._edit = {}  # (program, logits sharding) -> jitted process_logits / apply_token_masks
         self._last_token_ids: jax.Array | None = None  # of the last draw
         # Executables `compile` built ahead of time, by `_program_key`; a call of any other shape
         # compiles through the jitted function, as before.
@@ -623,6 +637,12 @@ class Sampler:
         return sampled
 
     def _sample(self, logits: jax.Array, batch: SamplingBatch, previous_token_ids: jax.Array | None) -> SampledTokens:
+        if batch.token_masks is not None:
+            # The masked logits stand for the step's own from here on (logprobs included), placed
+            # as they are: every later program is the unconstrained batch's.
+            masks = batch.token_masks if self._whole is None else jax.device_put(batch.token_masks, self._whole)
+            logits = self._run("mask", logits, self._jitted_for(logits, "mask"), logits, masks)
+            batch = dataclasses.replace(batch, token_masks=None)
         plan = self._plan(logits, batch, previous_token_ids)
         if plan.edit is None:
             return self._run("draw", logits, self._draw_with_config, logits, plan.draw_batch)
@@ -676,6 +696,13 @@ class Sampler:
         them. Calls of those shapes then run the executables. Returns how many it compiled."""
         draws, later = {}, {}
         for logits, batch in cases:
+            if batch.token_masks is not None:
+                key = self._program_key("mask", logits)
+                if key not in self._compiled and key not in draws:
+                    masks = batch.token_masks if self._whole is None else jax.device_put(batch.token_masks, self._whole)
+                    draws[key] = self._job("mask", logits, masks, lower=functools.partial(
+                        self._jitted_for(logits, "mask").lower, logits, masks))
+                batch = dataclasses.replace(batch, token_masks=None)
             # The draw's batch: previous token ids only go to the edit (placeholders here).
             plan = self._plan(logits, batch, np.zeros(max(logits.shape[0], self.config.pad_rows), np.int32))
             key = self._program_key("draw", logits)
@@ -684,6 +711,7 @@ class Sampler:
                     self._draw.lower, logits, plan.draw_batch, config=self.config))
         self._compiled.update(self.programs.compile(draws))
         for logits, batch in cases:
+            batch = dataclasses.replace(batch, token_masks=None)
             drawn = self._compiled[self._program_key("draw", logits)].out_info  # SampledTokens of structs
             if self._whole is None:
                 # An executable's outputs are committed to a device when some argument it was
@@ -711,10 +739,16 @@ class Sampler:
 
     def _edit_for(self, logits):
         """The jitted `process_logits` for logits placed as these are (on a mesh, one per sharding)."""
+        return self._jitted_for(logits, "edit")
+
+    def _jitted_for(self, logits, program: str):
+        """`process_logits` ("edit") or `apply_token_masks` ("mask") jitted to give logits placed
+        as these are (on a mesh, one per sharding)."""
         sharding = None if self._whole is None else logits.sharding
-        if sharding not in self._edit:
-            self._edit[sharding] = jax.jit(process_logits, out_shardings=sharding)
-        return self._edit[sharding]
+        if (program, sharding) not in self._edit:
+            function = process_logits if program == "edit" else apply_token_masks
+            self._edit[program, sharding] = jax.jit(function, out_shardings=sharding)
+        return self._edit[program, sharding]
 
     def program_memory(self, logits: jax.ShapeDtypeStruct, penalised: SamplingBatch) -> int:
         """The most that sampling a step's logits ([B, V] float32, as the step lays them out) needs

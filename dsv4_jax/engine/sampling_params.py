@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from dsv4_jax.engine.request import RequestRejected
+from dsv4_jax.engine.structured_outputs import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +87,12 @@ class SamplingParams:
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Token constraints (engine/token_masks.py): a grammar, the only ids allowed, words never written.
+    structured_outputs: StructuredOutputsParams | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    # Keep only the last k prompt tokens (-1: the last max_model_len), as vLLM's.
+    truncate_prompt_tokens: int | None = None
     # Derived once here, so what each step and each token checks costs O(1): the largest token id
     # that logit_bias or stop_token_ids names (-1: none), and the stop ids as a set.
     _largest_token_id: int = dataclasses.field(init=False, repr=False, compare=False, default=-1)
@@ -106,6 +113,10 @@ class SamplingParams:
             logger.warning("temperature %s is below %s, which vLLM raises to %s; so does dsv4-jax",
                            self.temperature, MIN_SAMPLING_TEMPERATURE, MIN_SAMPLING_TEMPERATURE)
             object.__setattr__(self, "temperature", MIN_SAMPLING_TEMPERATURE)
+        if isinstance(self.structured_outputs, dict):  # the server's and a notebook's plain form
+            object.__setattr__(self, "structured_outputs", StructuredOutputsParams(**self.structured_outputs))
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise _bad("structured_outputs", self.structured_outputs, "a StructuredOutputsParams, a dict or None")
         if self.greedy and self.n > 1:  # n copies of one greedy answer: vLLM refuses them too
             raise _bad("n", self.n, "1 when using greedy sampling (temperature 0)")
 
@@ -118,6 +129,7 @@ class SamplingParams:
             "prompt_logprobs": (0, MAX_LOGPROBS, True),
             "max_tokens": (1, None, True),
             "min_tokens": (0, None, False),
+            "truncate_prompt_tokens": (-1, None, True),
         }
         for name, (low, high, optional) in bounds.items():
             value = getattr(self, name)
@@ -127,6 +139,8 @@ class SamplingParams:
             if not _is_int(value) or value < low or (high is not None and value > high):
                 raise _bad(name, value, allowed)
             object.__setattr__(self, name, int(value))
+        if self.truncate_prompt_tokens == 0:
+            raise _bad("truncate_prompt_tokens", 0, "an int >= 1, -1 (max_model_len) or None")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise _bad("min_tokens", self.min_tokens, f"at most max_tokens ({self.max_tokens})")
 
@@ -174,7 +188,20 @@ class SamplingParams:
             raise _bad("stop_token_ids", self.stop_token_ids, "a list of token ids (ints >= 0) or None")
         object.__setattr__(self, "stop_token_ids", [int(t) for t in ids])
         object.__setattr__(self, "_stop_id_set", frozenset(self.stop_token_ids))
-        named = max(self._stop_id_set, default=-1), max(self.logit_bias or (), default=-1)
+        allowed = self.allowed_token_ids
+        if allowed is not None:
+            if not isinstance(allowed, (list, tuple)) or not all(_is_int(t) and t >= 0 for t in allowed):
+                raise _bad("allowed_token_ids", allowed, "a non-empty list of token ids (ints >= 0) or None")
+            if not allowed:  # vLLM's rule: nothing allowed is no distribution
+                raise ValueError("SamplingParams.allowed_token_ids is not None and empty!")
+            object.__setattr__(self, "allowed_token_ids", [int(t) for t in allowed])
+        words = self.bad_words
+        if words is not None:
+            if not isinstance(words, (list, tuple)) or not all(isinstance(w, str) and w.strip() for w in words):
+                raise _bad("bad_words", words, "a list of non-blank strings or None")
+            object.__setattr__(self, "bad_words", list(words))
+        named = (max(self._stop_id_set, default=-1), max(self.logit_bias or (), default=-1),
+                 max(self.allowed_token_ids or (), default=-1))
         object.__setattr__(self, "_largest_token_id", max(named))
 
     @property
@@ -198,6 +225,11 @@ class SamplingParams:
         return token_id in self._stop_id_set
 
     @property
+    def has_token_mask(self) -> bool:
+        """Whether some of its tokens are constrained (a grammar, allowed ids or bad words)."""
+        return self.structured_outputs is not None or self.allowed_token_ids is not None or bool(self.bad_words)
+
+    @property
     def has_penalties(self) -> bool:
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
@@ -207,7 +239,8 @@ class SamplingParams:
         inside: each step's batch checks every row again."""
         if self._largest_token_id < vocab_size:
             return
-        for name, ids in (("logit_bias", list(self.logit_bias or ())), ("stop_token_ids", self.stop_token_ids)):
+        for name, ids in (("logit_bias", list(self.logit_bias or ())), ("stop_token_ids", self.stop_token_ids),
+                          ("allowed_token_ids", self.allowed_token_ids or [])):
             outside = [t for t in ids if t >= vocab_size]
             if outside:
                 raise RequestRejected(

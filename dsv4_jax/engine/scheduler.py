@@ -197,14 +197,15 @@ class Scheduler:
     # ---- requests in and out ----------------------------------------------------------------
     def add(self, request: Request) -> None:
         """Queue a new request on the least loaded rank; refuse one that could never run."""
-        self._check_fits(request)
+        self.check(request)
         loads = [len(self._running[k]) + len(self._waiting[k]) for k in range(self.config.dp_size)]
         request.dp_rank = loads.index(min(loads))
         self._waiting[request.dp_rank].append(request)
         self._requests[request.request_id] = request
         self._last_served[request.request_id] = -1
 
-    def _check_fits(self, request: Request) -> None:
+    def check(self, request: Request) -> None:
+        """Raise (RequestRejected, naming the field) for a request `add` would refuse."""
         c, rid = self.config, request.request_id
         if rid in self._requests:
             raise ValueError(f"request id {rid!r} is already queued or running")
