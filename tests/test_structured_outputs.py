@@ -300,3 +300,51 @@ def test_a_preempted_constrained_answer_resumes_its_grammar(chat_checkpoint, llm
                 ranked = sorted((lp.logprob for lp in a.logprobs[i].values()), reverse=True)
                 assert ranked[0] - ranked[1] <= 1e-3, (i, a.text, b.text)
                 break
+
+
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city", "parameters": {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 12},
+                       "unit": {"enum": ["celsius", "fahrenheit"]},
+                       "days": {"type": "integer", "minimum": 1, "maximum": 14},
+                       "hourly": {"type": "boolean"}},
+        "required": ["city", "days"]}}},
+    {"type": "function", "function": {"name": "book", "parameters": {
+        "type": "object",
+        "properties": {"seats": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 40},
+                                 "minItems": 1, "maxItems": 3},
+                       "who": {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
+                                                                "age": {"type": "integer", "minimum": 0,
+                                                                        "maximum": 120}},
+                               "required": ["name"], "additionalProperties": False}},
+        "required": ["seats", "who"]}}},
+]
+
+
+@pytest.mark.parametrize("choice", [None, "book"], ids=["required", "named"])
+def test_required_and_named_tool_choices_give_valid_calls(llm, choice):
+    """tool_choice "required" (any offered function, one or more calls) or a named function (one
+    call of it), as the server maps it: the DSML grammar of `chat.tool_grammar`. Random answers at
+    temperature 1 all stop, parse as calls of the offered tools, and their arguments validate
+    against each function's `parameters`."""
+    from dsv4_jax.chat import build_prompt, chat_message, chat_parser
+    from dsv4_jax.chat.tool_grammar import tool_call_grammar
+
+    # The tools' section is left out of the prompt (467 tokens of the 512 max_model_len): the
+    # grammar, not the prompt, is what is tested.
+    prompt = build_prompt([{"role": "user", "content": "Plan my trip."}], chat_template_kwargs={"thinking": False})
+    grammar = tool_call_grammar(TOOLS, choice)
+    params = [SamplingParams(temperature=1.0, seed=seed, max_tokens=400, structured_outputs={"grammar": grammar})
+              for seed in range(8)]
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    outs = _generate(llm, params, {"prompt_token_ids": llm.get_tokenizer().encode(prompt)})
+    for out in outs:
+        assert out.finish_reason == "stop", out.text
+        message = chat_message(out.text, chat_parser(tools_active=True, split_reasoning=False))
+        calls = message["tool_calls"]
+        assert calls and not message["content"], out.text
+        if choice is not None:
+            assert [c["function"]["name"] for c in calls] == [choice]
+        for call in calls:
+            jsonschema.validate(json.loads(call["function"]["arguments"]), schemas[call["function"]["name"]])

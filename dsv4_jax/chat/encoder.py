@@ -81,7 +81,7 @@ class InvalidRequestField(ValueError):
 MESSAGE_ROLES = ("system", "developer", "user", "assistant", "tool", "latest_reminder")
 # DSML writes names raw inside `name="..."`; these could not be parsed back (`<` also rules out
 # the special tokens, `｜DSML｜` alone is listed because the parser rejects it in a name too).
-_FORBIDDEN_IN_NAMES = ('"', "<", ">", "\r", "\n", DSML)
+FORBIDDEN_IN_NAMES = ('"', "<", ">", "\r", "\n", DSML)
 
 
 def _to_json(value: Any) -> str:
@@ -117,7 +117,7 @@ def _check_name(name: Any, path: str, *, what: str = "name", allow_empty: bool =
     if not isinstance(name, str) or (not name and not allow_empty):
         kind = "a string" if allow_empty else "a non-empty string"
         raise InvalidRequestField(path, f"{what} must be {kind}, got {name!r}")
-    bad = next((text for text in _FORBIDDEN_IN_NAMES if text in name), None)
+    bad = next((text for text in FORBIDDEN_IN_NAMES if text in name), None)
     if bad is not None:
         raise InvalidRequestField(path, f"{what} {name!r} contains {bad!r}, which a DSML tool call cannot carry")
 
