@@ -22,6 +22,15 @@ differs from vLLM (everything else has vLLM's name, meaning and default):
     --block-size                256, a multiple of 128            chosen by the attention backend
     --max-logprobs              20, and at most 20 (the sampler   20
                                 computes 20 top logprobs)
+    --enable-auto-tool-choice   on (--no-enable-auto-tool-choice  off
+                                turns it off)
+    --tool-call-parser          deepseek_v4                       none
+    --reasoning-parser          deepseek_v4 ('' turns the split   none
+                                off)
+    --structured-outputs-config backend guidance (llguidance;     backend auto: xgrammar, else
+                                auto means it); xgrammar,         guidance
+                                outlines, lm-format-enforcer
+                                refused
     --trust-remote-code         accepted, does nothing            runs the model repo's code
     --tokenizer-mode, --enforce-eager, --async-scheduling, --no-enable-prefix-caching,
     --disable-log-stats, --disable-log-requests
@@ -55,6 +64,7 @@ from typing import Any, NoReturn, Sequence
 
 from dsv4_jax.engine.args import BUILTIN_MODEL, DTYPES, EngineArgs
 from dsv4_jax.engine.sampling_params import MAX_LOGPROBS
+from dsv4_jax.engine.structured_outputs import StructuredOutputsConfig
 from dsv4_jax.parallel.distributed import DistributedConfig
 from pallas_kernels.cli import AddArgument, OneLineParser, add_debug_flag
 
@@ -70,7 +80,7 @@ BLOCK_SIZE_MULTIPLE = 128  # the KV planner's rule: a block holds whole CSA (r=4
 
 VLLM_FLASHMLA_PREFIX = "FLASHMLA_SPARSE"  # vLLM's sparse-MLA backend for this model (and its V4 variant)
 TOOL_CALL_PARSERS = ("deepseek_v4",)
-REASONING_PARSERS = ("deepseek_v4",)
+REASONING_PARSERS = ("deepseek_v4", "")  # "": no reasoning split (everything is content)
 UVICORN_LOG_LEVELS = ("debug", "info", "warning", "error", "critical", "trace")
 API_KEY_ENV = "VLLM_API_KEY"
 DEFAULT_QUIET_ENDPOINTS = ("/health", "/metrics")
@@ -207,16 +217,19 @@ def _paths(text: str) -> tuple[str, ...]:
     return paths
 
 
-def _json_object(text: str) -> dict[str, Any]:
+def _json_object(text: str, example: str = '{"thinking": false}') -> dict[str, Any]:
     try:
         value = json.loads(text)
     except json.JSONDecodeError as error:
         raise argparse.ArgumentTypeError(f"{text!r} is not valid JSON ({error})") from None
     if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is a JSON {type(value).__name__}, not an object (example: '{{\"thinking\": false}}')"
-        )
+        raise argparse.ArgumentTypeError(f"{text!r} is a JSON {type(value).__name__}, not an object "
+                                         f"(example: '{example}')")
     return value
+
+
+def _structured_outputs_json(text: str) -> dict[str, Any]:
+    return _json_object(text, '{"enable_in_reasoning": true}')
 
 
 # ---- the parser ----------------------------------------------------------------------------------
@@ -331,13 +344,22 @@ def _add_engine_flags(add: AddArgument) -> None:
 
 
 def _add_parser_flags(add: AddArgument) -> None:
-    """Tool calls and reasoning in the model's output."""
-    add("--enable-auto-tool-choice", action="store_true",
-        help="let the model call tools when a request allows it; needs --tool-call-parser (default: off)")
-    add("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
-        help="format of the model's tool calls, for --enable-auto-tool-choice (default: None)")
-    add("--reasoning-parser", choices=REASONING_PARSERS, default=None,
-        help="return the thinking as reasoning_content (default: None)")
+    """Tool calls, reasoning and structured outputs in the model's output. The parsers are on by
+    default (vLLM's are off): this server serves one model, whose formats they are."""
+    add("--enable-auto-tool-choice", action=argparse.BooleanOptionalAction, default=True,
+        help="let the model call tools when a request allows it (tool_choice \"auto\"); "
+             "--no-enable-auto-tool-choice answers such requests 400, as vLLM without the flag (default: on)")
+    add("--tool-call-parser", choices=TOOL_CALL_PARSERS, default="deepseek_v4",
+        help="format of the model's tool calls (default: %(default)s)")
+    add("--reasoning-parser", choices=REASONING_PARSERS, default="deepseek_v4", metavar="{deepseek_v4,''}",
+        help="return the thinking as reasoning_content, and start structured outputs after it; '' for "
+             "neither: the thinking stays in content and a constraint binds from the first token "
+             "(default: %(default)s)")
+    add("--structured-outputs-config", type=_structured_outputs_json, default=None, metavar="JSON",
+        help="vLLM's structured-outputs settings as a JSON object: backend (guidance or auto, both "
+             "llguidance), enable_in_reasoning, reasoning_parser (default: --reasoning-parser's), "
+             "disable_any_whitespace, disable_additional_properties, disable_fallback, compile_timeout_s "
+             "(default: None = the engine's defaults)")
 
 
 def _add_server_flags(add: AddArgument) -> None:
@@ -435,10 +457,11 @@ def parse_args(argv: Sequence[str] | None = None) -> ServerArgs:
     _refuse_unsupported(namespace, extra)
     model = _model(namespace)
     attention_backend = _attention_backend(namespace.attention_backend)
+    structured_outputs = _structured_outputs_config(namespace)
     ignored = _ignored_flags(namespace)  # warned only once every check has passed
     for line in ignored:
         logger.warning("%s", line)
-    engine = _engine_args(namespace, model or BUILTIN_MODEL, attention_backend)
+    engine = _engine_args(namespace, model or BUILTIN_MODEL, attention_backend, structured_outputs)
     if namespace.headless != (namespace.node_rank > 0):
         DistributedConfig(namespace.nnodes, namespace.node_rank, namespace.master_addr, namespace.master_port,
                           namespace.headless)  # its ValueError names --headless / --node-rank
@@ -455,10 +478,6 @@ def _refuse_unsupported(namespace: argparse.Namespace, extra: list[str]) -> None
     for flag, (_, why) in REFUSED_FLAGS.items():
         if hasattr(namespace, _dest(flag)):
             raise ValueError(f"{flag}: {why}")
-    if namespace.enable_auto_tool_choice and namespace.tool_call_parser is None:
-        raise ValueError(
-            f"--enable-auto-tool-choice needs --tool-call-parser (allowed: {', '.join(TOOL_CALL_PARSERS)})"
-        )
 
 
 def _ignored_flags(namespace: argparse.Namespace) -> list[str]:
@@ -471,7 +490,21 @@ def _ignored_flags(namespace: argparse.Namespace) -> list[str]:
     return ignored
 
 
-def _engine_args(namespace: argparse.Namespace, model: str, attention_backend: str | None) -> EngineArgs:
+def _structured_outputs_config(namespace: argparse.Namespace) -> dict[str, Any] | None:
+    """--structured-outputs-config, checked now (a bad key or backend is one line before anything
+    loads), with --reasoning-parser as its reasoning_parser unless it names one (as vLLM does).
+    None when that is the engine's default, so the default flags give `LLM()`'s EngineArgs."""
+    config = dict(namespace.structured_outputs_config or {})
+    config.setdefault("reasoning_parser", namespace.reasoning_parser)
+    try:
+        StructuredOutputsConfig.parse(config)
+    except ValueError as error:
+        raise ValueError(f"--structured-outputs-config: {error}") from None
+    return None if config == {"reasoning_parser": StructuredOutputsConfig().reasoning_parser} else config
+
+
+def _engine_args(namespace: argparse.Namespace, model: str, attention_backend: str | None,
+                 structured_outputs: dict[str, Any] | None) -> EngineArgs:
     return EngineArgs(
         model=model,
         tokenizer=namespace.tokenizer,
@@ -495,6 +528,7 @@ def _engine_args(namespace: argparse.Namespace, model: str, attention_backend: s
         node_rank=namespace.node_rank,
         master_addr=namespace.master_addr,
         master_port=namespace.master_port,
+        structured_outputs_config=structured_outputs,
     )
 
 
@@ -507,7 +541,7 @@ def _server_args(namespace: argparse.Namespace, engine: EngineArgs, ignored: tup
         port=namespace.port,
         enable_auto_tool_choice=namespace.enable_auto_tool_choice,
         tool_call_parser=namespace.tool_call_parser,
-        reasoning_parser=namespace.reasoning_parser,
+        reasoning_parser=namespace.reasoning_parser or None,  # '': no reasoning split
         api_key=namespace.api_key or os.environ.get(API_KEY_ENV) or None,
         uvicorn_log_level=namespace.uvicorn_log_level,
         disable_access_log_for_endpoints=namespace.disable_access_log_for_endpoints,

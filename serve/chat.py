@@ -2,9 +2,10 @@
 chat completions, whole or as server-sent events, with reasoning and tool calls split out by the
 `deepseek_v4` parsers (dsv4_jax.chat) when the server was started with them.
 
-tool_choice "required" and a named function are enforced by forcing the DSML prefix of a tool
-call (in thinking mode, right after the model's own `</think>`); forced tokens are completion
-tokens like any other.
+tool_choice "required" and a named function are enforced by the grammar of a DSML tool call, as any
+other structured-output constraint (serve/protocol.py builds and checks it; in thinking mode the
+engine applies it from the model's own `</think>` on, unless --structured-outputs-config says
+`enable_in_reasoning`).
 """
 
 from __future__ import annotations
@@ -15,10 +16,6 @@ import time
 from typing import Any, AsyncIterator
 
 from dsv4_jax.chat import (
-    BLOCK_SEPARATOR,
-    INVOKE_START,
-    THINK_END,
-    TOOL_CALLS_START,
     ChatStreamParser,
     InvalidRequestField,
     ReasoningSplitter,
@@ -26,45 +23,20 @@ from dsv4_jax.chat import (
     chat_parser,
     resolve_chat_options,
 )
-from dsv4_jax.engine.request import ForcedTokens
 from serve.choices import ChoiceState, TokenTexts, chat_logprobs, chunk_usage, usage
 from serve.generation import Generation, check_capacity, new_request_id
-from serve.prompts import encode_prompts
-from serve.protocol import ChatRequest, OpenAIError, ToolChoice, parse_chat_request
+from serve.prompts import encode_prompts, truncated
+from serve.protocol import ChatRequest, OpenAIError, parse_chat_request
 from serve.sse import sse_response
-from serve.state import FORCED_OUTPUT_FIELD, ServingState
+from serve.state import ServingState
 
 logger = logging.getLogger("serve")
-
-
-def forced_tool_prefix(tool_choice: ToolChoice, thinking: bool, tokenizer: Any) -> ForcedTokens | None:
-    """The DSML that opens a tool call, forced for tool_choice "required" (the model names the
-    function) or a named function (the name is forced too)."""
-    if tool_choice.kind == "required":
-        text = f"{BLOCK_SEPARATOR}{TOOL_CALLS_START}\n{INVOKE_START}"
-    elif tool_choice.kind == "function":
-        text = f'{BLOCK_SEPARATOR}{TOOL_CALLS_START}\n{INVOKE_START}{tool_choice.name}">\n'
-    else:
-        return None
-    ids = tuple(tokenizer.encode(text, add_special_tokens=False).ids)
-    return ForcedTokens(ids, after_token=tokenizer.token_to_id(THINK_END) if thinking else None)
-
-
-def _forced_output(state: ServingState, body: Any) -> ForcedTokens | None:
-    """The test-only hook (serve/state.py): the whole output forced, when the server allows it."""
-    if not state.forced_output_hook or not isinstance(body, dict) or FORCED_OUTPUT_FIELD not in body:
-        return None
-    text = body.pop(FORCED_OUTPUT_FIELD)
-    if not isinstance(text, str) or not text:
-        raise OpenAIError(f"{FORCED_OUTPUT_FIELD} must be a non-empty string", param=FORCED_OUTPUT_FIELD)
-    return ForcedTokens(tuple(state.tokenizer.encode(text, add_special_tokens=False).ids))
 
 
 class _ChatPlan:
     """One validated chat request, ready to run."""
 
     def __init__(self, state: ServingState, body: Any):
-        forced = _forced_output(state, body)
         self.request: ChatRequest = parse_chat_request(body, state.limits)
         req = self.request
         if req.ignored_fields:
@@ -78,7 +50,6 @@ class _ChatPlan:
         self.thinking = mode == "thinking"
         self.prompt = prompt
         self.prompt_ids: list[int] = []  # by tokenize(), off the event loop
-        self.forced = forced or forced_tool_prefix(req.tool_choice, self.thinking, state.tokenizer)
         # Tool calls are parsed when the request may make them; reasoning is split only with the
         # reasoning parser (without it, as in vLLM, everything is content).
         self.tools_active = req.tool_choice.kind in ("required", "function") or (
@@ -87,7 +58,9 @@ class _ChatPlan:
         self.max_tool_calls = None if req.parallel_tool_calls else 1
 
     async def tokenize(self, state: ServingState) -> None:
-        (self.prompt_ids,) = await encode_prompts(state, [self.prompt], "messages")
+        keep = self.request.params.truncate_prompt_tokens
+        (ids,) = await encode_prompts(state, [self.prompt], "messages", check_length=keep is None)
+        self.prompt_ids = truncated(ids, keep, state.max_model_len)
 
     def parser(self) -> ChatStreamParser | ReasoningSplitter | None:
         return chat_parser(self.tools_active, self.split_reasoning)
@@ -100,7 +73,7 @@ async def create_chat_completion(state: ServingState, body: Any):
     check_capacity(state, req.params.n)  # before the work of tokenizing
     await plan.tokenize(state)
     request_id = new_request_id("chatcmpl")
-    generation = Generation(state, request_id, [plan.prompt_ids], req.params, plan.forced, req.fields,
+    generation = Generation(state, request_id, [plan.prompt_ids], req.params, req.fields,
                             cap_to_room=req.max_tokens_is_default)
     texts = TokenTexts(state.tokenizer, req.return_tokens_as_token_ids)
     choices = [ChoiceState(i, plan.parser(), plan.max_tool_calls) for i in range(req.params.n)]

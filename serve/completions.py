@@ -1,6 +1,7 @@
 """`POST /v1/completions`: raw prompts (text, or token ids) in, OpenAI text completions out, whole
 or streamed. A text prompt is tokenized with exactly one BOS (as `/tokenize` and `LLM.generate`
-do); `n` choices per prompt, choice index = prompt index x n + i, as OpenAI numbers them."""
+do); `n` choices per prompt, choice index = prompt index x n + i, as OpenAI numbers them. A prompt
+that truncate_prompt_tokens cut is echoed as its kept tokens decoded (vLLM detokenizes them)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from dsv4_jax.engine.outputs import Logprob, RequestOutput
 from dsv4_jax.chat.tokens import BOS
 from serve.choices import TextOffsets, TokenTexts, chunk_usage, completion_logprobs, prompt_logprobs, usage
 from serve.generation import Generation, check_capacity, new_request_id
-from serve.prompts import encode_prompts
+from serve.prompts import encode_prompts, truncated
 from serve.protocol import CompletionRequest, parse_completion_request
 from serve.sse import sse_response
 from serve.state import ServingState
@@ -77,11 +78,15 @@ class _Choice:
         return text, logprobs
 
 
-async def _prompt_ids(state: ServingState, prompts: list[str | list[int]]) -> list[list[int]]:
-    """Token ids of each prompt; text prompts tokenized together, off the event loop."""
+async def _prompt_ids(state: ServingState, prompts: list[str | list[int]],
+                      keep: int | None) -> tuple[list[list[int]], list[bool]]:
+    """Token ids of each prompt, the last `keep` of them (truncate_prompt_tokens), and whether
+    that cut it; text prompts tokenized together, off the event loop."""
     texts = [p for p in prompts if isinstance(p, str)]
-    encoded = iter(await encode_prompts(state, texts, "prompt") if texts else [])
-    return [next(encoded) if isinstance(p, str) else list(p) for p in prompts]
+    encoded = iter(await encode_prompts(state, texts, "prompt", check_length=keep is None) if texts else [])
+    ids = [next(encoded) if isinstance(p, str) else list(p) for p in prompts]
+    kept = [truncated(p, keep, state.max_model_len) for p in ids]
+    return kept, [len(k) < len(p) for k, p in zip(kept, ids)]
 
 
 async def create_completion(state: ServingState, body: Any):
@@ -89,13 +94,16 @@ async def create_completion(state: ServingState, body: Any):
     if req.ignored_fields:
         logger.warning("ignoring unknown request fields: %s", ", ".join(req.ignored_fields))
     check_capacity(state, len(req.prompts) * req.params.n)  # before the work of tokenizing
-    prompts = await _prompt_ids(state, req.prompts)
+    prompts, cut = await _prompt_ids(state, req.prompts, req.params.truncate_prompt_tokens)
     request_id = new_request_id("cmpl")
-    generation = Generation(state, request_id, prompts, req.params, cap_to_room=req.max_tokens_is_default)
+    generation = Generation(state, request_id, prompts, req.params, req.fields, cap_to_room=req.max_tokens_is_default)
     n = req.params.n
     texts = TokenTexts(state.tokenizer, req.return_tokens_as_token_ids)
-    echoes = [p if isinstance(p, str) else state.tokenizer.decode(p, skip_special_tokens=True) for p in req.prompts]
-    choices = [_Choice(i, echoes[i // n] if req.echo else None, isinstance(req.prompts[i // n], str),
+    # A text prompt is echoed as given, unless truncate_prompt_tokens cut it (then as token prompts are).
+    as_text = [isinstance(p, str) and not was_cut for p, was_cut in zip(req.prompts, cut)]
+    echoes = [p if text else state.tokenizer.decode(ids, skip_special_tokens=True)
+              for p, ids, text in zip(req.prompts, prompts, as_text)]
+    choices = [_Choice(i, echoes[i // n] if req.echo else None, as_text[i // n],
                        req.params.skip_special_tokens, len(prompts[i // n])) for i in range(len(prompts) * n)]
     created = int(time.time())
     usage_prompt = sum(len(p) for p in prompts)  # each prompt once, whatever n is (as OpenAI)

@@ -1,7 +1,9 @@
 """Running one API request's choices on the engine: `n` engine requests (child i has seed + i, as
 vLLM), added together so a bad request is refused before any response starts, their outputs
 merged into one stream, metrics recorded, and every child aborted if the response stops early
-(a client that disconnects, an error)."""
+(a client that disconnects, an error). A child the engine ended alone (finish_reason "error": its
+grammar failed to compile, timed out or failed mid-answer) ends the response with a 500, or with
+an error event once a stream has started."""
 
 from __future__ import annotations
 
@@ -12,7 +14,6 @@ from typing import TYPE_CHECKING, AsyncIterator, Mapping, Sequence
 
 from dsv4_jax.engine.async_engine import StepFailedError
 from dsv4_jax.engine.outputs import RequestMetrics, RequestOutput
-from dsv4_jax.engine.request import ForcedTokens
 from dsv4_jax.engine.sampling_params import SamplingParams, default_max_tokens_within
 from serve.metrics import SUCCESS_REASONS
 from serve.protocol import OpenAIError
@@ -43,13 +44,13 @@ class Generation:
     """The children of one request; iterate `outputs()` once, to the end or until cancelled."""
 
     def __init__(self, state: ServingState, request_id: str, prompts: Sequence[list[int]], params: SamplingParams,
-                 forced: ForcedTokens | None = None, fields: Mapping[str, str] | None = None,
-                 cap_to_room: bool = False):
+                 fields: Mapping[str, str] | None = None, cap_to_room: bool = False):
         """`fields`: the request's names of the engine's fields (a chat request's prompt is its
-        `messages`), for the `param` and the message of an error. `cap_to_room`: max_tokens is the
-        server's default (generation_config.json), which the client did not ask for, so a prompt
-        gets at most what max_model_len leaves it (vLLM's get_max_tokens); a max_tokens the client
-        sent beyond that is refused with the numbers."""
+        `messages`, its constraint may come from its response_format), for the `param` and the
+        message of an error. `cap_to_room`: max_tokens is the server's default
+        (generation_config.json), which the client did not ask for, so a prompt gets at most what
+        max_model_len leaves it (vLLM's get_max_tokens); a max_tokens the client sent beyond that
+        is refused with the numbers."""
         self.state = state
         self.prompts = list(prompts)
         self.n = params.n
@@ -68,7 +69,7 @@ class Generation:
                 for i in range(params.n):
                     child = capped.for_child(i)
                     rid = f"{request_id}-{p}-{i}"
-                    stream = state.engine.add_request(rid, prompt_ids, child, forced=forced)
+                    stream = state.engine.add_request(rid, prompt_ids, child)
                     self.children.append((rid, stream))
                     room = state.engine.max_model_len - len(prompt_ids)
                     self._max_tokens.append(room if child.max_tokens is None else child.max_tokens)
@@ -78,8 +79,9 @@ class Generation:
             self.close()
             param, message = getattr(error, "param", None), str(error)
             renamed = (fields or {}).get(param, param)
-            if param == "max_tokens":  # the message names the limit as the request gave it
-                message = message.replace(param, renamed)
+            # The message names the limit, or the constraint, as the request gave it.
+            if param == "max_tokens" or (param or "").startswith("structured_outputs"):
+                message = message.replace(param, renamed, 1)
             raise OpenAIError(message, param=renamed) from None
         except BaseException:
             self.close()
@@ -148,6 +150,8 @@ class Generation:
                     self.state.metrics.tokens_generated(rid, new)
                 if item.finished:
                     self._child_finished(index, completion.finish_reason or "abort", item.metrics)
+                if completion.finish_reason == "error":  # this child alone failed: so does the response
+                    raise OpenAIError(item.error or "the request failed in the engine", status=500)
                 yield index, item
         finally:
             for task in tasks:

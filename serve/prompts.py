@@ -55,14 +55,26 @@ def check_prompt_length(tokenizer: Any, prompt: str, max_model_len: int, param: 
                           f"at most {longest}), more than max_model_len {max_model_len}; shorten it", param=param)
 
 
-async def encode_prompts(state: Any, prompts: Sequence[str], param: str) -> list[list[int]]:
+async def encode_prompts(state: Any, prompts: Sequence[str], param: str, *,
+                         check_length: bool = True) -> list[list[int]]:
     """encode_prompt of each prompt (exactly one BOS each) after the length check, both in a worker
-    thread (the first check reads the tokenizer's whole configuration)."""
+    thread (the first check reads the tokenizer's whole configuration). `check_length` False: the
+    request truncates its prompt (truncate_prompt_tokens), so a long one is no error."""
     tokenizer, max_model_len = state.tokenizer, state.max_model_len
 
     def encode() -> list[list[int]]:
-        for prompt in prompts:
+        for prompt in prompts if check_length else ():
             check_prompt_length(tokenizer, prompt, max_model_len, param)
         return [encode_prompt(tokenizer, prompt) for prompt in prompts]
 
     return await asyncio.to_thread(encode)
+
+
+def truncated(ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
+    """vLLM's `truncate_prompt_tokens`: the last `keep` tokens (-1: the last max_model_len; None:
+    all). The engine cuts what it is given the same way (and refuses a `keep` beyond max_model_len);
+    cut here first so that the usage, the echo and the room left for max_tokens count the prompt
+    the engine runs."""
+    if keep is None:
+        return ids
+    return ids[-(max_model_len if keep == -1 else keep):]

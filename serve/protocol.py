@@ -4,7 +4,8 @@ The server's routes hand each parsed JSON body to `parse_chat_request`, `parse_c
 `parse_tokenize_request` or `parse_detokenize_request`; whatever the body holds, these raise
 nothing but `OpenAIError`, whose `param` names the field as the request spells it
 (`messages[1].content`, `stream_options.include_usage`, `logit_bias`). Plain Python: no jax, no
-tokenizer (token ids are checked against `ServerLimits.vocab_size`).
+tokenizer (token ids are checked against `ServerLimits.vocab_size`; structured-output constraints
+with llguidance's own checks, which need none).
 
 Behaviour follows vLLM's OpenAI server (`vllm/entrypoints/openai/protocol.py`, `serving_chat.py`,
 `sampling_params.py`), read for this module; where vLLM and OpenAI differ, vLLM wins, as the server
@@ -32,6 +33,16 @@ is a drop-in for `vllm serve`. The points checked there:
 * completions: with `echo` and `logprobs`, `prompt_logprobs` defaults to `logprobs`, and the
   prompt's tokens lead the choice's logprobs (the first one null), streamed too; an explicit
   `prompt_logprobs` cannot be streamed, and comes back in each choice's `prompt_logprobs` (vLLM).
+* structured outputs (`SamplingParams.structured_outputs`, both endpoints): vLLM's extra-body
+  `structured_outputs` object (exactly one of json, json_object, regex, choice, grammar,
+  structural_tag, with its options), or `response_format` json_object / json_schema (`text` asks
+  for nothing), or tool_choice "required" / a named function (a grammar of the DSML tool call,
+  `dsv4_jax.chat.tool_grammar`); two of these in one request are a 400. Each is checked here
+  (`check_structured_outputs`: an invalid schema, regex or grammar is a 400 before anything is
+  queued) and errors name the field as the request wrote it. vLLM's removed `guided_*` fields are
+  a 400 naming their `structured_outputs` replacement, where vLLM ignores them silently.
+* `allowed_token_ids` (non-empty, in the vocabulary), `bad_words` (strings, none blank) and
+  `truncate_prompt_tokens` (>= 1, or -1 for max_model_len; vLLM's rules) go to SamplingParams.
 """
 
 from __future__ import annotations
@@ -44,7 +55,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dsv4_jax.chat import InvalidRequestField, check_messages, check_tools, resolve_chat_options
+from dsv4_jax.chat.tool_grammar import tool_call_grammar
+from dsv4_jax.engine.request import RequestRejected
 from dsv4_jax.engine.sampling_params import GENERATION_KEYS, MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
+from dsv4_jax.engine.structured_outputs import (
+    KINDS,
+    StructuredOutputsConfig,
+    StructuredOutputsParams,
+    check_structured_outputs,
+)
 
 _INT64 = (-(2**63), 2**63 - 1)  # integer fields beyond this would overflow the engine's arrays
 _LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range for a logit_bias value; vLLM clamps to it
@@ -108,6 +127,8 @@ class ServerLimits:
     force_include_usage: bool = False  # --enable-force-include-usage: every stream carries usage, continuously
     default_sampling: Mapping[str, Any] = field(default_factory=dict)
     default_chat_template_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    # The engine's --structured-outputs-config: its JSON defaults shape the grammar a request is checked as.
+    structured_outputs_config: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
 
     def __post_init__(self) -> None:
         names = self.served_model_names
@@ -133,6 +154,9 @@ class ServerLimits:
             resolve_chat_options(dict(self.default_chat_template_kwargs))
         except InvalidRequestField as error:
             raise ValueError(f"ServerLimits.default_chat_template_kwargs: {error}") from None
+        if not isinstance(self.structured_outputs_config, StructuredOutputsConfig):
+            raise ValueError(f"ServerLimits.structured_outputs_config must be a StructuredOutputsConfig, "
+                             f"got {self.structured_outputs_config!r}")
 
 
 @dataclass(frozen=True)
@@ -147,7 +171,7 @@ class ChatRequest:
     messages: list[dict]  # content as text, `reasoning` moved to `reasoning_content`
     tools: list[dict] | None  # kept for tool_choice "none" (vLLM); None when none were given
     tool_choice: ToolChoice
-    response_format: dict | None  # a schema paragraph for the encoder, not a constraint
+    response_format: dict | None  # for the encoder's schema paragraph; its constraint is in params
     chat_template_kwargs: dict  # the server's defaults updated by the request's
     reasoning_effort: str | None
     params: SamplingParams  # logprobs = top_logprobs when `logprobs` is true, else None
@@ -159,11 +183,13 @@ class ChatRequest:
     ignored_fields: tuple[str, ...]  # unknown top-level fields, for one warning
     max_tokens_field: str = "max_tokens"  # or max_completion_tokens: the field the limit came from
     max_tokens_is_default: bool = False  # the server's default, not the client's: capped to the room left
+    # The engine's names of the constraint (structured_outputs.<kind>) -> where the request wrote it.
+    constraint_fields: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def fields(self) -> dict[str, str]:
         """The engine's names of request fields (`RequestRejected.param`) -> this request's."""
-        return {"prompt": "messages", "max_tokens": self.max_tokens_field}
+        return {"prompt": "messages", "max_tokens": self.max_tokens_field, **self.constraint_fields}
 
 
 @dataclass(frozen=True)
@@ -178,6 +204,13 @@ class CompletionRequest:
     return_tokens_as_token_ids: bool
     ignored_fields: tuple[str, ...]
     max_tokens_is_default: bool = False  # null: the server's default, capped to the room left
+    # The engine's names of the constraint (structured_outputs.<kind>) -> where the request wrote it.
+    constraint_fields: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def fields(self) -> dict[str, str]:
+        """The engine's names of request fields (`RequestRejected.param`) -> this request's."""
+        return dict(self.constraint_fields)
 
 
 @dataclass(frozen=True)
@@ -347,9 +380,7 @@ def _refuse_unsupported(body: dict, names: tuple[str, ...], n: int, add_special_
         "echo": one_of(False),  # chat only: vLLM's echo prepends the last message
         "suffix": one_of(""),
         "best_of": one_of(n),  # best_of == n is plain sampling
-        "response_format": one_of({"type": "text"}),  # completions only: asks for nothing
         # vLLM's extra sampling and prompt fields:
-        "bad_words": one_of([]),
         "logits_processors": one_of([]),
         "documents": one_of([]),
         "return_token_ids": one_of(False),
@@ -367,7 +398,6 @@ def _refuse_unsupported(body: dict, names: tuple[str, ...], n: int, add_special_
         "functions": "; use tools",
         "function_call": "; use tool_choice",
         "prompt_logprobs": " on /v1/chat/completions; use /v1/completions",
-        "response_format": " on /v1/completions; use /v1/chat/completions",
     }
     for name in names:
         value = body.get(name)
@@ -415,6 +445,38 @@ def _logit_bias(value: Any, vocab_size: int) -> dict[int, float] | None:
     return out
 
 
+def _allowed_token_ids(value: Any, vocab_size: int) -> list[int] | None:
+    """vLLM's rules: a non-empty list of ids in the vocabulary (an empty one allows no token)."""
+    if value is None:
+        return None
+    ids = _token_ids(value, "allowed_token_ids", vocab_size)
+    if not ids:
+        raise _invalid("allowed_token_ids", "expected a non-empty array of token ids (an empty one allows no token)")
+    return ids
+
+
+def _bad_words(value: Any) -> list[str] | None:
+    """vLLM's rules: strings, each of which must tokenize to a token once its leading spaces are
+    stripped (so none may be blank)."""
+    if value is None:
+        return None
+    if not isinstance(value, list):
+        raise _invalid("bad_words", f"expected an array of strings, got {_kind(value)}")
+    for j, word in enumerate(value):
+        if not isinstance(word, str) or not word.strip():
+            raise _invalid("bad_words", f"item {j} must be a string that is not blank, got {_shown(word)}")
+    return list(value) or None
+
+
+def _truncate_prompt_tokens(value: Any) -> int | None:
+    """vLLM's rule: keep the last k >= 1 prompt tokens, or -1 for the last max_model_len (the
+    engine refuses a k beyond max_model_len)."""
+    k = _as_int(value, "truncate_prompt_tokens", low=-1)
+    if k == 0:
+        raise _invalid("truncate_prompt_tokens", "expected an integer >= 1, or -1 (max_model_len), got 0")
+    return k
+
+
 def _stop(value: Any) -> list[str] | None:
     if value is None:
         return None
@@ -437,10 +499,12 @@ def _sampling_params(
     max_tokens: int | None,
     logprobs: int | None,
     prompt_logprobs: int | None = None,
+    structured_outputs: StructuredOutputsParams | None = None,
     names: Mapping[str, str] = {},  # SamplingParams name -> the request's, for errors it finds
 ) -> SamplingParams:
     """SamplingParams from the request's sampling fields, the fields the endpoint read itself
-    (max_tokens, logprobs, prompt_logprobs) and the server's generation_config defaults."""
+    (max_tokens, logprobs, prompt_logprobs, the structured-output constraint) and the server's
+    generation_config defaults."""
     values: dict[str, Any] = {}
     for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
         values[name] = _as_number(body.get(name), name)
@@ -454,6 +518,10 @@ def _sampling_params(
     stop_ids = body.get("stop_token_ids")
     values["stop_token_ids"] = None if stop_ids is None else _token_ids(stop_ids, "stop_token_ids", limits.vocab_size)
     values["logit_bias"] = _logit_bias(body.get("logit_bias"), limits.vocab_size)
+    values["allowed_token_ids"] = _allowed_token_ids(body.get("allowed_token_ids"), limits.vocab_size)
+    values["bad_words"] = _bad_words(body.get("bad_words"))
+    values["truncate_prompt_tokens"] = _truncate_prompt_tokens(body.get("truncate_prompt_tokens"))
+    values["structured_outputs"] = structured_outputs
     for name, default in (("ignore_eos", False), ("skip_special_tokens", True), ("include_stop_str_in_output", False)):
         values[name] = _as_bool(body.get(name), name, default)
     for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
@@ -617,12 +685,142 @@ def _chat_options(body: dict, limits: ServerLimits) -> tuple[dict, str | None]:
     return kwargs, effort
 
 
+# ---- structured outputs -------------------------------------------------------------------------
+
+# vLLM's guided-decoding fields, removed from vLLM in favour of `structured_outputs` -> what to use
+# instead. vLLM now ignores them silently, answering without the constraint they ask for; here they
+# are a 400 naming the replacement (docs/serving.md). Any other guided_* field gets the same answer.
+GUIDED_REPLACEMENTS = {
+    "guided_json": "structured_outputs.json",
+    "guided_regex": "structured_outputs.regex",
+    "guided_choice": "structured_outputs.choice",
+    "guided_grammar": "structured_outputs.grammar",
+    "guided_json_object": "structured_outputs.json_object",
+    "guided_whitespace_pattern": "structured_outputs.whitespace_pattern",
+    "guided_decoding_backend": "the server's --structured-outputs-config '{\"backend\": \"guidance\"}'",
+}
+_GUIDED_PREFIX = "guided_"
+STRUCTURED_OPTIONS = ("disable_any_whitespace", "disable_additional_properties", "whitespace_pattern",
+                      "disable_fallback")
+# The engine's name of a constraint in its errors: structured_outputs, or structured_outputs.<kind>.
+_ENGINE_CONSTRAINT_FIELD = re.compile(r"structured_outputs(?:\.\w+)?")
+
+
+@dataclass(frozen=True)
+class _Constraint:
+    """A request's structured-output constraint and where the request wrote it."""
+
+    params: StructuredOutputsParams
+    fields: Mapping[str, str]  # the engine's names (structured_outputs.<kind>) -> the request's
+
+
+def _refuse_guided(body: dict) -> None:
+    for name, value in body.items():
+        if isinstance(name, str) and name.startswith(_GUIDED_PREFIX) and value is not None:
+            instead = GUIDED_REPLACEMENTS.get(name, "the structured_outputs object")
+            raise _invalid(name, f"'{name}' was removed from vLLM (which now ignores it); use {instead} instead")
+
+
+def _renamed(message: str, fields: Mapping[str, str]) -> OpenAIError:
+    """An engine error about a constraint (its message starts with the engine's name of the field),
+    as the 400 naming the field where the request wrote it."""
+    match = _ENGINE_CONSTRAINT_FIELD.match(message)
+    engine_name = match.group(0) if match else "structured_outputs"
+    reason = message[match.end():].lstrip(": ") if match else message
+    return _invalid(fields.get(engine_name, engine_name), reason)
+
+
+def _constraint(kwargs: dict[str, Any], fields: Mapping[str, str], config: StructuredOutputsConfig) -> _Constraint:
+    """StructuredOutputsParams(**kwargs), checked as the engine will compile it (an invalid schema,
+    regex or grammar, or a feature llguidance cannot enforce, is a 400 here, before anything is
+    tokenized or queued)."""
+    try:
+        params = StructuredOutputsParams(**kwargs)
+    except ValueError as error:
+        raise _renamed(str(error), fields) from None
+    try:
+        check_structured_outputs(params, config)
+    except RequestRejected as error:
+        raise _renamed(str(error), fields) from None
+    return _Constraint(params, fields)
+
+
+def _structured_outputs(value: Any, config: StructuredOutputsConfig) -> _Constraint | None:
+    """vLLM's extra-body `structured_outputs` object: one kind, and its options (null: the default)."""
+    spec = _as_object(value, "structured_outputs")
+    if spec is None:
+        return None
+    allowed = (*KINDS, *STRUCTURED_OPTIONS)
+    for key in spec:
+        if key not in allowed:
+            raise _invalid(f"structured_outputs.{key}",
+                           f"not a structured_outputs field; allowed: {', '.join(allowed)}")
+    try:
+        json.dumps(spec, allow_nan=False)  # a NaN (Python's JSON reads one) is in no schema's vocabulary
+    except ValueError as error:
+        raise _invalid("structured_outputs", f"not representable as JSON: {error}") from None
+    return _constraint({key: item for key, item in spec.items() if item is not None}, {}, config)
+
+
+def _response_format_constraint(response_format: dict | None, config: StructuredOutputsConfig) -> _Constraint | None:
+    """json_object: any JSON object; json_schema: its schema (its `strict` changes nothing: the
+    answer always follows the schema); text: nothing."""
+    kind = None if response_format is None else response_format.get("type")
+    if kind == "json_object":
+        return _constraint({"json_object": True}, {"structured_outputs": "response_format",
+                                                   "structured_outputs.json_object": "response_format"}, config)
+    if kind == "json_schema":
+        schema = response_format["json_schema"].get("schema")
+        param = "response_format.json_schema.schema"
+        if schema is None:
+            raise _invalid(param, "a json_schema response format needs the schema its answer must follow")
+        return _constraint({"json": schema}, {"structured_outputs": "response_format",
+                                              "structured_outputs.json": param}, config)
+    return None
+
+
+def _tool_constraint(tool_choice: ToolChoice, tools: list[dict] | None,
+                     config: StructuredOutputsConfig) -> _Constraint | None:
+    """tool_choice "required" or a named function: the grammar of a DSML tool call (of any of the
+    tools, or of the named one). A schema feature the grammar cannot enforce is a 400 naming it."""
+    if tool_choice.kind not in ("required", "function"):
+        return None
+    try:
+        grammar = tool_call_grammar(tools or [], tool_choice.name)
+    except InvalidRequestField as error:  # UnsupportedToolSchema names the schema's field
+        raise _from_chat_error(error) from None
+    return _constraint({"grammar": grammar}, {"structured_outputs": "tool_choice",
+                                              "structured_outputs.grammar": "tools"}, config)
+
+
+def _body_constraint(body: dict, response_format: dict | None, config: StructuredOutputsConfig) -> _Constraint | None:
+    """The constraint of either endpoint: structured_outputs or a json response_format (vLLM takes
+    both on completions too), not both."""
+    if body.get("structured_outputs") is not None and _constrains(response_format):
+        raise _invalid("structured_outputs", "give either structured_outputs or a json response_format, not both")
+    return _structured_outputs(body.get("structured_outputs"), config) or \
+        _response_format_constraint(response_format, config)
+
+
+def _constrains(response_format: dict | None) -> bool:
+    return response_format is not None and response_format.get("type") != "text"
+
+
+def _chat_constraint(body: dict, tool_choice: ToolChoice, tools: list[dict] | None,
+                     response_format: dict | None, config: StructuredOutputsConfig) -> _Constraint | None:
+    """The one constraint a chat request may carry: structured_outputs, a json response_format,
+    or a tool_choice that forces a tool call; two of them are a 400."""
+    given = body.get("structured_outputs") is not None
+    if tool_choice.kind in ("required", "function") and (given or _constrains(response_format)):
+        other = "structured_outputs" if given else "response_format"
+        raise _invalid("tool_choice", f"tool_choice {tool_choice.kind!r} constrains the answer to a tool call, "
+                                      f"which {other} constrains too; give one of the two")
+    return _body_constraint(body, response_format, config) or _tool_constraint(tool_choice, tools, config)
+
+
 # vLLM's extra request fields that dsv4-jax does not implement (both endpoints).
 _VLLM_UNSUPPORTED = (
-    "allowed_token_ids",
-    "bad_words",
     "logits_processors",
-    "truncate_prompt_tokens",
     "spaces_between_special_tokens",
     "length_penalty",
     "priority",
@@ -642,14 +840,12 @@ _CHAT_UNSUPPORTED = (
     "best_of",
     "echo",
     "prompt_logprobs",
-    "guided_json",
-    "guided_regex",
-    "guided_choice",
-    "guided_grammar",
-    "structured_outputs",
     *_VLLM_UNSUPPORTED,
     *_CHAT_PROMPT_UNSUPPORTED,
 )
+# The constraint fields and vLLM's extra sampling fields, read on both endpoints.
+_CONSTRAINT_FIELDS = ("structured_outputs", "allowed_token_ids", "bad_words", "truncate_prompt_tokens",
+                      *GUIDED_REPLACEMENTS)
 _SAMPLING_FIELDS = (
     "n",
     "temperature",
@@ -686,6 +882,7 @@ CHAT_FIELDS = frozenset(
         "max_completion_tokens",
         "top_logprobs",
         *_SAMPLING_FIELDS,
+        *_CONSTRAINT_FIELDS,
         *_HARMLESS,
         *_CHAT_UNSUPPORTED,
     )
@@ -699,8 +896,11 @@ def parse_chat_request(body: Any, limits: ServerLimits) -> ChatRequest:
     _check_harmless(body)
     n = _as_int(body.get("n"), "n", low=1, high=limits.max_n) or 1
     _refuse_unsupported(body, _CHAT_UNSUPPORTED, n, add_special_tokens=False)
+    _refuse_guided(body)
     messages = _messages(body.get("messages"))
     tool_choice, tools = _tool_choice(body.get("tool_choice"), _tools(body.get("tools")), limits)
+    response_format = _response_format(body.get("response_format"))
+    constraint = _chat_constraint(body, tool_choice, tools, response_format, limits.structured_outputs_config)
     chat_template_kwargs, reasoning_effort = _chat_options(body, limits)
     stream, include_usage, continuous_usage = _stream(body, limits.force_include_usage)
 
@@ -718,6 +918,7 @@ def parse_chat_request(body: Any, limits: ServerLimits) -> ChatRequest:
         limits,
         max_tokens=max_tokens if max_tokens is not None else limits.default_sampling.get("max_tokens"),
         logprobs=top_logprobs if logprobs else None,
+        structured_outputs=None if constraint is None else constraint.params,
         names={"max_tokens": max_tokens_param, "logprobs": "top_logprobs"},
     )
     return ChatRequest(
@@ -725,7 +926,7 @@ def parse_chat_request(body: Any, limits: ServerLimits) -> ChatRequest:
         messages=messages,
         tools=tools,
         tool_choice=tool_choice,
-        response_format=_response_format(body.get("response_format")),
+        response_format=response_format,
         chat_template_kwargs=chat_template_kwargs,
         reasoning_effort=reasoning_effort,
         params=params,
@@ -739,6 +940,7 @@ def parse_chat_request(body: Any, limits: ServerLimits) -> ChatRequest:
         ignored_fields=_ignored(body, CHAT_FIELDS),
         max_tokens_field=max_tokens_param,
         max_tokens_is_default=max_tokens is None and params.max_tokens is not None,
+        constraint_fields={} if constraint is None else constraint.fields,
     )
 
 
@@ -770,16 +972,11 @@ _COMPLETION_UNSUPPORTED = (
     "best_of",
     "use_beam_search",
     "prompt_embeds",
-    "response_format",
-    "guided_json",
-    "guided_regex",
-    "guided_choice",
-    "guided_grammar",
-    "structured_outputs",
     *_VLLM_UNSUPPORTED,
 )
 COMPLETION_FIELDS = frozenset(
-    ("model", "prompt", "echo", "prompt_logprobs", *_SAMPLING_FIELDS, *_HARMLESS, *_COMPLETION_UNSUPPORTED)
+    ("model", "prompt", "echo", "prompt_logprobs", "response_format", *_SAMPLING_FIELDS, *_CONSTRAINT_FIELDS,
+     *_HARMLESS, *_COMPLETION_UNSUPPORTED)
 )
 
 
@@ -790,6 +987,7 @@ def parse_completion_request(body: Any, limits: ServerLimits) -> CompletionReque
     _check_harmless(body)
     n = _as_int(body.get("n"), "n", low=1, high=limits.max_n) or 1
     _refuse_unsupported(body, _COMPLETION_UNSUPPORTED, n, add_special_tokens=True)
+    _refuse_guided(body)
     if body.get("prompt") is None:
         raise _invalid("prompt", "prompt is required")
     prompts = _prompts(body["prompt"], limits.vocab_size)
@@ -807,12 +1005,15 @@ def parse_completion_request(body: Any, limits: ServerLimits) -> CompletionReque
         max_tokens = given if given is not None else limits.default_sampling.get("max_tokens")
     else:
         max_tokens = _COMPLETION_DEFAULT_MAX_TOKENS
+    response_format = _response_format(body.get("response_format"))
+    constraint = _body_constraint(body, response_format, limits.structured_outputs_config)
     params = _sampling_params(
         body,
         limits,
         max_tokens=max_tokens,
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
+        structured_outputs=None if constraint is None else constraint.params,
     )
     return CompletionRequest(
         model=model,
@@ -828,6 +1029,7 @@ def parse_completion_request(body: Any, limits: ServerLimits) -> CompletionReque
         ignored_fields=_ignored(body, COMPLETION_FIELDS),
         # Left out, OpenAI's 16 counts as asked for (vLLM and OpenAI refuse a prompt it does not fit).
         max_tokens_is_default="max_tokens" in body and given is None and max_tokens is not None,
+        constraint_fields={} if constraint is None else constraint.fields,
     )
 
 

@@ -279,6 +279,7 @@ async def _become_ready(state, server, loaded: asyncio.Future, engine_class) -> 
         reasoning_parser=args.reasoning_parser, force_include_usage=args.enable_force_include_usage,
         default_sampling=config.sampling_defaults,
         default_chat_template_kwargs=args.default_chat_template_kwargs or {},
+        structured_outputs_config=config.structured_outputs_config,
     )
     engine = engine_class(built.engine)
     await engine.start()

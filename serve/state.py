@@ -4,19 +4,7 @@ the server is ready (warm-up done) and still accepting (not shutting down)."""
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Any
-
-# Test-only: with this environment variable set to 1, a request body's `dsv4_test_forced_output`
-# (a string) is tokenized and forced through the real engine in place of sampled tokens, so tests
-# can drive reasoning and tool-call output through streaming, usage and detokenization. No flag
-# reaches it; never set it in production (docs/serving.md).
-FORCED_OUTPUT_ENV = "DSV4_TEST_FORCED_OUTPUT"
-FORCED_OUTPUT_FIELD = "dsv4_test_forced_output"
-
-
-def forced_output_hook_enabled() -> bool:
-    return os.environ.get(FORCED_OUTPUT_ENV, "") == "1"
 
 
 @dataclasses.dataclass
@@ -35,7 +23,6 @@ class ServingState:
     started_at: float = 0.0  # when the app was built (the models' `created`)
     # Where the start-up is: {"phase": ..., "done": n, "total": m} (`starting`), for /health's 503.
     startup: dict[str, Any] = dataclasses.field(default_factory=lambda: {"phase": "starting", "done": 0, "total": 0})
-    forced_output_hook: bool = dataclasses.field(default_factory=forced_output_hook_enabled)
 
     def starting(self, phase: str, done: int, total: int) -> None:
         """The builder's progress callback (called from the loading thread: one assignment)."""

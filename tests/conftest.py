@@ -56,7 +56,8 @@ ENGINE_LANE = frozenset({
     "test_imports.py", "test_kernels_lowering.py", "test_kv_paged.py", "test_multihost.py", "test_notebook.py",
     "test_runner_backends.py", "test_sampler.py", "test_scheduler.py", "test_serve_args.py", "test_serve_bench.py",
     "test_serve_choices.py", "test_serve_metrics.py", "test_serve_protocol.py", "test_server.py",
-    "test_server_faults.py", "test_server_load.py", "test_user_errors.py", "test_converted_cache.py"})
+    "test_server_faults.py", "test_server_load.py", "test_user_errors.py", "test_converted_cache.py",
+    "test_structured_outputs.py"})
 XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER")  # "gw0", "gw1" inside a pytest-xdist worker
 
 
@@ -381,10 +382,12 @@ def chat_server_env() -> dict[str, str]:
 CHAT_SERVER_KEY, CHAT_SERVER_NAME = "test-key", "dsv4-test"
 
 
-def serving_state(llm, *flags: str, name: str = CHAT_SERVER_NAME, forced_output_hook: bool = False):
+def serving_state(llm, *flags: str, name: str = CHAT_SERVER_NAME):
     """A ready `serve.state.ServingState` over `llm`'s engine, as `python -m serve` with the chat
     server's flags (and `flags`) would hold it, without a server process; its engine is not
-    started yet (`await state.engine.start()`). Metrics report an idle engine."""
+    started yet (`await state.engine.start()`). Metrics report an idle engine. The server's flags
+    (`flags` too) set its request limits (the parsers, auto tool choice); the engine, with its
+    structured-outputs config, is `llm`'s as built."""
     from dsv4_jax.engine.async_engine import AsyncLLMEngine
     from dsv4_jax.engine.outputs import EngineStats
     from serve.args import parse_args
@@ -392,10 +395,13 @@ def serving_state(llm, *flags: str, name: str = CHAT_SERVER_NAME, forced_output_
     from serve.protocol import ServerLimits
     from serve.state import ServingState
 
-    state = ServingState(parse_args(["ckpt", *CHAT_SERVER_FLAGS, *flags]), served_model_names=(name,),
-                         config=llm.engine_config, forced_output_hook=forced_output_hook)
+    args = parse_args(["ckpt", *CHAT_SERVER_FLAGS, *flags])
+    state = ServingState(args, served_model_names=(name,), config=llm.engine_config)
     state.engine, state.layout = AsyncLLMEngine(llm.engine), llm.layout
-    state.limits = ServerLimits(served_model_names=(name,), vocab_size=llm.config.vocab_size)
+    state.limits = ServerLimits(served_model_names=(name,), vocab_size=llm.config.vocab_size,
+                                enable_auto_tool_choice=args.enable_auto_tool_choice,
+                                reasoning_parser=args.reasoning_parser,
+                                structured_outputs_config=llm.engine_config.structured_outputs_config)
     state.metrics = ServerMetrics(name, lambda: EngineStats(0, 0, 0.0, 0))
     state.ready = True
     return state
@@ -456,9 +462,10 @@ def quiet_port(span: int = 1) -> int:
 def chat_server(chat_llm, chat_checkpoint, tmp_path_factory):
     """One `python -m serve` process for the session, with the chat_llm fixture's flags and this
     process's compilation cache (so its warm-up compiles nothing, which is checked), an API key,
-    both deepseek_v4 parsers, and the test-only forced-output hook (serve/state.py) switched on.
-    A dict: base URL, key, served name, process, log path, whether /health said 503 first and
-    that first 503's body."""
+    the default deepseek_v4 parsers and auto tool choice, and structured outputs that bind the
+    reasoning too (`enable_in_reasoning`), so that a test can force a whole answer, reasoning and
+    `</think>` included, with a grammar. A dict: base URL, key, served name, process, log path,
+    whether /health said 503 first and that first 503's body."""
     import signal
     import subprocess
     import sys
@@ -468,10 +475,10 @@ def chat_server(chat_llm, chat_checkpoint, tmp_path_factory):
 
     port = quiet_port()
     log_path = tmp_path_factory.mktemp("server") / "server.log"
-    env = {**chat_server_env(), "DSV4_TEST_FORCED_OUTPUT": "1"}
+    env = chat_server_env()
     command = [sys.executable, "-m", "serve", str(chat_checkpoint), *CHAT_SERVER_FLAGS, "--port", str(port),
-               "--served-model-name", CHAT_SERVER_NAME, "--api-key", CHAT_SERVER_KEY, "--enable-auto-tool-choice",
-               "--tool-call-parser", "deepseek_v4", "--reasoning-parser", "deepseek_v4"]
+               "--served-model-name", CHAT_SERVER_NAME, "--api-key", CHAT_SERVER_KEY,
+               "--structured-outputs-config", '{"enable_in_reasoning": true}']
     with open(log_path, "w") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
     base = f"http://127.0.0.1:{port}"

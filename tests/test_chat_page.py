@@ -2,8 +2,8 @@
 selenium against the session's `chat_server` (tests/conftest.py).
 
 The browser types the API key, sends messages with Enter, watches the answer stream in, shows
-reasoning folded and a tool call (the test-only forced-output hook reaches the page through a
-fetch wrapper the test installs, so the page itself carries no test code), and presses Stop,
+reasoning folded and a tool call (forced by a one-choice structured output that a fetch wrapper
+the test installs adds to the page's request, so the page itself carries no test code), and presses Stop,
 after which the server's /metrics must show the engine request gone and not counted as finished.
 `DSV4_UPDATE_DOCS_SCREENSHOT=1` also writes the screenshot to docs/chat_page.png.
 """
@@ -185,49 +185,53 @@ def test_answer_streams_in_and_usage_is_shown(page):
 
 
 def test_reasoning_is_folded_and_tool_calls_are_shown(page, tmp_path):
-    """The forced-output hook (server started with DSV4_TEST_FORCED_OUTPUT=1) reaches the page's
-    request through a fetch wrapper installed here; it also records what the page sent."""
-    from dsv4_jax.chat import EOS, THINK_END, render_tool_calls
+    """A one-choice structured output (the server's constraints bind the reasoning too) forces the
+    answer; a fetch wrapper installed here adds it to the page's request and records what the page
+    sent."""
+    from dsv4_jax.chat import THINK_END, render_tool_calls
 
     arguments = json.dumps({"city": "Paris"})
     forced = ("Check the weather." + THINK_END + "Let me look.\n\n"
-              + render_tool_calls([{"type": "function", "function": {"name": "get_weather", "arguments": arguments}}])
-              + EOS)
+              + render_tool_calls([{"type": "function", "function": {"name": "get_weather", "arguments": arguments}}]))
     page.execute_script("""
         const forced = arguments[0], pageFetch = window.pageFetch = window.fetch;
         window.fetch = (url, init) => {
             if (url === '/v1/chat/completions') {
                 window.sentBody = JSON.parse(init.body);
-                init = {...init, body: JSON.stringify({...window.sentBody, dsv4_test_forced_output: forced})};
+                const constraint = {structured_outputs: {choice: [forced]}};
+                init = {...init, body: JSON.stringify({...window.sentBody, ...constraint})};
             }
             return pageFetch(url, init);
         };
     """, forced)
-    page.find_element("id", "new-chat").click()
-    _set_options(page, thinking=True, max_tokens=100, ignore_eos=False, tools=json.dumps(TOOLS))
-    _send(page, "Weather in Paris?")
-    _wait(page, lambda: _idle(page))
-    sent = page.execute_script("return window.sentBody")
-    assert sent["chat_template_kwargs"] == {"thinking": True} and sent["tools"] == TOOLS
-    assert sent["max_tokens"] == 100 and sent["stream"] is True and "ignore_eos" not in sent
-    assert [m["role"] for m in sent["messages"]] == ["user"]  # New chat dropped the earlier turns
-    answer = _last_assistant(page)
-    reasoning = answer.find_element("css selector", "details.reasoning")
-    assert reasoning.get_attribute("open") is None  # folded
-    assert reasoning.find_element("css selector", ".reasoning-text").get_attribute("textContent") == "Check the weather."
-    assert answer.find_element("css selector", ".content").text == "Let me look."
-    (call,) = answer.find_elements("css selector", ".tool-call")
-    assert call.find_element("css selector", ".tool-name").text == "get_weather(…)"
-    assert json.loads(call.find_element("css selector", ".tool-arguments").text) == {"city": "Paris"}
-    assert "finish: tool_calls" in answer.find_element("css selector", ".meta").text
+    try:
+        page.find_element("id", "new-chat").click()
+        _set_options(page, thinking=True, max_tokens=100, ignore_eos=False, tools=json.dumps(TOOLS))
+        _send(page, "Weather in Paris?")
+        _wait(page, lambda: _idle(page))
+        sent = page.execute_script("return window.sentBody")
+        assert sent["chat_template_kwargs"] == {"thinking": True} and sent["tools"] == TOOLS
+        assert sent["max_tokens"] == 100 and sent["stream"] is True and "ignore_eos" not in sent
+        assert [m["role"] for m in sent["messages"]] == ["user"]  # New chat dropped the earlier turns
+        answer = _last_assistant(page)
+        reasoning = answer.find_element("css selector", "details.reasoning")
+        assert reasoning.get_attribute("open") is None  # folded
+        reasoning_text = reasoning.find_element("css selector", ".reasoning-text").get_attribute("textContent")
+        assert reasoning_text == "Check the weather."
+        assert answer.find_element("css selector", ".content").text == "Let me look."
+        (call,) = answer.find_elements("css selector", ".tool-call")
+        assert call.find_element("css selector", ".tool-name").text == "get_weather(…)"
+        assert json.loads(call.find_element("css selector", ".tool-arguments").text) == {"city": "Paris"}
+        assert "finish: tool_calls" in answer.find_element("css selector", ".meta").text
 
-    reasoning.find_element("tag name", "summary").click()  # unfolded for the screenshot, settings folded
-    page.find_element("css selector", "#settings details summary").click()
-    shot = tmp_path / "chat_page.png"
-    assert page.save_screenshot(str(shot)) and shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    if os.environ.get("DSV4_UPDATE_DOCS_SCREENSHOT") == "1":
-        shutil.copyfile(shot, REPO / "docs" / "chat_page.png")
-    page.execute_script("window.fetch = window.pageFetch")  # the next tests send what the page sends
+        reasoning.find_element("tag name", "summary").click()  # unfolded for the screenshot, settings folded
+        page.find_element("css selector", "#settings details summary").click()
+        shot = tmp_path / "chat_page.png"
+        assert page.save_screenshot(str(shot)) and shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        if os.environ.get("DSV4_UPDATE_DOCS_SCREENSHOT") == "1":
+            shutil.copyfile(shot, REPO / "docs" / "chat_page.png")
+    finally:  # the next tests send what the page sends, even after a failure here
+        page.execute_script("window.fetch = window.pageFetch")
 
 
 def test_stop_aborts_the_engine_request(page, chat_server):

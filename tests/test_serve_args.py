@@ -14,6 +14,7 @@ import pytest
 
 from dsv4_jax.engine.args import EngineArgs
 from dsv4_jax.engine.sampling_params import generation_defaults as sampling_defaults
+from dsv4_jax.engine.structured_outputs import StructuredOutputsConfig
 from dsv4_jax.parallel.distributed import DistributedConfig
 from pallas_kernels.cli import run_main
 from serve.args import API_KEY_ENV, IGNORED_FLAGS, ServerArgs, build_parser, node_flags, parse_args
@@ -48,7 +49,9 @@ def test_defaults():
     assert (e.gpu_memory_utilization, e.max_num_seqs, e.max_model_len) == (0.9, None, None)
     assert (e.max_num_batched_tokens, e.num_gpu_blocks_override) == (None, None)
     assert (e.dtype, e.kv_cache_dtype, e.attention_backend, e.block_size) == ("auto", "auto", None, 256)
-    assert (args.enable_auto_tool_choice, args.tool_call_parser, args.reasoning_parser) == (False, None, None)
+    # Unlike vLLM's (off): this server serves one model, whose tool-call and reasoning formats they are.
+    assert (args.enable_auto_tool_choice, args.tool_call_parser, args.reasoning_parser) == (
+        True, "deepseek_v4", "deepseek_v4")
     assert (args.api_key, e.seed, e.generation_config, args.uvicorn_log_level) == (None, 0, "auto", "info")
     assert (args.default_chat_template_kwargs, args.max_logprobs, args.max_waiting_requests) == (None, 20, 1024)
     assert (args.no_web_ui, args.debug, args.ignored_flags, args.enable_force_include_usage) == (False, False, (), False)
@@ -142,7 +145,15 @@ def test_every_help_states_the_default():
     (["--default-chat-template-kwargs", "{thinking: false}"], "--default-chat-template-kwargs"),
     (["--default-chat-template-kwargs", "[1]"], "--default-chat-template-kwargs"),
     (["/a", "--model", "/b"], "--model"),
-    (["--enable-auto-tool-choice"], "--tool-call-parser"),
+    (["--reasoning-parser", "deepseek_r1"], "--reasoning-parser"),
+    (["--tool-call-parser", "hermes"], "--tool-call-parser"),
+    (["--structured-outputs-config", "{backend: guidance}"], "--structured-outputs-config"),
+    (["--structured-outputs-config", '["guidance"]'], "--structured-outputs-config"),
+    (["--structured-outputs-config", '{"backend": "xgrammar"}'], "--structured-outputs-config"),
+    (["--structured-outputs-config", '{"backend": "nope"}'], "--structured-outputs-config"),
+    (["--structured-outputs-config", '{"enable_in_reasoning": "yes"}'], "--structured-outputs-config"),
+    (["--structured-outputs-config", '{"compile_timeout_s": 0}'], "--structured-outputs-config"),
+    (["--structured-outputs-config", '{"guided_backend": "guidance"}'], "--structured-outputs-config"),
     (["--quantization", "fp8"], "--quantization"),
     (["--max-model", "10"], "--max-model"),  # no prefix matching of --max-model-len
     (["--dtype", "half"], "--dtype"),
@@ -162,6 +173,12 @@ def test_bad_command_line_is_one_line_naming_the_flag(argv, named, capsys):
 
 def test_half_precision_points_to_bfloat16_or_float32(capsys):
     assert "bfloat16 or float32" in _error_line(["--dtype", "float16"], capsys)
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "outlines", "lm-format-enforcer"])
+def test_vllms_other_structured_output_backends_point_to_guidance(backend, capsys):
+    line = _error_line(["--structured-outputs-config", json.dumps({"backend": backend})], capsys)
+    assert backend in line and "guidance" in line
 
 
 def test_a_node_with_refused_flags_still_knows_where_to_join():
@@ -187,6 +204,30 @@ def test_the_engine_flags_are_the_engine_arguments_llm_takes():
     builds from its keywords (`LLM.from_engine_args` takes the server's as they are)."""
     args = parse_args(["/ckpt", "--max-model-len", "2048", "--seed", "3", "--attention-backend", "xla"])
     assert args.engine == EngineArgs(model="/ckpt", max_model_len=2048, seed=3, attention_backend="xla")
+
+
+def test_parser_flags_and_structured_outputs_config_as_vllm():
+    """The parsers are on by default and each flag turns its part off; --structured-outputs-config
+    is vLLM's JSON, with --reasoning-parser as its reasoning_parser unless the JSON names one (as
+    vLLM does), so constraints start after the reasoning exactly when the reasoning is split off."""
+    off = parse_args(["--no-enable-auto-tool-choice", "--reasoning-parser", ""])
+    assert (off.enable_auto_tool_choice, off.tool_call_parser, off.reasoning_parser) == (False, "deepseek_v4", None)
+    assert StructuredOutputsConfig.parse(off.engine.structured_outputs_config) == \
+        StructuredOutputsConfig(reasoning_parser="")
+    assert parse_args(["--enable-auto-tool-choice", "--tool-call-parser", "deepseek_v4"]).enable_auto_tool_choice
+    assert parse_args([]).engine.structured_outputs_config is None  # the engine's defaults, as LLM() has
+    for argv, expected in (
+        (["--structured-outputs-config", '{"enable_in_reasoning": true}'],
+         StructuredOutputsConfig(enable_in_reasoning=True, reasoning_parser="deepseek_v4")),
+        (["--structured-outputs-config", '{"backend": "guidance"}', "--reasoning-parser", ""],
+         StructuredOutputsConfig(backend="guidance", reasoning_parser="")),
+        (["--structured-outputs-config", '{"reasoning_parser": ""}'], StructuredOutputsConfig(reasoning_parser="")),
+        (["--structured_outputs_config={\"disable_any_whitespace\": true, \"compile_timeout_s\": 5}"],
+         StructuredOutputsConfig(disable_any_whitespace=True, compile_timeout_s=5)),
+    ):
+        args = parse_args(argv)
+        assert StructuredOutputsConfig.parse(args.engine.structured_outputs_config) == expected, argv
+        assert args.reasoning_parser == (None if "" in argv else "deepseek_v4")  # the split follows the flag only
 
 
 def test_mirrored_names_agree_with_their_owners():

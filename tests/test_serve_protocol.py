@@ -14,7 +14,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dsv4_jax.chat import build_prompt
+from dsv4_jax.chat.tool_grammar import tool_call_grammar
 from dsv4_jax.engine.sampling_params import SamplingParams
+from dsv4_jax.engine.structured_outputs import StructuredOutputsParams
 from serve.protocol import (
     CHAT_FIELDS,
     COMPLETION_FIELDS,
@@ -94,6 +96,7 @@ def test_error_type_and_code_follow_the_status(status, kind, code):
         ({"default_sampling": {"temprature": 0.5}}, "temprature"),
         ({"default_sampling": {"top_p": 0.0}}, "top_p"),
         ({"default_chat_template_kwargs": {"thinking": "yes"}}, "thinking"),
+        ({"structured_outputs_config": {"backend": "guidance"}}, "structured_outputs_config"),
     ],
 )
 def test_bad_server_limits_name_the_field(fields, words):
@@ -413,6 +416,181 @@ def test_vllms_sampling_rules_hold_for_requests():
     assert refused(parse_completion_request, {"prompt": "x", "n": 3, "temperature": 0.0}).param == "n"
 
 
+# ---- structured outputs and vLLM's token constraints --------------------------------------------
+
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+STRUCTURAL_TAG = json.dumps({"structures": [{"begin": "<f>", "schema": SCHEMA, "end": "</f>"}], "triggers": ["<f"]})
+BOTH = pytest.mark.parametrize("parse", [parse_chat_request, parse_completion_request], ids=["chat", "completions"])
+
+
+def parsed(parse, limits: ServerLimits = LIMITS, **fields):
+    body = {"messages": USER, **fields} if parse is parse_chat_request else {"prompt": "Hi", **fields}
+    return parse(body, limits)
+
+
+def refused_as(parse, param: str, words: str, **fields) -> OpenAIError:
+    body = {"messages": USER, **fields} if parse is parse_chat_request else {"prompt": "Hi", **fields}
+    error = refused(parse, body)
+    assert error.param == param, error.body()
+    assert words in error.message, error.message
+    return error
+
+
+@BOTH
+@pytest.mark.parametrize(("spec", "expected"), [
+    ({"json": SCHEMA}, StructuredOutputsParams(json=SCHEMA)),
+    ({"json": json.dumps(SCHEMA)}, StructuredOutputsParams(json=SCHEMA)),  # vLLM takes the schema's JSON text too
+    ({"json_object": True}, StructuredOutputsParams(json_object=True)),
+    ({"regex": "[0-9]{3}"}, StructuredOutputsParams(regex="[0-9]{3}")),
+    ({"choice": ["yes", "no"]}, StructuredOutputsParams(choice=["yes", "no"])),
+    ({"grammar": 'start: "yes" | "no"'}, StructuredOutputsParams(grammar='start: "yes" | "no"')),
+    ({"grammar": 'root ::= "yes" | "no"'}, StructuredOutputsParams(grammar='root ::= "yes" | "no"')),  # GBNF
+    ({"structural_tag": STRUCTURAL_TAG}, StructuredOutputsParams(structural_tag=STRUCTURAL_TAG)),
+    ({"json": SCHEMA, "disable_any_whitespace": True, "disable_additional_properties": True,
+      "whitespace_pattern": None, "regex": None},  # null: left out, as vLLM's fields default
+     StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True, disable_additional_properties=True)),
+    ({"regex": "a+", "whitespace_pattern": " ?", "disable_fallback": True},
+     StructuredOutputsParams(regex="a+", whitespace_pattern=" ?", disable_fallback=True)),
+])
+def test_the_structured_outputs_object_is_the_constraint(parse, spec, expected):
+    assert parsed(parse, structured_outputs=spec).params.structured_outputs == expected
+
+
+@BOTH
+@pytest.mark.parametrize(("spec", "param", "words"), [
+    ({"json": {"type": "object", "properties": {"a": {"type": "nope"}}}}, "structured_outputs.json", "nope"),
+    ({"json": {"type": "array", "uniqueItems": True}}, "structured_outputs.json", "uniqueItems"),  # not enforceable
+    ({"json": "{not json"}, "structured_outputs.json", "not valid JSON"),
+    ({"json": [1]}, "structured_outputs.json", "JSON schema"),
+    ({"regex": "("}, "structured_outputs.regex", "unclosed group"),
+    ({"regex": "(?=a)b"}, "structured_outputs.regex", "look-around"),
+    ({"grammar": "start: ("}, "structured_outputs.grammar", "Expected"),
+    ({"choice": []}, "structured_outputs.choice", "non-empty list"),
+    ({"choice": "yes"}, "structured_outputs.choice", "non-empty list"),
+    ({"structural_tag": "{}"}, "structured_outputs.structural_tag", "structural tag"),
+    ({"json": SCHEMA, "regex": "a"}, "structured_outputs", "exactly one"),
+    ({}, "structured_outputs", "exactly one"),
+    ({"json_object": False}, "structured_outputs", "exactly one"),
+    ({"regex": "a", "backend": "xgrammar"}, "structured_outputs.backend", "not a structured_outputs field"),
+    ({"regex": "a", "disable_any_whitespace": "yes"}, "structured_outputs.disable_any_whitespace", "bool"),
+    ({"json": {"type": "number", "maximum": math.nan}}, "structured_outputs", "JSON"),
+    ("json", "structured_outputs", "object"),
+])
+def test_a_bad_structured_outputs_object_is_a_400_naming_its_field(parse, spec, param, words):
+    refused_as(parse, param, words, structured_outputs=spec)
+
+
+@BOTH
+def test_response_format_json_is_the_constraint(parse):
+    """json_object: any JSON object; json_schema: its schema (chat also writes it into the prompt,
+    as before); text: nothing."""
+    json_schema = {"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA, "strict": True}}
+    for response_format, expected in (
+        ({"type": "json_object"}, StructuredOutputsParams(json_object=True)),
+        (json_schema, StructuredOutputsParams(json=SCHEMA)),
+        ({"type": "text"}, None),
+        (None, None),
+    ):
+        request = parsed(parse, response_format=response_format)
+        assert request.params.structured_outputs == expected, response_format
+        if parse is parse_chat_request:
+            assert request.response_format == response_format  # the encoder's schema paragraph
+    bad = {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "nope"}}}
+    refused_as(parse, "response_format.json_schema.schema", "nope", response_format=bad)
+    schemaless = {"type": "json_schema", "json_schema": {"name": "a"}}
+    refused_as(parse, "response_format.json_schema.schema", "needs the schema", response_format=schemaless)
+    for response_format in ({"type": "json_object"}, json_schema):
+        refused_as(parse, "structured_outputs", "not both", response_format=response_format,
+                   structured_outputs={"regex": "a"})
+    text_and_regex = parsed(parse, response_format={"type": "text"}, structured_outputs={"regex": "a"})
+    assert text_and_regex.params.structured_outputs == StructuredOutputsParams(regex="a")
+
+
+@BOTH
+@pytest.mark.parametrize(("field", "instead"), [
+    ("guided_json", "structured_outputs.json"),
+    ("guided_regex", "structured_outputs.regex"),
+    ("guided_choice", "structured_outputs.choice"),
+    ("guided_grammar", "structured_outputs.grammar"),
+    ("guided_json_object", "structured_outputs.json_object"),
+    ("guided_whitespace_pattern", "structured_outputs.whitespace_pattern"),
+    ("guided_decoding_backend", "--structured-outputs-config"),
+    ("guided_options_request", "structured_outputs"),  # any other guided_* field
+])
+def test_vllms_removed_guided_fields_are_a_400_naming_their_replacement(parse, field, instead):
+    """vLLM ignores them silently (an answer without the constraint asked for); here they are a
+    400 naming what replaces them (docs/serving.md)."""
+    error = refused_as(parse, field, instead, **{field: {"type": "object"} if field == "guided_json" else "x"})
+    assert "removed" in error.message
+    assert parsed(parse, **{field: None}).params.structured_outputs is None  # null asks for nothing
+
+
+def test_tool_choice_that_forces_a_call_is_the_tool_call_grammar():
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    tools = [TOOL, {"type": "function", "function": {"name": "other"}}]
+    assert chat(tools=tools, tool_choice="required").params.structured_outputs == \
+        StructuredOutputsParams(grammar=tool_call_grammar(tools, None))
+    assert chat(tools=tools, tool_choice=named).params.structured_outputs == \
+        StructuredOutputsParams(grammar=tool_call_grammar(tools, "get_weather"))
+    for choice in ("none", "auto"):  # the model chooses freely
+        assert chat(AUTO_TOOLS, tools=tools, tool_choice=choice).params.structured_outputs is None
+    assert chat(tools=[], tool_choice="required").params.structured_outputs is None  # "none" (as OpenAI)
+    chat_refused("tool_choice", "give one of the two", tools=tools, tool_choice="required",
+                 structured_outputs={"regex": "a"})
+    chat_refused("tool_choice", "give one of the two", tools=tools, tool_choice=named,
+                 response_format={"type": "json_object"})
+    assert chat(tools=tools, tool_choice=named, response_format={"type": "text"}).params.structured_outputs == \
+        StructuredOutputsParams(grammar=tool_call_grammar(tools, "get_weather"))
+
+
+def test_a_tool_schema_the_grammar_cannot_enforce_is_a_400_when_a_call_is_forced():
+    parameters = {"type": "object", "properties": {"when": {"anyOf": [{"type": "string"}, {"type": "integer"}]}}}
+    tool = {"type": "function", "function": {"name": "schedule", "parameters": parameters}}
+    chat_refused("tools[0].function.parameters.properties.when.anyOf", "not supported", tools=[tool],
+                 tool_choice="required")
+    for choice in ("none", "auto"):  # nothing to enforce: the schema only goes into the prompt
+        assert chat(AUTO_TOOLS, tools=[tool], tool_choice=choice).tools == [tool]
+
+
+def test_where_the_constraint_came_from_names_the_engines_errors():
+    """The engine names a constraint structured_outputs[.<kind>]; its errors (the server passes
+    them on as 400s) name the field the request wrote instead."""
+    json_schema = {"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA}}
+    assert chat(response_format=json_schema).fields["structured_outputs.json"] == "response_format.json_schema.schema"
+    assert chat(response_format={"type": "json_object"}).fields["structured_outputs"] == "response_format"
+    assert complete(response_format=json_schema).fields["structured_outputs"] == "response_format"
+    assert chat(tools=[TOOL], tool_choice="required").fields["structured_outputs"] == "tool_choice"
+    written = chat(structured_outputs={"regex": "a"}).fields
+    assert all(written.get(name, name) == name for name in ("structured_outputs", "structured_outputs.regex"))
+
+
+@BOTH
+def test_vllms_token_constraints_and_prompt_truncation(parse):
+    params = parsed(parse, allowed_token_ids=[5, 6], bad_words=["Hello", " world"], truncate_prompt_tokens=8).params
+    assert params.allowed_token_ids == [5, 6] and params.bad_words == ["Hello", " world"]
+    assert params.truncate_prompt_tokens == 8
+    assert parsed(parse, truncate_prompt_tokens=-1).params.truncate_prompt_tokens == -1  # vLLM: max_model_len
+    assert parsed(parse, bad_words=[]).params.bad_words in (None, [])  # vLLM's default: asks for nothing
+    for field, value, words in (
+        ("allowed_token_ids", [], "non-empty"),
+        ("allowed_token_ids", [VOCAB], "token id"),
+        ("allowed_token_ids", [-1], "token id"),
+        ("allowed_token_ids", [True], "token id"),
+        ("allowed_token_ids", [1.0], "token id"),
+        ("allowed_token_ids", "5", "array"),
+        ("bad_words", "Hello", "array"),
+        ("bad_words", [""], "blank"),
+        ("bad_words", ["  "], "blank"),  # tokenizes to nothing once stripped (vLLM's rule)
+        ("bad_words", [1], "string"),
+        ("truncate_prompt_tokens", 0, ">= 1, or -1"),
+        ("truncate_prompt_tokens", -2, ">= -1"),
+        ("truncate_prompt_tokens", 1.5, "integer"),
+        ("truncate_prompt_tokens", True, "integer"),
+        ("truncate_prompt_tokens", "8", "integer"),
+    ):
+        refused_as(parse, field, words, **{field: value})
+
+
 # ---- known, unsupported and unknown fields ------------------------------------------------------
 
 
@@ -429,16 +607,8 @@ def test_vllms_sampling_rules_hold_for_requests():
         ("best_of", 2),
         ("echo", True),
         ("prompt_logprobs", 1),
-        ("guided_json", {"type": "object"}),
-        ("guided_regex", "a+"),
-        ("guided_choice", ["a"]),
-        ("guided_grammar", "root ::= 'a'"),
-        ("structured_outputs", {"json": {}}),
         # vLLM's extra fields: accepted and ignored, they would answer without what they ask.
-        ("allowed_token_ids", [5, 6]),
-        ("bad_words", ["Hello"]),
         ("logits_processors", ["my.module:Processor"]),
-        ("truncate_prompt_tokens", 8),
         ("priority", 1),
         ("return_token_ids", True),
         ("add_special_tokens", True),  # chat's default is False
@@ -475,10 +645,8 @@ def test_harmless_and_unknown_fields():
         add_generation_prompt=True,
         continue_final_message=False,
         frobnicate=1,
-        dsv4_test_forced_output="x",  # the app strips it; here it is just unknown
     )
-    assert request.ignored_fields == ("frobnicate", "dsv4_test_forced_output")
-    assert "dsv4_test_forced_output" not in CHAT_FIELDS | COMPLETION_FIELDS | TOKENIZE_FIELDS
+    assert request.ignored_fields == ("frobnicate",)
     chat_refused("user", "string", user=5)
     assert chat(return_tokens_as_token_ids=True).return_tokens_as_token_ids is True
 
@@ -510,13 +678,9 @@ def test_completion_logprobs_echo_and_unsupported():
         ({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
         ({"suffix": "tail"}, "suffix"),
         ({"best_of": 3}, "best_of"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
         ({"echo": "yes"}, "echo"),
         ({"max_tokens": 0}, "max_tokens"),
         ({"stream_options": {}}, "stream_options"),
-        ({"allowed_token_ids": [5]}, "allowed_token_ids"),
-        ({"bad_words": ["x"]}, "bad_words"),
-        ({"truncate_prompt_tokens": 4}, "truncate_prompt_tokens"),
         ({"add_special_tokens": False}, "add_special_tokens"),  # completions' default is True
         ({"add_generation_prompt": False}, None),  # chat-only: unknown here, ignored
     ):

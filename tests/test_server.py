@@ -4,9 +4,9 @@ metrics).
 
 The server starts with exactly the flags of the `chat_llm` fixture (tests/conftest.py) and the same
 compilation cache, which that fixture fills first, so its warm-up compiles nothing: the fixture
-checks it in the server's log. The test-only forced-output hook (serve/state.py) is switched on
-by the environment of this process only; through it, reasoning and tool-call text runs through
-the real engine, detokenizer, parser and usage accounting.
+checks it in the server's log. Its structured outputs bind the reasoning too (`enable_in_reasoning`),
+so a request can force a whole answer, reasoning and tool call included, with a one-choice
+constraint: that text runs through the real engine, detokenizer, parser and usage accounting.
 
 Comparison rule for greedy streams (tests/test_engine.py): tokens equal wherever the reference's
 top-1/top-2 logprob gap exceeds 1e-3, logprobs within 1e-4.
@@ -30,7 +30,7 @@ import openai
 import pytest
 
 from dsv4_jax import SamplingParams
-from dsv4_jax.chat import EOS, THINK_END, render_tool_calls
+from dsv4_jax.chat import BLOCK_SEPARATOR, INVOKE_START, THINK_END, TOOL_CALLS_START, render_tool_calls
 from conftest import CHAT_SERVER_KEY, CHAT_SERVER_NAME, REPO, serving_state  # tests/ is on sys.path
 
 KEY, NAME = CHAT_SERVER_KEY, CHAT_SERVER_NAME
@@ -264,11 +264,12 @@ def test_continuous_usage_stats_put_each_choices_usage_so_far_in_every_chunk(ser
 
 # ---- reasoning and tool calls, forced through the real engine --------------------------------------------
 CALL = {"type": "function", "function": {"name": "get_weather", "arguments": json.dumps({"city": "Paris"})}}
-FORCED = "Check the weather." + THINK_END + "Let me look." + "\n\n" + render_tool_calls([CALL]) + EOS
+ANSWER = "Let me look." + BLOCK_SEPARATOR + render_tool_calls([CALL])
+FORCED = "Check the weather." + THINK_END + ANSWER  # the grammar's end finishes it ("stop"): no EOS
 
 
 def test_reasoning_and_tool_calls_whole_and_streamed(server, client, chat_llm):
-    extra = {"dsv4_test_forced_output": FORCED}
+    extra = {"structured_outputs": {"choice": [FORCED]}}
     forced_tokens = len(chat_llm.tokenizer.encode(FORCED, add_special_tokens=False).ids)
     whole = client.chat.completions.create(model=NAME, messages=HELLO, tools=TOOLS, max_tokens=100, extra_body=extra)
     message = whole.choices[0].message
@@ -278,7 +279,7 @@ def test_reasoning_and_tool_calls_whole_and_streamed(server, client, chat_llm):
     (call,) = message.tool_calls
     assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("call_")
     assert json.loads(call.function.arguments) == {"city": "Paris"}
-    assert whole.usage.completion_tokens == forced_tokens  # the EOS included
+    assert whole.usage.completion_tokens == forced_tokens
 
     chunks = list(client.chat.completions.create(model=NAME, messages=HELLO, tools=TOOLS, max_tokens=100,
                                                  stream=True, extra_body=extra))
@@ -294,17 +295,17 @@ def test_reasoning_and_tool_calls_whole_and_streamed(server, client, chat_llm):
 
 
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
-def test_tool_choice_forces_the_dsml_prefix(server, client, chat_llm, choice):
-    named = isinstance(choice, dict)
-    prefix = '\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="' + ('get_weather">\n' if named else "")
-    prefix_ids = chat_llm.tokenizer.encode(prefix, add_special_tokens=False).ids
+def test_tool_choice_constrains_the_answer_to_a_dsml_tool_call(server, client, chat_llm, choice):
+    """The grammar of a tool call (chat mode: from the first token) forces the DSML that opens it,
+    the function's name too when there is one to choose from; its tokens are completion tokens."""
+    prefix = BLOCK_SEPARATOR + TOOL_CALLS_START + "\n" + INVOKE_START + 'get_weather">\n'
+    max_tokens = len(chat_llm.tokenizer.encode(prefix, add_special_tokens=False).ids) + 4
     out = client.chat.completions.create(
-        model=NAME, messages=HELLO, tools=TOOLS, tool_choice=choice, max_tokens=len(prefix_ids) + 2, temperature=0,
-        logprobs=True, extra_body={"chat_template_kwargs": {"thinking": False}, "ignore_eos": True,
-                                   "return_tokens_as_token_ids": True})
+        model=NAME, messages=HELLO, tools=TOOLS, tool_choice=choice, max_tokens=max_tokens, temperature=0,
+        logprobs=True, extra_body={"chat_template_kwargs": {"thinking": False}, "return_tokens_as_token_ids": True})
     ids = [int(item.token.split(":")[1]) for item in out.choices[0].logprobs.content]
-    assert ids[: len(prefix_ids)] == prefix_ids  # forced, and counted as completion tokens
-    assert out.usage.completion_tokens == len(prefix_ids) + 2
+    assert chat_llm.tokenizer.decode(ids, skip_special_tokens=False).startswith(prefix)
+    assert out.usage.completion_tokens == len(ids)
 
 
 # ---- many clients --------------------------------------------------------------------------------------------
@@ -423,7 +424,7 @@ async def _in_process_app(chat_llm):
     process, without its flags), as an httpx client."""
     from serve.app import build_app
 
-    state = serving_state(chat_llm, name=NAME, forced_output_hook=True)
+    state = serving_state(chat_llm, "--reasoning-parser", "", "--no-enable-auto-tool-choice", name=NAME)
     await state.engine.start()
     transport = httpx.ASGITransport(app=build_app(state))
     try:
@@ -434,22 +435,29 @@ async def _in_process_app(chat_llm):
 
 
 def test_without_parser_flags_there_is_no_reasoning_split_and_auto_tool_choice_is_refused(chat_llm):
-    """As vLLM: no --reasoning-parser means the whole text is content; tool_choice "auto" without
-    --enable-auto-tool-choice is a 400 naming the flag."""
+    """As vLLM: --reasoning-parser '' means the whole text is content; tool_choice "auto" with
+    --no-enable-auto-tool-choice is a 400 naming the flag.
+
+    The engine here is chat_llm's, whose constraints start after the model's own `</think>` in
+    thinking mode: a logit bias makes that the first token (greedy), the constraint the rest."""
     import asyncio
+
+    think_end = chat_llm.tokenizer.token_to_id(THINK_END)
 
     async def main():
         async with _in_process_app(chat_llm) as http:
             plain = await http.post("/v1/chat/completions", json={
-                "model": NAME, "messages": HELLO, "max_tokens": 100, "dsv4_test_forced_output": FORCED})
+                "model": NAME, "messages": HELLO, "max_tokens": 100, "temperature": 0,
+                "logit_bias": {str(think_end): 100}, "structured_outputs": {"choice": [ANSWER]}})
             auto = await http.post("/v1/chat/completions", json={
                 "model": NAME, "messages": HELLO, "tools": TOOLS, "tool_choice": "auto"})
         return plain, auto
 
     plain, auto = asyncio.run(main())
     message = plain.json()["choices"][0]["message"]
-    assert message["content"] == FORCED[: -len(EOS)]  # everything, </think> and DSML included; EOS skipped
+    assert message["content"] == THINK_END + ANSWER  # everything, </think> and DSML included
     assert message["reasoning_content"] is None and message["tool_calls"] == []
+    assert plain.json()["choices"][0]["finish_reason"] == "stop"  # the constraint's end
     assert auto.status_code == 400 and "--enable-auto-tool-choice" in auto.json()["error"]["message"]
 
 
@@ -495,6 +503,175 @@ def test_a_failed_engine_step_is_a_500_for_its_requests_and_the_server_serves_on
     assert real is type(engine).finish_step and not engine.has_unfinished()
 
 
+def _app_over(engine):
+    """The server's app in this process over a stand-in engine client (no model: the routes,
+    request parsing, Generation and the error mapping are the server's own)."""
+    import types
+
+    from dsv4_jax.engine.outputs import EngineStats
+    from serve.app import build_app
+    from serve.args import parse_args
+    from serve.metrics import ServerMetrics
+    from serve.protocol import ServerLimits
+    from serve.state import ServingState
+
+    state = ServingState(parse_args([]), served_model_names=(NAME,),
+                         config=types.SimpleNamespace(max_model_len=MAX_MODEL_LEN))
+    state.engine, state.ready = engine, True
+    state.limits = ServerLimits(served_model_names=(NAME,), vocab_size=engine.tokenizer.get_vocab_size())
+    state.metrics = ServerMetrics(NAME, lambda: EngineStats(0, 0, 0.0, 0), max_model_len=MAX_MODEL_LEN)
+    return build_app(state)
+
+
+GRAMMAR_ERROR = "structured outputs: the grammar did not compile within 60 s"
+
+
+class _GrammarFailingEngine:
+    """An engine client whose requests each write one token, then end alone as the engine ends a
+    request whose grammar failed (finish_reason "error", the reason in `RequestOutput.error`)."""
+
+    max_model_len, num_waiting, accepting = MAX_MODEL_LEN, 0, True
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.aborted, self.params = tokenizer, [], []
+
+    def add_request(self, rid, prompt_ids, params):
+        from dsv4_jax.engine.outputs import CompletionOutput, RequestOutput
+
+        self.params.append(params)
+
+        async def outputs():
+            yield RequestOutput(rid, None, prompt_ids, None, [CompletionOutput(0, "y", [88], None, None)], False)
+            yield RequestOutput(rid, None, prompt_ids, None, [CompletionOutput(0, "y", [88], None, None, "error")],
+                                True, error=GRAMMAR_ERROR)
+        return outputs()
+
+    def abort_now(self, rid):
+        self.aborted.append(rid)
+
+
+def test_a_request_the_engine_ends_with_an_error_is_a_500_or_an_error_event():
+    """A request whose grammar fails after it was accepted ends alone with finish_reason "error":
+    whole, the answer is a 500 with OpenAI's error body and the engine's reason; streamed, an
+    error event then [DONE]. The engine ended it: nothing is aborted."""
+    import asyncio
+
+    from dsv4_jax.chat.tokenizer import load_tokenizer
+    from dsv4_jax.engine.structured_outputs import StructuredOutputsParams
+
+    engine = _GrammarFailingEngine(load_tokenizer())
+    constraint = {"structured_outputs": {"choice": ["yes"]}}
+    bodies = [("/v1/chat/completions", {"model": NAME, "messages": HELLO, **constraint}),
+              ("/v1/completions", {"model": NAME, "prompt": "Hi", **constraint})]
+
+    async def main():
+        transport = httpx.ASGITransport(app=_app_over(engine))
+        async with httpx.AsyncClient(transport=transport, base_url="http://app") as http:
+            return [(await http.post(path, json=body), await http.post(path, json={**body, "stream": True}))
+                    for path, body in bodies]
+
+    for whole, streamed in asyncio.run(main()):
+        error = whole.json()["error"]
+        assert whole.status_code == 500 and error["type"] == "internal_server_error"
+        assert error["message"] == GRAMMAR_ERROR
+        events = [line[6:] for line in streamed.text.splitlines() if line.startswith("data: ")]
+        assert streamed.status_code == 200 and events[-1] == "[DONE]"
+        assert json.loads(events[-2])["error"]["message"] == GRAMMAR_ERROR
+        chunks = [json.loads(event) for event in events[:-2]]  # the first token's, unless the error overtook it
+        assert all(c["finish_reason"] is None for chunk in chunks for c in chunk["choices"])
+    assert [p.structured_outputs for p in engine.params] == [StructuredOutputsParams(choice=["yes"])] * 4
+    assert engine.aborted == []
+
+
+def test_the_engines_refusal_of_a_constraint_names_the_field_the_request_wrote():
+    """The engine names a constraint `structured_outputs[.<kind>]` in its refusals; the 400 names
+    where the request wrote it (a response_format, a tool_choice, or structured_outputs itself)."""
+    import asyncio
+
+    from dsv4_jax.chat.tokenizer import load_tokenizer
+    from dsv4_jax.engine.request import RequestRejected
+
+    class Refusing(_GrammarFailingEngine):
+        def add_request(self, rid, prompt_ids, params):
+            kind = params.structured_outputs.kind
+            if kind == "json":
+                raise RequestRejected("structured_outputs.json: the schema is too large", "structured_outputs.json")
+            raise RequestRejected("structured outputs need the model's tokenizer.json; this engine has none",
+                                  "structured_outputs")
+
+    json_schema = {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "object"}}}
+    cases = [
+        ({"response_format": json_schema}, "response_format.json_schema.schema"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"tools": TOOLS, "tool_choice": "required"}, "tool_choice"),
+        ({"structured_outputs": {"regex": "a+"}}, "structured_outputs"),
+    ]
+
+    async def main():
+        transport = httpx.ASGITransport(app=_app_over(Refusing(load_tokenizer())))
+        async with httpx.AsyncClient(transport=transport, base_url="http://app") as http:
+            return [await http.post("/v1/chat/completions", json={"model": NAME, "messages": HELLO, **fields})
+                    for fields, _ in cases]
+
+    for response, (fields, param) in zip(asyncio.run(main()), cases):
+        error = _error(response, 400)
+        assert error["param"] == param, (fields, error)
+        if param == "response_format.json_schema.schema":
+            assert error["message"].startswith(param) and "structured_outputs" not in error["message"], error
+
+
+class _RecordingEngine(_GrammarFailingEngine):
+    """An engine client that records each request's prompt and answers it with one token, "stop"."""
+
+    def __init__(self, tokenizer):
+        super().__init__(tokenizer)
+        self.prompts: list[list[int]] = []
+
+    def add_request(self, rid, prompt_ids, params):
+        from dsv4_jax.engine.outputs import CompletionOutput, RequestOutput
+
+        self.prompts.append(list(prompt_ids))
+
+        async def outputs():
+            yield RequestOutput(rid, None, list(prompt_ids), None, [CompletionOutput(0, "y", [88], None, None, "stop")],
+                                True)
+        return outputs()
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens_and_counts_those():
+    """vLLM's truncate_prompt_tokens: the engine gets the prompt's last k tokens (-1: the last
+    max_model_len), the usage counts those, an echo shows them; a text prompt too long for
+    max_model_len is no error when it is to be truncated."""
+    import asyncio
+
+    from dsv4_jax.chat.tokenizer import load_tokenizer
+
+    engine = _RecordingEngine(load_tokenizer())
+    tokens = list(range(1000, 1600))  # longer than max_model_len (512)
+    long_text = "word " * 100_000
+
+    async def main():
+        transport = httpx.ASGITransport(app=_app_over(engine))
+        async with httpx.AsyncClient(transport=transport, base_url="http://app") as http:
+            def post(path, **fields):
+                return http.post(path, json={"model": NAME, "max_tokens": 1, **fields})
+            return [await post("/v1/completions", prompt=tokens, truncate_prompt_tokens=8, echo=True),
+                    await post("/v1/completions", prompt=tokens, truncate_prompt_tokens=-1),
+                    await post("/v1/chat/completions", messages=HELLO),
+                    await post("/v1/chat/completions", messages=HELLO, truncate_prompt_tokens=3),
+                    await post("/v1/completions", prompt=long_text, truncate_prompt_tokens=16),
+                    await post("/v1/completions", prompt=long_text)]
+
+    eight, whole_len, chat, chat_three, long_cut, long_refused = asyncio.run(main())
+    assert engine.prompts[0] == tokens[-8:] and eight.json()["usage"]["prompt_tokens"] == 8
+    assert eight.json()["choices"][0]["text"] == engine.tokenizer.decode(tokens[-8:], skip_special_tokens=True) + "y"
+    assert engine.prompts[1] == tokens[-MAX_MODEL_LEN:] and whole_len.json()["usage"]["prompt_tokens"] == MAX_MODEL_LEN
+    assert engine.prompts[3] == engine.prompts[2][-3:] and chat_three.json()["usage"]["prompt_tokens"] == 3
+    assert long_cut.status_code == 200 and len(engine.prompts[4]) == 16
+    assert engine.prompts[4] == engine.tokenizer.encode(long_text, add_special_tokens=False).ids[-16:]
+    assert _error(long_refused, 400)["param"] == "prompt" and len(engine.prompts) == 5
+
+
 @pytest.mark.parametrize("flags, names", [(["--port", "70000"], "--port"),
                                           (["--tensor-parallel-size", "2", "--max-model-len", "512"],
                                            "--tensor-parallel-size")])
@@ -519,18 +696,6 @@ def test_a_taken_port_fails_before_the_model_loads_naming_the_flag(chat_checkpoi
     assert result.returncode == 2 and errors == [f"serve: error: --host 127.0.0.1 --port {port}: cannot listen there: "
                                                  f"Address already in use; pass a free --port"], result.stderr
     assert "weights: read" not in result.stderr and "Traceback" not in result.stderr, result.stderr
-
-
-def test_forced_tool_prefix_follows_think_end_in_thinking_mode(chat_llm):
-    from serve.chat import forced_tool_prefix
-    from serve.protocol import ToolChoice
-
-    tok = chat_llm.tokenizer
-    named = forced_tool_prefix(ToolChoice("function", "get_weather"), True, tok)
-    assert named.after_token == tok.token_to_id(THINK_END)
-    assert tok.decode(list(named.token_ids), skip_special_tokens=False).endswith('name="get_weather">\n')
-    required = forced_tool_prefix(ToolChoice("required"), False, tok)
-    assert required.after_token is None and forced_tool_prefix(ToolChoice("auto"), False, tok) is None
 
 
 def test_tokenize_options_as_vllm(server, chat_llm):

@@ -315,6 +315,11 @@ SAMPLING = [  # (field, a value of the wrong type, a value out of range or None,
     ("return_tokens_as_token_ids", "x", None, "return_tokens_as_token_ids"),
     ("user", 5, None, "user"), ("store", "x", None, "store"), ("metadata", "x", None, "metadata"),
     ("service_tier", 5, None, "service_tier"), ("request_id", 5, None, "request_id"),
+    ("allowed_token_ids", "x", [129280], "allowed_token_ids"), ("bad_words", 5, [" "], "bad_words"),
+    ("truncate_prompt_tokens", "x", 0, "truncate_prompt_tokens"),
+    ("structured_outputs", "x", {"json": {"type": "strin"}}, None),
+    ("structured_outputs", {"regex": "a(("}, {"choice": ["a"], "regex": "a"}, None),
+    ("guided_json", None, {"type": "object"}, "guided_json"),
 ]
 CHAT_ONLY = [
     ("messages", "hi", [], "messages"),
@@ -338,7 +343,7 @@ COMPLETION_ONLY = [
     ("logprobs", "2", 21, "logprobs"),
     ("prompt_logprobs", "x", 21, "prompt_logprobs"),
     ("suffix", None, "tail", "suffix"), ("best_of", None, 3, "best_of"),
-    ("response_format", None, {"type": "json_object"}, "response_format"),
+    ("response_format", "json", {"type": "xml"}, None),
 ]
 TOKENIZE = [
     ("prompt", 5, None, "prompt"),
@@ -359,6 +364,7 @@ ENDPOINT_TABLES = {
 }
 # Where the param is a path inside the field, the prefix it must start with.
 NESTED_PARAMS = {"messages": "messages[0]", "tools": "tools", "response_format": "response_format",
+                 "structured_outputs": "structured_outputs",
                  "chat_template_kwargs": "chat_template_kwargs", "prompt": "prompt"}
 
 

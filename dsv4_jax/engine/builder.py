@@ -101,7 +101,6 @@ def build_engine(config: EngineConfig, *, block_manager_factory: Callable[..., A
 
 
 def _engine(config: EngineConfig, model, tokenizer, layout, block_manager_factory):
-    from dsv4_jax.chat.tokenizer import tokenizer_file
     from dsv4_jax.engine.engine import LLMEngine
 
     engine = LLMEngine(
@@ -109,7 +108,7 @@ def _engine(config: EngineConfig, model, tokenizer, layout, block_manager_factor
         buckets=config.buckets, attention_backend=config.kv.attention_backend,
         max_num_batched_tokens=config.args.max_num_batched_tokens, seed=config.args.seed,
         async_scheduling=config.args.async_scheduling, block_manager_factory=block_manager_factory,
-        structured_outputs_config=config.structured_outputs_config, tokenizer_json=tokenizer_file(config.tokenizer),
+        structured_outputs_config=config.structured_outputs_config,
     )
     logger.info("KV cache per data-parallel rank (%d): %d sequence slots, %d compressed blocks of %d positions; "
                 "%.1f MiB on the mesh", config.parallel.data_parallel_size, layout.num_seq_slots,

@@ -166,11 +166,9 @@ class LLMEngine:
         async_scheduling: bool = True,
         block_manager_factory: Callable[..., BlockManager] | None = None,
         structured_outputs_config: StructuredOutputsConfig = StructuredOutputsConfig(),
-        tokenizer_json: str | None = None,
     ):
         """`block_manager_factory`: each data-parallel rank's allocators (`Scheduler`'s default when
-        None). `tokenizer_json`: the tokenizer.json grammars are compiled against (None: no
-        structured outputs)."""
+        None)."""
         self.config = model.config
         self.tokenizer = tokenizer
         self._token_texts: dict[int, str] = {}  # token id -> its text, for logprobs (`_logprob`)
@@ -202,7 +200,6 @@ class LLMEngine:
         }, passed_on=frozenset({"fill", "run", "sample"}))
         self._tracked: dict[str, _Tracked] = {}
         self.structured_outputs_config = structured_outputs_config
-        self._tokenizer_json = tokenizer_json
         self._grammars: GrammarCompiler | None = None  # made by the first constrained request
         self._grammar_executor = None  # llguidance's threads that fill several rows' masks at once
         # Requests whose grammar compiles on the worker: (request, its future, deadline); they enter
@@ -346,9 +343,6 @@ class LLMEngine:
         return TokenMask(arm_token=arm_token, allowed=allowed, bad_words=bad), grammar
 
     def _check_grammar_vocabulary(self) -> None:
-        if self._tokenizer_json is None:
-            raise RequestRejected("structured outputs need the model's tokenizer.json; this engine has none",
-                                  "structured_outputs")
         size = self.tokenizer.get_vocab_size(with_added_tokens=True)
         if size > self.config.vocab_size:
             raise RequestRejected(f"structured outputs need a model whose vocabulary ({self.config.vocab_size}) "
@@ -371,7 +365,7 @@ class LLMEngine:
 
     def _grammar_compiler(self) -> GrammarCompiler:
         if self._grammars is None:
-            self._grammars = GrammarCompiler(self._tokenizer_json, self.config.vocab_size, self.eos_token_ids)
+            self._grammars = GrammarCompiler(self.tokenizer, self.config.vocab_size, self.eos_token_ids)
         return self._grammars
 
     def _admit_compiled(self) -> None:

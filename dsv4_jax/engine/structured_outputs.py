@@ -164,11 +164,17 @@ def _json_options(params: StructuredOutputsParams, config: StructuredOutputsConf
 def _structural_tag_grammar(spec: str) -> str:
     import llguidance
 
+    shape = '{"structures": [{"begin": str, "schema": object, "end": str}, ...], "triggers": [str, ...]}'
     try:
         tag = json.loads(spec)
         triggers, structures = tag["triggers"], tag["structures"]
+        if not (isinstance(triggers, list) and all(isinstance(t, str) and t for t in triggers)
+                and isinstance(structures, list)
+                and all(isinstance(x, dict) and isinstance(x.get("begin"), str) and isinstance(x.get("end"), str)
+                        and isinstance(x.get("schema"), (dict, str)) for x in structures)):
+            raise TypeError("wrong types")
     except (json.JSONDecodeError, TypeError, KeyError) as error:
-        raise ValueError(f'not a structural tag ({{"structures": [...], "triggers": [...]}}): {error!r}') from None
+        raise ValueError(f"not a structural tag ({shape}): {error}") from None
     tags = []
     for structure in structures:
         trigger = next((t for t in triggers if structure["begin"].startswith(t)), None)
@@ -232,14 +238,36 @@ def check_structured_outputs(params: StructuredOutputsParams,
     return grammar
 
 
+class _TokenBytes:
+    """The V4 vocabulary as llguidance reads a tokenizer (`llguidance.TokenizerWrapper`): each id's
+    bytes and the ids that are special. Built from `tokenizer.json` itself, llguidance takes every
+    added token written like `<...>` for a special one, `</think>` included (the file marks it
+    `special: false`), and a grammar could then never write `</think>` as text; here only the
+    tokens the file marks special are (BOS, EOS, ...)."""
+
+    def __init__(self, tokenizer, vocab_size: int):
+        from dsv4_jax.chat.tokenizer import token_bytes
+        from dsv4_jax.chat.tokens import BOS, EOS
+
+        self._tokenizer = tokenizer
+        self.tokens = [token_bytes(tokenizer, i) for i in range(vocab_size)]
+        self.special_token_ids = sorted(i for i, added in tokenizer.get_added_tokens_decoder().items()
+                                        if added.special and i < vocab_size)
+        self.bos_token_id, self.eos_token_id = tokenizer.token_to_id(BOS), tokenizer.token_to_id(EOS)
+
+    def __call__(self, text: str) -> list[int]:
+        return self._tokenizer.encode(text, add_special_tokens=False).ids
+
+
 class GrammarCompiler:
     """Builds llguidance matchers off the step path: a few worker threads (llguidance drops the GIL
     while it builds, and one slow grammar must not hold up the others), the tokenizer built on one
     the first time (about a second for the V4 vocabulary), a matcher kept per distinct constraint
     (`GRAMMAR_CACHE_SIZE`, least recently used out) and copied for each request."""
 
-    def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: tuple[int, ...]):
-        self.tokenizer_json, self.vocab_size, self.eos_token_ids = tokenizer_json, vocab_size, eos_token_ids
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...]):
+        """`tokenizer`: the engine's `tokenizers.Tokenizer`."""
+        self.hf_tokenizer, self.vocab_size, self.eos_token_ids = tokenizer, vocab_size, eos_token_ids
         self._pool = concurrent.futures.ThreadPoolExecutor(GRAMMAR_WORKERS, thread_name_prefix="dsv4-grammar")
         self._lock = threading.Lock()
         self._cache: collections.OrderedDict[str, Any] = collections.OrderedDict()
@@ -252,9 +280,8 @@ class GrammarCompiler:
 
         with self._lock:
             if self._tokenizer is None:
-                with open(self.tokenizer_json, encoding="utf-8") as file:
-                    text = file.read()
-                self._tokenizer = llguidance.LLTokenizer(text, n_vocab=self.vocab_size,
+                wrapped = llguidance.TokenizerWrapper(_TokenBytes(self.hf_tokenizer, self.vocab_size))
+                self._tokenizer = llguidance.LLTokenizer(wrapped, n_vocab=self.vocab_size,
                                                          eos_token=list(self.eos_token_ids))
             return self._tokenizer
 

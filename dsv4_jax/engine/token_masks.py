@@ -98,7 +98,9 @@ class TokenMask:
             elif not self.matcher.is_stopped():
                 self.matcher.consume_token(int(token))
                 if self.matcher.is_error():
-                    self.error = f"the structured-output grammar failed: {self.matcher.get_error()}"
+                    # llguidance's first line says what failed; the rest is its parser state.
+                    first = self.matcher.get_error().strip().splitlines()[0]
+                    self.error = f"the structured-output grammar failed: {first}"
                     break
         self.seen = len(output_token_ids)
 
