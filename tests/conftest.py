@@ -464,7 +464,8 @@ def chat_server(chat_llm, chat_checkpoint, tmp_path_factory):
     process's compilation cache (so its warm-up compiles nothing, which is checked), an API key,
     the default deepseek_v4 parsers and auto tool choice, and structured outputs that bind the
     reasoning too (`enable_in_reasoning`), so that a test can force a whole answer, reasoning and
-    `</think>` included, with a grammar. A dict: base URL, key, served name, process, log path,
+    `</think>` included, with a grammar, and JSON without free whitespace (`disable_any_whitespace`:
+    a random model would otherwise spend its tokens on whitespace). A dict: base URL, key, served name, process, log path,
     whether /health said 503 first and that first 503's body."""
     import signal
     import subprocess
@@ -478,7 +479,7 @@ def chat_server(chat_llm, chat_checkpoint, tmp_path_factory):
     env = chat_server_env()
     command = [sys.executable, "-m", "serve", str(chat_checkpoint), *CHAT_SERVER_FLAGS, "--port", str(port),
                "--served-model-name", CHAT_SERVER_NAME, "--api-key", CHAT_SERVER_KEY,
-               "--structured-outputs-config", '{"enable_in_reasoning": true}']
+               "--structured-outputs-config", '{"enable_in_reasoning": true, "disable_any_whitespace": true}']
     with open(log_path, "w") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
     base = f"http://127.0.0.1:{port}"
