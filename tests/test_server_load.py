@@ -198,11 +198,15 @@ async def _call_until_disconnect(app, path: str, body: dict, disconnect: asyncio
 
 
 @pytest.mark.parametrize("path, body", [("/v1/completions", {"prompt": [0, 5, 6]}),
-                                        ("/v1/chat/completions", {"messages": HELLO, "n": 2})])
+                                        ("/v1/chat/completions", {"messages": HELLO, "n": 2}),
+                                        ("/v1/completions", {"prompt": [0, 5, 6], "n": 2,
+                                                             "structured_outputs": {"regex": "[a-z]{400}"}})],
+                         ids=["completion", "chat", "constrained"])
 def test_a_client_that_disconnects_from_a_whole_response_aborts_its_requests(chat_llm, path, body):
     """Not streamed: the client closes its connection while its request runs; as vLLM's
     with_cancellation, the engine requests are aborted at once (a few tokens of the 400; an abort
-    is no success), not run to max_tokens for a response nobody reads."""
+    is no success), not run to max_tokens for a response nobody reads. A constrained request's
+    grammar goes with it: nothing of it is left in the engine."""
     from prometheus_client.parser import text_string_to_metric_families
 
     scheduler = chat_llm.engine.scheduler
@@ -221,6 +225,7 @@ def test_a_client_that_disconnects_from_a_whole_response_aborts_its_requests(cha
         return sent, samples
 
     sent, samples = asyncio.run(main())
+    assert not chat_llm.engine.has_unfinished() and not chat_llm.engine.num_compiling
     choices = body.get("n", 1)
     assert samples[("vllm:request_generation_tokens_count", None)] == choices, samples  # every choice ended
     assert samples[("vllm:request_success_total", "length")] == 0, samples  # ... and none ran to max_tokens

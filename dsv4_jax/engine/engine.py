@@ -199,7 +199,13 @@ class LLMEngine:
             "gather": self.runner.gather,
         }, passed_on=frozenset({"fill", "run", "sample"}))
         self._tracked: dict[str, _Tracked] = {}
-        self.structured_outputs_config = structured_outputs_config
+        self._init_constraints(structured_outputs_config)
+        self._numbers = itertools.count()
+        self._steps = 0
+        self._in_flight: _InFlight | None = None  # launched, not completed (async scheduling)
+
+    def _init_constraints(self, config: StructuredOutputsConfig) -> None:
+        self.structured_outputs_config = config
         self._grammars: GrammarCompiler | None = None  # made by the first constrained request
         self._grammar_executor = None  # llguidance's threads that fill several rows' masks at once
         # Requests whose grammar compiles on the worker: (request, its future, deadline); they enter
@@ -207,10 +213,7 @@ class LLMEngine:
         self._compiling: dict[str, tuple[Request, concurrent.futures.Future, float]] = {}
         self._ended_early: list[RequestOutput] = []  # finished while compiling: the next step reports them
         self.on_grammar_ready: Callable[[], None] | None = None  # called on the worker when one is ready
-        self._think_ids = tuple(tokenizer.token_to_id(t) for t in (THINK_START, THINK_END))
-        self._numbers = itertools.count()
-        self._steps = 0
-        self._in_flight: _InFlight | None = None  # launched, not completed (async scheduling)
+        self._think_ids = tuple(self.tokenizer.token_to_id(t) for t in (THINK_START, THINK_END))
 
     @property
     def cache_bytes(self) -> int:
