@@ -348,3 +348,38 @@ def test_required_and_named_tool_choices_give_valid_calls(llm, choice):
             assert [c["function"]["name"] for c in calls] == [choice]
         for call in calls:
             jsonschema.validate(json.loads(call["function"]["arguments"]), schemas[call["function"]["name"]])
+
+
+def test_the_async_engine_serves_a_grammar_ready_when_its_request_is_added(llm, monkeypatch):
+    """A matcher ready before `add_request` returns (a cached grammar on an idle worker) wakes the
+    step thread from inside `add_request`, which holds the engine's lock: it must neither deadlock
+    nor be lost. Here every compile is finished before its future is handed back."""
+    import asyncio
+    import concurrent.futures
+
+    from dsv4_jax.engine.async_engine import AsyncLLMEngine
+
+    def submit(self, key, grammar):
+        future = concurrent.futures.Future()
+        future.set_result(self._matcher(key, grammar))
+        return future
+
+    monkeypatch.setattr(so_module.GrammarCompiler, "submit", submit)
+    engine = AsyncLLMEngine(llm.engine)
+    ids = llm.get_tokenizer().encode("x")
+
+    async def main():
+        await engine.start()
+        try:
+            async def one(i):
+                out = None
+                async for out in engine.generate(f"ready-{i}", ids, _constrained(i, choice=["on", "off"])):
+                    pass
+                return out
+            return await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(3))), 60)
+        finally:
+            await engine.shutdown()
+
+    for out in asyncio.run(main()):
+        assert out.outputs[0].text in ("on", "off") and out.outputs[0].finish_reason == "stop"
+    _assert_idle(llm)

@@ -102,7 +102,9 @@ class AsyncLLMEngine:
 
     def __init__(self, engine: LLMEngine):
         self.engine = engine
-        self._lock = threading.Lock()
+        # Reentrant: a grammar already compiled when its request is added calls `_wake` at once,
+        # from `add_request`, which holds the lock.
+        self._lock = threading.RLock()
         self._work = threading.Condition(self._lock)
         self._queues: dict[str, _Latest] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -136,7 +138,8 @@ class AsyncLLMEngine:
         self.engine.stop_followers()  # a multi-node run: the followers exit too
 
     def _wake(self) -> None:
-        """A grammar compiled (on the grammar worker): its request may run now."""
+        """A grammar compiled (on a grammar worker, or on the caller's thread when it was ready at
+        once): its request may run now."""
         with self._work:
             self._work.notify()
 
