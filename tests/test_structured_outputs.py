@@ -273,26 +273,29 @@ def test_allowed_token_ids_bad_words_and_truncation_keep_vllms_meaning(llm):
         SamplingParams(allowed_token_ids=[])
 
 
-def test_a_preempted_constrained_answer_resumes_its_grammar(chat_checkpoint, llm):
-    """Three long constrained answers on the chat engine's programs with two usable blocks (the
-    pools keep their shapes): they preempt each other past their first block, each grammar is
-    replayed from its outputs on resumption, and every answer equals the one run without
-    preemption (greedy, compared at the first near tie) and is in its language."""
-    from dsv4_jax import LLM
-    from serve.args import parse_args
+def test_a_preempted_constrained_answer_resumes_its_grammar(llm):
+    """Three long constrained answers with two usable blocks (the chat engine's allocators swapped
+    for capped ones while it is idle: the pools and programs stay as they are): they preempt each
+    other past their first block, each grammar is replayed from its outputs on resumption, and
+    every answer equals the one run without preemption (greedy, compared at the first near tie)
+    and is in its language."""
+    from conftest import capped_block_manager
 
-    from conftest import CHAT_SERVER_FLAGS, capped_block_manager
-
-    capped = LLM.from_engine_args(parse_args([str(chat_checkpoint), *CHAT_SERVER_FLAGS]).engine,
-                                  block_manager_factory=capped_block_manager(2))
     pattern = "[a-m]{60}-[n-z]{60}"
     params = [SamplingParams(temperature=0.0, max_tokens=140, logprobs=2,
                              structured_outputs={"regex": pattern}) for _ in range(3)]
     # ~110-token prompts: the answers cross into a second block of 128 positions.
     prompts = [{"prompt_token_ids": llm.get_tokenizer().encode(f"Write {i}:" + " word" * 108)} for i in range(3)]
-    preempted = [o.outputs[0] for o in capped.generate(prompts, params, use_tqdm=False)]
-    assert capped.engine.scheduler.num_preemptions > 0
     alone = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+    scheduler = llm.engine.scheduler
+    kept, preemptions = scheduler.block_managers, scheduler.num_preemptions
+    scheduler.block_managers = tuple(capped_block_manager(2)(m.num_seq_slots, m.num_compressed_blocks, m.block_size,
+                                                             m.max_blocks_per_seq) for m in kept)
+    try:
+        preempted = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert scheduler.num_preemptions > preemptions
+    finally:
+        scheduler.block_managers = kept
     for a, b in zip(alone, preempted):
         assert b.finish_reason == "stop" and re.fullmatch(pattern, b.text), b.text
         for i, (ta, tb) in enumerate(zip(a.token_ids, b.token_ids)):
