@@ -134,6 +134,9 @@ def add_dense_reference(model, requests: list[dict]) -> None:
         }
 
 
+ALLOWED = [5, 9, 17, 33]  # allowed_token_ids of the constrained generation
+
+
 def run_engine(path: str, parallel: ParallelConfig) -> dict:
     """Greedy generation through `LLM` on `parallel`'s mesh (see the module doc for the record)."""
     llm = LLM(
@@ -144,6 +147,10 @@ def run_engine(path: str, parallel: ParallelConfig) -> dict:
     serving = CompileCounter()  # everything was compiled at warm-up: nothing is built from here
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
                         SamplingParams(max_tokens=6, temperature=0.0, logprobs=2), use_tqdm=False)
+    # Constrained rows: each step's token masks are placed whole on the mesh, as the batch is.
+    constrained = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                               SamplingParams(max_tokens=4, temperature=1.0, seed=1, allowed_token_ids=ALLOWED),
+                               use_tqdm=False)
     built_while_serving = serving.built
     runner = llm.engine.runner
     padding = runner.padding_step((runner.buckets.decode[0] * runner.dp, 1))
@@ -164,6 +171,7 @@ def run_engine(path: str, parallel: ParallelConfig) -> dict:
         "kv_shapes": sorted({leaf.shape for leaf in cache}),
         "expert_bytes": bytes_per_device(leaves(llm.model.state, EXPERT_WEIGHTS)),
         "step_collectives": [[kind, shape] for shape, kind in COLLECTIVE.findall(step_hlo)],
+        "constrained_tokens": [out.outputs[0].token_ids for out in constrained],
         "idle_after": llm.engine.scheduler.num_running + llm.engine.scheduler.num_waiting,
         "built_while_serving": built_while_serving,
     }

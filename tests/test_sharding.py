@@ -242,6 +242,17 @@ def test_engine_on_meshes_follows_the_single_device_forward_under_the_gap_rule(w
     assert compared >= 40  # most positions were compared, not skipped as near-ties
 
 
+def test_token_masks_hold_on_every_mesh(worker):
+    """allowed_token_ids through the engine on each mesh (the masks travel with the sampling batch,
+    whole on every device): every token is an allowed one, and some row drew more than one."""
+    from sharding_worker import ALLOWED
+
+    for label, engine in worker["engine"].items():
+        tokens = engine["constrained_tokens"]
+        assert all(set(t) <= set(ALLOWED) and len(t) == 4 for t in tokens), (label, tokens)
+        assert any(len(set(t)) > 1 for t in tokens), (label, tokens)
+
+
 def test_nothing_compiles_while_serving_on_a_mesh(worker):
     """Warm-up compiles the step, the sampler and the placeholder filling for the shardings steps
     really have (the step's logits, samples replicated on the mesh): generating builds nothing."""
