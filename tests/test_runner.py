@@ -268,6 +268,57 @@ def test_poisoned_rows_matter_exactly_when_a_step_reads_them(runner):
     runner.cache = saved
 
 
+def _restore_at_boundary(cache, source: int, target: int, h: int, window: int, stale_hca: bool = True):
+    """What a prefix-cache hit at block boundary `h` must give a new slot, copied through the host
+    from the slot that computed the prefix: the sliding rows of positions [h - window + 1, h) of
+    every layer (position h's window is itself and the window - 1 before it; the same ring
+    addresses serve both slots, `h` being block-aligned), and the CSA and CSA-indexer
+    compressor rows (at a boundary only the previous window's rows are read; the current window is
+    empty). The HCA rows are left as the target slot had them: at a boundary (a multiple of the
+    HCA ratio) nothing reads them before the new window's own tokens overwrite them."""
+    host = jax.tree.map(np.array, cache)
+    rows = host.sliding.kv.rows
+    for t in range(h - window + 1, h):
+        ring, offset = (t // BLOCK) % RING, t % BLOCK
+        rows[:, target * RING + ring, offset] = rows[:, source * RING + ring, offset]
+    for state in (host.csa_state, host.csa_indexer_state):
+        state.kv[:, target], state.score[:, target] = state.kv[:, source], state.score[:, source]
+    if not stale_hca:
+        host.hca_state.kv[:, target], host.hca_state.score[:, target] = 0.0, -np.inf
+    return jax.tree.map(jnp.asarray, host)
+
+
+def test_a_slot_restored_at_a_block_boundary_continues_exactly(model, runner):
+    """Prefix caching's premise (issue: prefix caching over the compressed KV): a sequence that
+    resumes at a block boundary h in another slot, sharing the prefix's compressed blocks, needs
+    only the sliding rows [h - window + 1, h) and the CSA / indexer compressor rows of the slot that
+    computed the prefix; the target slot's stale HCA rows and the rest of its ring (another
+    sequence's) change nothing. Its logits then equal the full forward's from h on; without the
+    copied rows they do not."""
+    rng = np.random.default_rng(5)
+    ids = rng.integers(0, CONFIG.vocab_size, size=(3, 300)).astype(np.int32)
+    full = np.asarray(model(ids))[0]
+    h = 2 * BLOCK
+    prefix = Sequence(ids[0, :h], slot=1, blocks=[0, 1], plan=[100, 28, 128])  # ends exactly at h
+    filler = Sequence(ids[1, :290], slot=2, blocks=[4, 5, 6], plan=[16, 200, 74])  # slot 2: another sequence's rows
+    run_steps(runner, [prefix, filler])
+    restored = _restore_at_boundary(runner.cache, source=1, target=2, h=h, window=CONFIG.sliding_window)
+    saved = _copy(runner.cache)
+    runner.compiles.reset()
+    runner.cache = restored
+    resumed = Sequence(ids[0], slot=2, blocks=[0, 1, 9], plan=[])
+    resumed.pos, resumed.plan = h, [20, 1, 1, 22]
+    (got,) = run_steps(runner, [resumed])
+    assert relative_error(got, full[h:]) <= EXACT
+    assert runner.compiles.built == 0
+    # Without the rows: the target slot's own (the filler's) sliding and compressor rows.
+    runner.cache = saved
+    unrestored = Sequence(ids[0], slot=2, blocks=[0, 1, 10], plan=[])
+    unrestored.pos, unrestored.plan = h, [20]
+    (wrong,) = run_steps(runner, [unrestored], steps=1)
+    assert relative_error(wrong, full[h : h + 20]) > 1e-3
+
+
 def test_a_cpu_runner_keeps_its_step_buffers_pages(runner):
     # What that means for the process is tested in test_host_memory.py; here: the runner asks.
     assert runner.keeps_freed_buffers
