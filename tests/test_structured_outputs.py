@@ -241,6 +241,8 @@ def test_invalid_constraints_are_refused_naming_the_field(llm):
         assert error.value.param == field
     with pytest.raises(ValueError, match="exactly one of"):
         StructuredOutputsParams(regex="a", choice=["a"])
+    with pytest.raises(ValueError, match="structured_outputs.json is not valid JSON"):  # nested too deep to parse
+        StructuredOutputsParams(json="[" * 100_000 + "]" * 100_000)
     with pytest.raises(ValueError, match="'guidance'"):
         StructuredOutputsConfig(backend="xgrammar")
     _assert_idle(llm)
@@ -271,6 +273,11 @@ def test_allowed_token_ids_bad_words_and_truncation_keep_vllms_meaning(llm):
         llm.generate([{"prompt_token_ids": long}], SamplingParams(allowed_token_ids=[10**6]), use_tqdm=False)
     with pytest.raises(ValueError, match="empty"):
         SamplingParams(allowed_token_ids=[])
+    eos = llm.engine.eos_token_ids[0]
+    with pytest.raises(RequestRejected, match="every one of allowed_token_ids is banned") as error:
+        llm.engine.add_request("banned", long, SamplingParams(min_tokens=2, allowed_token_ids=[eos]))
+    assert error.value.param == "allowed_token_ids"
+    _assert_idle(llm)
 
 
 def test_a_preempted_constrained_answer_resumes_its_grammar(llm):
@@ -386,3 +393,37 @@ def test_the_async_engine_serves_a_grammar_ready_when_its_request_is_added(llm, 
     for out in asyncio.run(main()):
         assert out.outputs[0].text in ("on", "off") and out.outputs[0].finish_reason == "stop"
     _assert_idle(llm)
+
+
+def test_a_grammar_that_fails_computing_a_mask_ends_its_request_with_an_error(llm):
+    """A regex within the validator's reach but past llguidance's lexer limits fails while its
+    first tokens are consumed or its masks computed. Every request with it ends with
+    finish_reason "error" and the reason, whatever min_tokens or ignore_eos say: a failed
+    grammar's row allows only EOS, so no unconstrained token is ever drawn (the text holds only
+    what the grammar allowed before it failed); the matcher kept for reuse does not make the next
+    one pass silently. A request beside them is unharmed."""
+    params = [_constrained(seed, max_tokens=8, regex="a{100000000}") for seed in range(2)]
+    params += [SamplingParams(temperature=1.0, seed=5, max_tokens=8, ignore_eos=True, min_tokens=4,
+                              structured_outputs={"regex": "a{100000000}"})]
+    params += [_constrained(9, choice=["fine"])]
+    outs = llm.generate([_prompt(llm)] * len(params), params, use_tqdm=False)
+    for out in outs[:3]:
+        completion = out.outputs[0]
+        assert completion.finish_reason == "error" and "grammar failed" in out.error, (completion, out.error)
+        assert re.fullmatch("a*", completion.text), completion.text  # only what the grammar allowed
+    assert (outs[3].outputs[0].text, outs[3].error) == ("fine", None)
+    _assert_idle(llm)
+
+
+def test_schemas_that_differ_only_in_their_keys_order_keep_their_own_order(llm):
+    """llguidance writes an object's properties in its schema's order: two schemas equal up to
+    that order are two grammars (the compile cache keys them apart), so each answer starts with
+    its own schema's first property."""
+    def schema(first: str, second: str) -> dict:
+        props = {first: {"type": "boolean"}, second: {"type": "boolean"}}
+        return {"type": "object", "properties": props, "required": [first, second], "additionalProperties": False}
+
+    params = [_constrained(0, json=schema("reasoning", "answer"), disable_any_whitespace=True),
+              _constrained(1, json=schema("answer", "reasoning"), disable_any_whitespace=True)]
+    first, second = (_generate(llm, [p])[0] for p in params)
+    assert first.text.startswith('{"reasoning"') and second.text.startswith('{"answer"'), (first.text, second.text)

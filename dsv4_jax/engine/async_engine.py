@@ -119,6 +119,7 @@ class AsyncLLMEngine:
         self._loop = asyncio.get_running_loop()
         self._accepting, self._stop = True, False
         self.engine.on_grammar_ready = self._wake
+        self.engine.wait_unlocked = self._unlocked
         self._thread = threading.Thread(target=self._run, name="dsv4-engine-steps", daemon=True)
         self._thread.start()
 
@@ -135,7 +136,18 @@ class AsyncLLMEngine:
             self._work.notify()
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join)
+        # The engine serves on without this wrapper (a notebook's LLM): its hooks go back.
+        self.engine.on_grammar_ready, self.engine.wait_unlocked = None, lambda wait: wait()
         self.engine.stop_followers()  # a multi-node run: the followers exit too
+
+    def _unlocked(self, wait):
+        """`wait()` with the lock let go (the step thread holds it once, in `_run`): adds and
+        aborts never wait for the device."""
+        self._lock.release()
+        try:
+            return wait()
+        finally:
+            self._lock.acquire()
 
     def _wake(self) -> None:
         """A grammar compiled (on a grammar worker, or on the caller's thread when it was ready at

@@ -213,6 +213,8 @@ class LLMEngine:
         self._compiling: dict[str, tuple[Request, concurrent.futures.Future, float]] = {}
         self._ended_early: list[RequestOutput] = []  # finished while compiling: the next step reports them
         self.on_grammar_ready: Callable[[], None] | None = None  # called on the worker when one is ready
+        # Runs a wait for the device (`_step_masks`): the async engine lets its lock go meanwhile.
+        self.wait_unlocked: Callable[[Callable[[], Any]], Any] = lambda wait: wait()
         self._think_ids = tuple(self.tokenizer.token_to_id(t) for t in (THINK_START, THINK_END))
 
     @property
@@ -245,6 +247,10 @@ class LLMEngine:
         params.check_token_ids(vocab)
         if params.min_tokens:  # the step would fail (for every request) on a ban it cannot hold
             banned = banned_below_min_tokens(params, self.eos_token_ids)
+            if params.allowed_token_ids is not None and set(params.allowed_token_ids) <= set(banned):
+                raise RequestRejected(
+                    f"with min_tokens ({params.min_tokens}), every one of allowed_token_ids is banned (EOS and "
+                    "stop_token_ids are until min_tokens): no token could be sampled", "allowed_token_ids")
             if len(banned) > self.sampler_config.max_banned_ids:
                 raise RequestRejected(
                     f"with min_tokens, at most {self.sampler_config.max_banned_ids} stop_token_ids and EOS ids "
@@ -269,7 +275,9 @@ class LLMEngine:
         if grammar is None:
             self.scheduler.add(request)
         else:
-            future = self._grammar_compiler().submit(params.structured_outputs.key, grammar)
+            # Keyed by the grammar itself: schemas equal up to their keys' order are different
+            # grammars (llguidance writes properties in the schema's order).
+            future = self._grammar_compiler().submit(grammar, grammar)
             deadline = time.monotonic() + self.structured_outputs_config.compile_timeout_s
             self._compiling[request_id] = (request, future, deadline)
             future.add_done_callback(lambda _: self.on_grammar_ready and self.on_grammar_ready())
@@ -491,18 +499,20 @@ class LLMEngine:
             if (source >= 0).any():
                 token_ids = self.device.call("fill", tokens, source, previous.sampled.token_ids)
         out = self.device.call("run", bucket, tokens, seqs, len(rows), token_ids)
+        masks = self._step_masks(rows, position, out.bucket[0], previous)  # may wait for the previous step
         sampling = [SamplingRow(_FILLER, 0)] * (max(position) + 1)  # rows after the last: padding
         for at, r in zip(position, rows):
-            if r.is_sampling:
-                tracked, outputs = self._tracked[r.request.request_id], r.request.output_token_ids
-                history = tracked.penalty_history
+            tracked = self._tracked.get(r.request.request_id)
+            if r.is_sampling and tracked is not None and tracked.request is r.request:  # not aborted meanwhile
+                outputs, history, params = r.request.output_token_ids, tracked.penalty_history, tracked.params
+                if tracked.mask is not None and tracked.mask.error is not None and params.min_tokens:
+                    params = dataclasses.replace(params, min_tokens=0)  # its row allows EOS only: no ban on it
                 # A pending last output (a placeholder) is the previous step's sample of row source[at].
-                sampling[at] = SamplingRow(tracked.params, tracked.index, r.request.prompt_token_ids, outputs,
+                sampling[at] = SamplingRow(params, tracked.index, r.request.prompt_token_ids, outputs,
                                            None if history is None else history.catch_up(outputs), int(source[at]))
         batch = build_sampling_batch(
             sampling, out.bucket[0], vocab_size=self.config.vocab_size, eos_token_ids=self.eos_token_ids,
-            engine_seed=self.seed, step=self._steps, config=self.sampler_config,
-            token_masks=self._step_masks(rows, position, out.bucket[0], previous),
+            engine_seed=self.seed, step=self._steps, config=self.sampler_config, token_masks=masks,
         )
         self._steps += 1
         sampled = self.device.call("sample", out.logits, batch, None if previous is None else previous.sampled.token_ids)
@@ -519,15 +529,21 @@ class LLMEngine:
         if not constrained:
             return None
         fetched = None
+        if any(self._tracked[r.request.request_id].mask.needs_last_token and r.request.output_token_ids
+               and r.request.output_token_ids[-1] == PLACEHOLDER for _, r in constrained):
+            # The async engine's lock is let go meanwhile (`wait_unlocked`): requests may be added
+            # or aborted while the device finishes the previous step, as between steps.
+            fetched = self.wait_unlocked(lambda: np.asarray(jax.device_get(previous.sampled.token_ids)))
         masked = []
         for at, r in constrained:
-            mask, outputs = self._tracked[r.request.request_id].mask, r.request.output_token_ids
+            tracked = self._tracked.get(r.request.request_id)
+            if tracked is None or tracked.request is not r.request:
+                continue  # aborted while the lock was let go: its row's sample is never used
+            mask, outputs = tracked.mask, r.request.output_token_ids
             if outputs and outputs[-1] == PLACEHOLDER:
                 if not mask.needs_last_token:
                     masked.append((at, mask, outputs[:-1]))
                     continue
-                if fetched is None:
-                    fetched = np.asarray(jax.device_get(previous.sampled.token_ids))
                 outputs = [*outputs[:-1], int(fetched[previous.position[r.request.request_id]])]
             mask.advance(outputs, r.request.num_preemptions)
             masked.append((at, mask, outputs))
@@ -535,7 +551,7 @@ class LLMEngine:
             import llguidance
 
             self._grammar_executor = llguidance.LLExecutor()
-        return fill_masks(masked, bucket, self.config.vocab_size, self._grammar_executor)
+        return fill_masks(masked, bucket, self.config.vocab_size, self._grammar_executor, self.eos_token_ids)
 
     def _launch_prompt_scores(self, rows, position, out: StepOutput) -> tuple | None:
         """Score a prefill step's positions for prompt logprobs on the device, launched with the

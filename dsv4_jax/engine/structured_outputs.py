@@ -68,7 +68,7 @@ class StructuredOutputsParams:
             if isinstance(value, str):
                 try:
                     value = json.loads(value)
-                except json.JSONDecodeError as error:
+                except (json.JSONDecodeError, RecursionError) as error:
                     raise ValueError(f"structured_outputs.json is not valid JSON: {error}") from None
             if not isinstance(value, (dict, bool)):
                 raise ValueError(f"structured_outputs.json must be a JSON schema (an object), got {value!r:.80}")
@@ -91,11 +91,6 @@ class StructuredOutputsParams:
     def kind(self) -> str:
         return next(kind for kind in KINDS if getattr(self, kind) not in (None, False))
 
-    @property
-    def key(self) -> str:
-        """What identifies the grammar this builds (the compile cache's key)."""
-        return json.dumps([self.kind, getattr(self, self.kind), self.disable_any_whitespace,
-                           self.disable_additional_properties, self.whitespace_pattern], sort_keys=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,7 +168,7 @@ def _structural_tag_grammar(spec: str) -> str:
                 and all(isinstance(x, dict) and isinstance(x.get("begin"), str) and isinstance(x.get("end"), str)
                         and isinstance(x.get("schema"), (dict, str)) for x in structures)):
             raise TypeError("wrong types")
-    except (json.JSONDecodeError, TypeError, KeyError) as error:
+    except (json.JSONDecodeError, TypeError, KeyError, RecursionError) as error:
         raise ValueError(f"not a structural tag ({shape}): {error}") from None
     tags = []
     for structure in structures:
@@ -207,14 +202,28 @@ def grammar_of(params: StructuredOutputsParams, config: StructuredOutputsConfig 
     return _structural_tag_grammar(spec)
 
 
+# Keywords whose values are schemas, lists of schemas, or maps of names to schemas: the only places
+# `_without_additional_properties` looks (never into const, enum, default or examples: data).
+_SUBSCHEMA = ("items", "additionalProperties", "not", "if", "then", "else", "contains", "propertyNames")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
+
+
 def _without_additional_properties(schema: Any) -> Any:
     """vLLM's `disable_additional_properties`: every object schema that does not say otherwise
     allows no properties beyond its own."""
-    if isinstance(schema, list):
-        return [_without_additional_properties(s) for s in schema]
     if not isinstance(schema, dict):
         return schema
-    out = {k: _without_additional_properties(v) for k, v in schema.items()}
+    out = dict(schema)
+    for key in _SUBSCHEMA:
+        if isinstance(out.get(key), dict):
+            out[key] = _without_additional_properties(out[key])
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [_without_additional_properties(s) for s in out[key]]
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: _without_additional_properties(s) for name, s in out[key].items()}
     if out.get("type") == "object" and "additionalProperties" not in out:
         out["additionalProperties"] = False
     return out

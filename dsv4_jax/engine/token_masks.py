@@ -93,16 +93,24 @@ class TokenMask:
             self.seen = len(output_token_ids)
             return
         for token in output_token_ids[self.seen:]:
+            if self.check_error():
+                break
             if not self.armed:
                 self.armed = token == self.arm_token
             elif not self.matcher.is_stopped():
                 self.matcher.consume_token(int(token))
-                if self.matcher.is_error():
-                    # llguidance's first line says what failed; the rest is its parser state.
-                    first = self.matcher.get_error().strip().splitlines()[0]
-                    self.error = f"the structured-output grammar failed: {first}"
-                    break
+        self.check_error()
         self.seen = len(output_token_ids)
+
+    def check_error(self) -> bool:
+        """Whether the grammar failed (in a token it consumed, or while it computed a mask: a
+        limit of llguidance's lexer or parser); `error` then says why. A failed matcher also
+        reports itself stopped, which must never read as the grammar's end."""
+        if self.error is None and self.matcher is not None and self.matcher.is_error():
+            # llguidance's first line says what failed; the rest is its parser state.
+            first = (self.matcher.get_error().strip().splitlines() or ["unknown error"])[0]
+            self.error = f"the structured-output grammar failed: {first}"
+        return self.error is not None
 
     def fill_static(self, row: np.ndarray, output_token_ids: Sequence[int]) -> None:
         """`row` (a grammar's mask or all ones) narrowed by allowed ids and bad words, in place."""
@@ -119,10 +127,12 @@ class TokenMask:
 
 
 def fill_masks(rows: Sequence[tuple[int, TokenMask, Sequence[int]]], bucket: int, vocab_size: int,
-               executor=None) -> np.ndarray:
+               executor=None, eos_token_ids: Sequence[int] = ()) -> np.ndarray:
     """The step's mask rows: [bucket, mask_width] int32, all ones but for `rows` (batch row,
     its mask, its known outputs). Grammar rows are filled by llguidance, several at once on
-    `executor`'s threads (an `llguidance.LLExecutor`) when given."""
+    `executor`'s threads (an `llguidance.LLExecutor`) when given. A grammar that fails here (a
+    limit of llguidance's) allows only EOS in its row and records its error: the engine ends the
+    request with it, and no unconstrained token is ever drawn for it."""
     import llguidance.numpy
 
     words = np.full((bucket, mask_width(vocab_size)), -1, np.int32)
@@ -134,5 +144,11 @@ def fill_masks(rows: Sequence[tuple[int, TokenMask, Sequence[int]]], bucket: int
         for matcher, at in grammar_rows:
             llguidance.numpy.fill_next_token_bitmask(matcher, words, at)
     for at, mask, outputs in rows:
+        if mask.matcher is not None and mask.armed and not mask.check_error() and not words[at].any():
+            # A failure llguidance reports only through its mask (seen with its threads): nothing allowed.
+            mask.error = "the structured-output grammar failed: it allows no token here"
+        if mask.matcher is not None and mask.check_error():
+            words[at] = packed_ids(list(eos_token_ids), vocab_size) if eos_token_ids else 0
+            continue
         mask.fill_static(words[at], outputs)
     return words
