@@ -789,6 +789,8 @@ def _tool_constraint(tool_choice: ToolChoice, tools: list[dict] | None,
         grammar = tool_call_grammar(tools or [], tool_choice.name)
     except InvalidRequestField as error:  # UnsupportedToolSchema names the schema's field
         raise _from_chat_error(error) from None
+    except ValueError as error:  # a grammar llguidance refuses whole (no one parameter to blame)
+        raise _invalid("tools", str(error)) from None
     return _constraint({"grammar": grammar}, {"structured_outputs": "tool_choice",
                                               "structured_outputs.grammar": "tools"}, config)
 

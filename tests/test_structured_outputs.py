@@ -427,3 +427,16 @@ def test_schemas_that_differ_only_in_their_keys_order_keep_their_own_order(llm):
               _constrained(1, json=schema("answer", "reasoning"), disable_any_whitespace=True)]
     first, second = (_generate(llm, [p])[0] for p in params)
     assert first.text.startswith('{"reasoning"') and second.text.startswith('{"answer"'), (first.text, second.text)
+
+
+def test_concurrent_compiles_of_one_grammar_build_it_once(llm):
+    """The `n` children of a request with a new schema reach the workers together: one builds
+    the grammar, the others wait for it and copy it (each gets a matcher of its own)."""
+    from dsv4_jax.engine.structured_outputs import GrammarCompiler, check_structured_outputs
+
+    compiler = GrammarCompiler(llm.get_tokenizer().backend, llm.config.vocab_size, llm.engine.eos_token_ids)
+    grammar = check_structured_outputs(StructuredOutputsParams(json=SCHEMA))
+    matchers = [f.result(timeout=60) for f in [compiler.submit(grammar, grammar) for _ in range(4)]]
+    assert len({id(m) for m in matchers}) == 4
+    assert sorted(cached for cached, _ in compiler.compile_seconds) == [False, True, True, True]
+    compiler.shutdown()

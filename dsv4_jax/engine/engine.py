@@ -429,6 +429,7 @@ class LLMEngine:
                 self._tracked.pop(request_id, None)
                 self.scheduler.abort(request_id)
         self._in_flight = None
+        self._ended_early.clear()  # their requests are gone with the rest (the caller says so)
         self.scheduler.drop_pending()
         self.runner.ensure_cache()
         for t in kept.values():

@@ -280,6 +280,7 @@ class GrammarCompiler:
         self._pool = concurrent.futures.ThreadPoolExecutor(GRAMMAR_WORKERS, thread_name_prefix="dsv4-grammar")
         self._lock = threading.Lock()
         self._cache: collections.OrderedDict[str, Any] = collections.OrderedDict()
+        self._building: dict[str, threading.Lock] = {}  # a lock per grammar being built
         self._tokenizer = None
         self.compile_seconds: collections.deque[tuple[bool, float]] = collections.deque(maxlen=1024)  # (cached, s)
 
@@ -304,18 +305,26 @@ class GrammarCompiler:
 
         start = time.perf_counter()
         with self._lock:
-            template = self._cache.get(key)
-            if template is not None:
-                self._cache.move_to_end(key)
-        cached = template is not None
-        if template is None:
-            template = llguidance.LLMatcher(self.tokenizer(), grammar, log_level=0)
-            if template.is_error():
-                raise ValueError(template.get_error())
+            building = self._building.setdefault(key, threading.Lock())
+        # One build per grammar at a time: the `n` children of a request with a new schema wait
+        # for the first build and copy it, instead of each building their own.
+        with building:
             with self._lock:
-                self._cache[key] = template
-                while len(self._cache) > GRAMMAR_CACHE_SIZE:
-                    self._cache.popitem(last=False)
+                template = self._cache.get(key)
+                if template is not None:
+                    self._cache.move_to_end(key)
+            cached = template is not None
+            if template is None:
+                template = llguidance.LLMatcher(self.tokenizer(), grammar, log_level=0)
+                if template.is_error():
+                    raise ValueError(template.get_error())
+                with self._lock:
+                    self._cache[key] = template
+                    while len(self._cache) > GRAMMAR_CACHE_SIZE:
+                        self._cache.popitem(last=False)
+        with self._lock:
+            if not building.locked():
+                self._building.pop(key, None)
         matcher = template.deep_copy()
         self.compile_seconds.append((cached, time.perf_counter() - start))
         return matcher
