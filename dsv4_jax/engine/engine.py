@@ -572,7 +572,7 @@ class LLMEngine:
 
     def _complete(self, step: _InFlight) -> list[RequestOutput]:
         """Fetch a launched step's tokens, apply them and decide which requests stop."""
-        scheduled, out, sampled = step.scheduled, step.out, step.sampled
+        scheduled, sampled = step.scheduled, step.sampled
         # Not aborted since (the same Request: its id may name a new request by now).
         rows = [r for r in scheduled.rows if (t := self._tracked.get(r.request.request_id)) and t.request is r.request]
         self._prompt_logprobs(rows, step)
