@@ -234,7 +234,8 @@ def test_invalid_constraints_are_refused_naming_the_field(llm):
     ids = llm.get_tokenizer().encode("x")
     cases = [({"json": {"type": "strin"}}, "structured_outputs.json"), ({"regex": "a(("}, "structured_outputs.regex"),
              ({"grammar": "start: nowhere"}, "structured_outputs.grammar"),
-             ({"json": {"type": "string", "format": "no-such-format"}}, "structured_outputs.json")]
+             ({"json": {"type": "string", "format": "no-such-format"}}, "structured_outputs.json"),
+             ({"json_object": True, "whitespace_pattern": "(("}, "structured_outputs.whitespace_pattern")]
     for kind, field in cases:
         with pytest.raises(RequestRejected) as error:
             llm.engine.add_request("bad", ids, SamplingParams(structured_outputs=kind))

@@ -236,6 +236,11 @@ def check_structured_outputs(params: StructuredOutputsParams,
     here: a schema keyword silently ignored would let through answers the schema forbids)."""
     import llguidance
 
+    if params.whitespace_pattern is not None:  # its own field, before the grammar it shapes
+        problem = llguidance.LLMatcher.validate_grammar(llguidance.LLMatcher.grammar_from_regex(params.whitespace_pattern))
+        if problem:
+            field = "structured_outputs.whitespace_pattern"
+            raise RequestRejected(f"{field}: {' '.join(problem.split())}", field)
     field = f"structured_outputs.{params.kind}"
     try:
         grammar = grammar_of(params, config)
