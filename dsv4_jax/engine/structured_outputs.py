@@ -237,7 +237,8 @@ def check_structured_outputs(params: StructuredOutputsParams,
     import llguidance
 
     if params.whitespace_pattern is not None:  # its own field, before the grammar it shapes
-        problem = llguidance.LLMatcher.validate_grammar(llguidance.LLMatcher.grammar_from_regex(params.whitespace_pattern))
+        pattern = llguidance.LLMatcher.grammar_from_regex(params.whitespace_pattern)
+        problem = llguidance.LLMatcher.validate_grammar(pattern)
         if problem:
             field = "structured_outputs.whitespace_pattern"
             raise RequestRejected(f"{field}: {' '.join(problem.split())}", field)
