@@ -181,12 +181,12 @@ def test_a_failing_grammar_ends_its_request_alone(llm, monkeypatch):
     real = so_module.GrammarCompiler._matcher
     release = threading.Event()
 
-    def matcher(self, key, grammar):
+    def matcher(self, grammar):
         if "failing" in grammar:
             raise ValueError("failing on purpose")
         if "slow" in grammar:
             release.wait(10)
-        return real(self, key, grammar)
+        return real(self, grammar)
 
     monkeypatch.setattr(so_module.GrammarCompiler, "_matcher", matcher)
     monkeypatch.setattr(llm.engine, "structured_outputs_config", StructuredOutputsConfig(compile_timeout_s=0.3))
@@ -370,9 +370,9 @@ def test_the_async_engine_serves_a_grammar_ready_when_its_request_is_added(llm, 
 
     from dsv4_jax.engine.async_engine import AsyncLLMEngine
 
-    def submit(self, key, grammar):
+    def submit(self, grammar):
         future = concurrent.futures.Future()
-        future.set_result(self._matcher(key, grammar))
+        future.set_result(self._matcher(grammar))
         return future
 
     monkeypatch.setattr(so_module.GrammarCompiler, "submit", submit)
@@ -437,7 +437,7 @@ def test_concurrent_compiles_of_one_grammar_build_it_once(llm):
 
     compiler = GrammarCompiler(llm.get_tokenizer().backend, llm.config.vocab_size, llm.engine.eos_token_ids)
     grammar = check_structured_outputs(StructuredOutputsParams(json=SCHEMA))
-    matchers = [f.result(timeout=60) for f in [compiler.submit(grammar, grammar) for _ in range(4)]]
+    matchers = [f.result(timeout=60) for f in [compiler.submit(grammar) for _ in range(4)]]
     assert len({id(m) for m in matchers}) == 4
     assert sorted(cached for cached, _ in compiler.compile_seconds) == [False, True, True, True]
     compiler.shutdown()

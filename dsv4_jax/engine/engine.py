@@ -275,9 +275,7 @@ class LLMEngine:
         if grammar is None:
             self.scheduler.add(request)
         else:
-            # Keyed by the grammar itself: schemas equal up to their keys' order are different
-            # grammars (llguidance writes properties in the schema's order).
-            future = self._grammar_compiler().submit(grammar, grammar)
+            future = self._grammar_compiler().submit(grammar)
             deadline = time.monotonic() + self.structured_outputs_config.compile_timeout_s
             self._compiling[request_id] = (request, future, deadline)
             future.add_done_callback(lambda _: self.on_grammar_ready and self.on_grammar_ready())
@@ -392,8 +390,7 @@ class LLMEngine:
                 if not future.done():
                     raise TimeoutError(f"the grammar did not compile within "
                                        f"{self.structured_outputs_config.compile_timeout_s:g} s")
-                tracked.mask.matcher = future.result()
-                tracked.mask.armed = tracked.mask.arm_token is None
+                tracked.mask.attach(future.result())
                 self.scheduler.add(request)
             except Exception as error:  # noqa: BLE001 - this request alone fails
                 future.cancel()

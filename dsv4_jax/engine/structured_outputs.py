@@ -277,8 +277,10 @@ class _TokenBytes:
 class GrammarCompiler:
     """Builds llguidance matchers off the step path: a few worker threads (llguidance drops the GIL
     while it builds, and one slow grammar must not hold up the others), the tokenizer built on one
-    the first time (about a second for the V4 vocabulary), a matcher kept per distinct constraint
-    (`GRAMMAR_CACHE_SIZE`, least recently used out) and copied for each request."""
+    the first time (about a second for the V4 vocabulary), a matcher kept per grammar text
+    (`GRAMMAR_CACHE_SIZE`, least recently used out) and copied for each request. The text, not the
+    request's spec, is the key: schemas equal up to their keys' order are different grammars
+    (llguidance writes properties in the schema's order)."""
 
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...]):
         """`tokenizer`: the engine's `tokenizers.Tokenizer`."""
@@ -301,36 +303,36 @@ class GrammarCompiler:
                                                          eos_token=list(self.eos_token_ids))
             return self._tokenizer
 
-    def submit(self, key: str, grammar: str) -> concurrent.futures.Future:
+    def submit(self, grammar: str) -> concurrent.futures.Future:
         """A future of a fresh matcher for `grammar` (its result raises ValueError if llguidance
         could not build it)."""
-        return self._pool.submit(self._matcher, key, grammar)
+        return self._pool.submit(self._matcher, grammar)
 
-    def _matcher(self, key: str, grammar: str):
+    def _matcher(self, grammar: str):
         import llguidance
 
         start = time.perf_counter()
         with self._lock:
-            building = self._building.setdefault(key, threading.Lock())
+            building = self._building.setdefault(grammar, threading.Lock())
         # One build per grammar at a time: the `n` children of a request with a new schema wait
         # for the first build and copy it, instead of each building their own.
         with building:
             with self._lock:
-                template = self._cache.get(key)
+                template = self._cache.get(grammar)
                 if template is not None:
-                    self._cache.move_to_end(key)
+                    self._cache.move_to_end(grammar)
             cached = template is not None
             if template is None:
                 template = llguidance.LLMatcher(self.tokenizer(), grammar, log_level=0)
                 if template.is_error():
                     raise ValueError(template.get_error())
                 with self._lock:
-                    self._cache[key] = template
+                    self._cache[grammar] = template
                     while len(self._cache) > GRAMMAR_CACHE_SIZE:
                         self._cache.popitem(last=False)
         with self._lock:
             if not building.locked():
-                self._building.pop(key, None)
+                self._building.pop(grammar, None)
         matcher = template.deep_copy()
         self.compile_seconds.append((cached, time.perf_counter() - start))
         return matcher

@@ -62,15 +62,19 @@ class TokenMask:
 
     def __init__(self, *, matcher=None, arm_token: int | None = None, allowed: np.ndarray | None = None,
                  bad_words: Sequence[Sequence[int]] = ()):
-        self.matcher = matcher  # an llguidance.LLMatcher, or None (no grammar)
         self.arm_token = arm_token  # the grammar starts after this token; None: from the first output
-        self.armed = matcher is not None and arm_token is None
+        self.attach(matcher)
         self.allowed = allowed  # [mask_width] int32, or None
         self.bad_single = np.asarray(sorted({ids[0] for ids in bad_words if len(ids) == 1}), np.int64)
         self.bad_sequences = [tuple(ids) for ids in bad_words if len(ids) > 1]
         self.seen = 0  # output tokens taken into account
         self.preemptions = 0
         self.error: str | None = None
+
+    def attach(self, matcher) -> None:
+        """Take the request's grammar (an llguidance.LLMatcher, once compiled; None: no grammar)."""
+        self.matcher = matcher
+        self.armed = matcher is not None and self.arm_token is None
 
     @property
     def needs_last_token(self) -> bool:
