@@ -91,8 +91,13 @@ class EngineArgs:
     # vLLM's --structured-outputs-config: JSON text, a dict or a StructuredOutputsConfig (None: defaults)
     structured_outputs_config: str | dict | StructuredOutputsConfig | None = None
     buckets: StepBuckets | None = None  # ours: the step shapes compiled (None: `default_buckets`)
+    # Prefix caching (docs/prefix_caching.md): on unless False, as vLLM's; the chained block hash;
+    # ours: the sliding-window and compressor snapshots a hit restores, per data-parallel rank
+    # (None: PREFIX_SNAPSHOTS_PER_SEQ per sequence slot).
+    enable_prefix_caching: bool | None = None
+    prefix_caching_hash_algo: str = "sha256"
+    num_prefix_snapshots: int | None = None
     # vLLM's arguments that change nothing here, accepted so its notebooks run as written.
-    enable_prefix_caching: bool | None = None  # not built: only off (False or None) is accepted
     trust_remote_code: bool = False  # nothing from the model directory is ever run
     enforce_eager: bool = False  # there are no CUDA graphs: steps are compiled for fixed shapes
     tokenizer_mode: str = "auto"  # always the model's tokenizer.json with the V4 chat encoder
@@ -118,9 +123,12 @@ class EngineArgs:
         _boolean("async_scheduling", self.async_scheduling)
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"--load-format must be one of {', '.join(LOAD_FORMATS)}; got {self.load_format!r}")
-        if self.enable_prefix_caching:
-            raise ValueError(f"enable_prefix_caching={self.enable_prefix_caching!r}: prefix caching is not built "
-                             "yet in dsv4-jax; leave it unset or pass False")
+        if self.enable_prefix_caching is not None:
+            _boolean("enable_prefix_caching", self.enable_prefix_caching)
+        _positive_int("num_prefix_snapshots", self.num_prefix_snapshots, allow_none=True)
+        from dsv4_jax.engine.prefix_cache import block_hasher
+
+        block_hasher(self.prefix_caching_hash_algo)  # an unknown or unavailable algorithm names the flag
         if self.nnodes > 1 and self.load_format == "orbax":
             raise ValueError("--load-format orbax is not supported across hosts yet (--nnodes > 1): "
                              "pass --load-format safetensors")
@@ -216,6 +224,13 @@ class EngineConfig:
     tokenizer: Path  # the directory (or file) the tokenizer is read from
     sampling_defaults: dict[str, Any]  # generation_config.json's, for requests that leave them unset
     structured_outputs_config: StructuredOutputsConfig = StructuredOutputsConfig()
+    # Prefix-cache snapshots per data-parallel rank and the bytes of one (the builder sizes them).
+    num_prefix_snapshots: int = 0
+    snapshot_bytes: int = 0
+
+    @property
+    def prefix_caching(self) -> bool:
+        return self.args.enable_prefix_caching is not False
 
     @property
     def distributed(self) -> DistributedConfig:
@@ -232,6 +247,8 @@ class EngineConfig:
             "--block-size": a.block_size, "--num-gpu-blocks-override": a.num_gpu_blocks_override,
             "--tensor-parallel-size": a.tensor_parallel_size, "--data-parallel-size": a.data_parallel_size,
             "--enable-expert-parallel": a.enable_expert_parallel, "--seed": a.seed, "buckets": self.buckets,
+            "--enable-prefix-caching": self.prefix_caching, "--num-prefix-snapshots": a.num_prefix_snapshots,
+            "--prefix-caching-hash-algo": a.prefix_caching_hash_algo,
         }
 
 

@@ -81,7 +81,7 @@ def build_engine(config: EngineConfig, *, block_manager_factory: Callable[..., A
             with _phase(timings, "warm-up", progress, "compiling"):
                 compiled = engine.warmup(progress=lambda what, done, total: progress(f"compiling {what}", done, total))
             logger.info("warm-up: %d compiles in %.1fs", compiled, time.perf_counter() - start)
-            needed = _activations_beyond(engine, plan)
+            needed = _activations_beyond(engine, plan, config.num_prefix_snapshots * config.snapshot_bytes)
             if needed is None:
                 break
             if reserved is not None:  # measured at these pools already: cannot happen twice
@@ -109,6 +109,7 @@ def _engine(config: EngineConfig, model, tokenizer, layout, block_manager_factor
         max_num_batched_tokens=config.args.max_num_batched_tokens, seed=config.args.seed,
         async_scheduling=config.args.async_scheduling, block_manager_factory=block_manager_factory,
         structured_outputs_config=config.structured_outputs_config,
+        num_prefix_snapshots=config.num_prefix_snapshots, prefix_caching_hash_algo=config.args.prefix_caching_hash_algo,
     )
     logger.info("KV cache per data-parallel rank (%d): %d sequence slots, %d compressed blocks of %d positions; "
                 "%.1f MiB on the mesh", config.parallel.data_parallel_size, layout.num_seq_slots,
@@ -178,15 +179,46 @@ def _size_pools(config: EngineConfig, model, channel, reserved: int | None) -> t
                        for s in x.addressable_shards if s.device == device)
     if memory is not None and reserved is None:
         reserved = _measure_activations(config, model, memory, weight_bytes)
-    config, plan = _plan(config, memory, weight_bytes, reserved or 0)
+    config = _with_snapshots(config, memory, weight_bytes, reserved or 0)
+    snapshots = config.num_prefix_snapshots * config.snapshot_bytes
+    config, plan = _plan(config, memory, weight_bytes, (reserved or 0) + snapshots)
     layout = _layout(config, plan)
     if channel is not None:  # what every node's programs are built for: the leader's
         if config.distributed.is_leader:
-            channel.send((config.max_num_seqs, config.buckets, layout))
+            channel.send((config.max_num_seqs, config.buckets, layout, config.num_prefix_snapshots))
         else:
-            max_num_seqs, buckets, layout = channel.receive()
-            config = dataclasses.replace(config, max_num_seqs=max_num_seqs, buckets=buckets)
+            max_num_seqs, buckets, layout, num_snapshots = channel.receive()
+            config = dataclasses.replace(config, max_num_seqs=max_num_seqs, buckets=buckets,
+                                         num_prefix_snapshots=num_snapshots)
     return config, plan, layout
+
+
+# Prefix-cache snapshots per sequence slot when --num-prefix-snapshots is not given, and the most
+# of the KV memory they may take then (a V4-Flash fp8 snapshot is ~4 MiB, four compressed blocks).
+PREFIX_SNAPSHOTS_PER_SEQ = 4
+PREFIX_SNAPSHOT_MEMORY_FRACTION = 0.1
+
+
+def _with_snapshots(config: EngineConfig, memory: int | None, weight_bytes: int, reserved: int) -> EngineConfig:
+    """`config` with its prefix-cache snapshots counted (per data-parallel rank; 0 with caching
+    off) and their size: --num-prefix-snapshots, else PREFIX_SNAPSHOTS_PER_SEQ per sequence, on a
+    GPU at most PREFIX_SNAPSHOT_MEMORY_FRACTION of what the KV cache gets."""
+    from dsv4_jax.kv_cache.paged import PagedCacheLayout
+    from dsv4_jax.kv_cache.snapshots import snapshot_bytes
+
+    if not config.prefix_caching:
+        return dataclasses.replace(config, num_prefix_snapshots=0, snapshot_bytes=0)
+    one = snapshot_bytes(PagedCacheLayout.build(config.model_config, config.kv, max_model_len=config.args.block_size,
+                                                num_seq_slots=1, block_size=config.args.block_size))
+    count = config.args.num_prefix_snapshots
+    if count is None:
+        count = PREFIX_SNAPSHOTS_PER_SEQ * config.max_num_seqs
+        if memory is not None:
+            kv_budget = int(memory * config.args.gpu_memory_utilization) - weight_bytes - reserved
+            count = max(1, min(count, int(kv_budget * PREFIX_SNAPSHOT_MEMORY_FRACTION) // one))
+    logger.info("prefix caching: %d snapshots per data-parallel rank of %.2f MiB each (%.1f MiB; "
+                "--num-prefix-snapshots)", count, one / 2**20, count * one / 2**20)
+    return dataclasses.replace(config, num_prefix_snapshots=count, snapshot_bytes=one)
 
 
 def _plan(config: EngineConfig, memory: int | None, weight_bytes: int, reserved: int):
@@ -258,11 +290,12 @@ def largest_buckets(buckets):
     return StepBuckets(prefill=(max(buckets.prefill, key=lambda b: (b[0] * b[1], b[0])),), decode=(max(buckets.decode),))
 
 
-def _activations_beyond(engine, plan) -> int | None:
+def _activations_beyond(engine, plan, snapshot_bytes: int) -> int | None:
     """The warmed-up programs' activations (their executables' buffer assignment: nothing is
     compiled) where they exceed what the plan reserved, else None (and on CPU, where nothing is
     reserved; and where the backend reports no figures for executables read back from the program
-    cache: they passed this check when they were built)."""
+    cache: they passed this check when they were built). The plan's reservation holds the prefix
+    cache's `snapshot_bytes` besides the activations."""
     if plan.device_memory_bytes is None:
         return None
     from dsv4_jax.engine.activations import engine_activations
@@ -272,4 +305,4 @@ def _activations_beyond(engine, plan) -> int | None:
     except RuntimeError as error:  # ProgramMemory.of: no memory analysis
         logger.info("the warmed-up programs' memory was not checked against the reservation: %s", error)
         return None
-    return needed if needed > plan.reserved_bytes else None
+    return needed if needed > plan.reserved_bytes - snapshot_bytes else None

@@ -110,7 +110,14 @@ class _Tracked:
         )
         metrics = RequestMetrics(r.arrival_time, r.first_scheduled_time, r.first_token_time, r.last_token_time)
         return RequestOutput(r.request_id, self.prompt, self.prompt_token_ids, self.prompt_logprobs,
-                             [completion], status.finished, metrics, self.error)
+                             [completion], status.finished, metrics, self.error, r.num_cached_tokens)
+
+
+def _cache_identity(model, layout: PagedCacheLayout) -> str:
+    """What the KV of a token prefix depends on besides the tokens: the model's config, its
+    weights' dtype and the cache's formats (the root of the prefix cache's hash chain)."""
+    dtypes = sorted({str(x.dtype) for x in jax.tree.leaves(model.state)})
+    return repr((model.config, dtypes, layout.kv_cache_dtype, layout.indexer_dtype, layout.block_size))
 
 
 def _never_ran(request: Request) -> bool:
@@ -166,15 +173,19 @@ class LLMEngine:
         async_scheduling: bool = True,
         block_manager_factory: Callable[..., BlockManager] | None = None,
         structured_outputs_config: StructuredOutputsConfig = StructuredOutputsConfig(),
+        num_prefix_snapshots: int = 0,
+        prefix_caching_hash_algo: str = "sha256",
     ):
         """`block_manager_factory`: each data-parallel rank's allocators (`Scheduler`'s default when
-        None)."""
+        None). `num_prefix_snapshots` > 0 turns prefix caching on, with that many snapshots per
+        rank (docs/prefix_caching.md)."""
         self.config = model.config
         self.tokenizer = tokenizer
         self._token_texts: dict[int, str] = {}  # token id -> its text, for logprobs (`_logprob`)
         self.max_model_len = max_model_len
         self.seed = seed
-        self.runner = ModelRunner(model, layout, attention_backend=attention_backend, buckets=buckets)
+        self.runner = ModelRunner(model, layout, attention_backend=attention_backend, buckets=buckets,
+                                  num_prefix_snapshots=num_prefix_snapshots)
         buckets = self.runner.buckets  # as the runner runs them (CPUs widen one-row decodes)
         dp = self.runner.dp  # data-parallel ranks: a step holds dp x the bucket's rows
         # Sampled tokens padded to the widest step: one placeholder-filling compile per bucket.
@@ -184,7 +195,8 @@ class LLMEngine:
         self.eos_token_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
         self.scheduler = Scheduler(SchedulerConfig.for_runner(
             buckets, layout, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-            max_num_batched_tokens=max_num_batched_tokens, dp_size=dp,
+            max_num_batched_tokens=max_num_batched_tokens, dp_size=dp, num_prefix_snapshots=num_prefix_snapshots,
+            prefix_caching_hash_algo=prefix_caching_hash_algo, cache_identity=_cache_identity(model, layout),
         ), block_manager_factory or BlockManager)
         mesh = self.runner.mesh
         self.sampler = Sampler(self.sampler_config, mesh)
@@ -197,6 +209,8 @@ class LLMEngine:
             "prompt_scores": self.runner.prompt_scores,
             "probe": self.runner.probe,
             "gather": self.runner.gather,
+            "take_snapshots": self.runner.take_snapshots,
+            "restore_snapshots": self.runner.restore_snapshots,
         }, passed_on=frozenset({"fill", "run", "sample"}))
         self._tracked: dict[str, _Tracked] = {}
         self._init_constraints(structured_outputs_config)
@@ -405,6 +419,11 @@ class LLMEngine:
         ended, self._ended_early = self._ended_early, []
         return ended
 
+    def reset_prefix_cache(self) -> bool:
+        """Empty the prefix cache (vLLM's `reset_prefix_cache`): False, changing nothing, while any
+        request is queued, compiling or running."""
+        return not self._tracked and self.scheduler.reset_prefix_cache()
+
     def unfinished_ids(self) -> frozenset[str]:
         return frozenset(self._tracked)
 
@@ -428,6 +447,7 @@ class LLMEngine:
         self._in_flight = None
         self._ended_early.clear()  # their requests are gone with the rest (the caller says so)
         self.scheduler.drop_pending()
+        self.scheduler.reset_prefix_cache()  # what the failed steps left in the pools is not trusted
         self.runner.ensure_cache()
         for t in kept.values():
             self.add_request(t.request.request_id, t.prompt_token_ids, t.params, prompt=t.prompt)
@@ -496,7 +516,13 @@ class LLMEngine:
                     source[at] = previous.position[r.request.request_id]
             if (source >= 0).any():
                 token_ids = self.device.call("fill", tokens, source, previous.sampled.token_ids)
+        restores = [(r.dp_rank, r.slot, r.restore, r.start) for r in rows if r.restore >= 0]
+        if restores:  # prefix-cache hits: their slots get the state at their first position
+            self.device.call("restore_snapshots", restores)
         out = self.device.call("run", bucket, tokens, seqs, len(rows), token_ids)
+        snapshots = [(r.dp_rank, r.slot, r.snapshot, r.end) for r in rows if r.snapshot >= 0]
+        if snapshots:  # rows ending at a block boundary: their state there, before a later step moves on
+            self.device.call("take_snapshots", snapshots)
         masks = self._step_masks(rows, position, out.bucket[0], previous)  # may wait for the previous step
         sampling = [SamplingRow(_FILLER, 0)] * (max(position) + 1)  # rows after the last: padding
         for at, r in zip(position, rows):

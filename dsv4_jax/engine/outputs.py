@@ -88,6 +88,9 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics | None = None
     error: str | None = None  # why it ended alone, when its finish_reason is "error"
+    # Prompt tokens whose KV came from the prefix cache at the request's first scheduling (vLLM's
+    # name; 0 on a miss or with caching off, None while not scheduled yet).
+    num_cached_tokens: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,9 +101,14 @@ class EngineStats:
     num_requests_waiting: int
     kv_cache_usage_perc: float  # fraction in [0, 1], as vLLM
     num_preemptions_total: int  # cumulative, read from the scheduler
+    # Prefix cache, cumulative, in tokens (vLLM's vllm:prefix_cache_queries / _hits): the prompt
+    # tokens looked up at each admission, and those found with their state (a hit skips them).
+    prefix_cache_queries_total: int = 0
+    prefix_cache_hits_total: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("num_requests_running", "num_requests_waiting", "num_preemptions_total"):
+        for name in ("num_requests_running", "num_requests_waiting", "num_preemptions_total",
+                     "prefix_cache_queries_total", "prefix_cache_hits_total"):
             value = getattr(self, name)
             if value < 0:
                 raise ValueError(f"EngineStats.{name}: got {value}, allowed: an integer >= 0")

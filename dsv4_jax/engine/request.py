@@ -75,6 +75,10 @@ class Request:
     compressed_blocks: array.array = dataclasses.field(default_factory=lambda: array.array("i"))
     dp_rank: int = 0  # the data-parallel rank whose pools hold it
     num_preemptions: int = 0
+    # Prefix caching: the chained hashes of its full blocks so far (the scheduler extends them), and
+    # the prompt tokens its first admission found cached (None until then).
+    block_hashes: list[bytes] = dataclasses.field(default_factory=list)
+    num_cached_tokens: int | None = None
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -52,6 +52,9 @@ from dsv4_jax.engine.host_memory import keep_freed_buffers
 from dsv4_jax.engine.sampler import prompt_scores
 from dsv4_jax.engine.sampling_params import MAX_LOGPROBS
 from dsv4_jax.kv_cache.paged import PagedCacheLayout, PagedKVCache, init_paged_cache, kv_planes, partition_specs
+from dsv4_jax.kv_cache.snapshots import (
+    PrefixSnapshots, copy_entries, init_snapshots, restore_snapshots, snapshot_partition_specs, take_snapshots,
+)
 from dsv4_jax.model.cache_step import CacheStep, StepSequences
 from dsv4_jax.model.axes import DATA
 from pallas_kernels.backend import XLA, get_backend
@@ -219,12 +222,15 @@ class ModelRunner:
         allocate_cache: bool = True,
         interpret: bool | None = None,
         programs: ProgramCache | None = None,
+        num_prefix_snapshots: int = 0,
     ):
         """`allocate_cache=False`: the cache is only its shapes (the step's shard_map places it), for
         `program_memory` of pools that need not fit beside the ones in use; such a runner is for
         that alone (it cannot run steps). `interpret`: run a Pallas backend's kernels in the Pallas
         interpreter (None: only where JAX's default backend is the CPU); on a GPU, the GPU check
-        compares the compiled kernels with the same kernels interpreted."""
+        compares the compiled kernels with the same kernels interpreted. `num_prefix_snapshots`:
+        the prefix cache's snapshots per data-parallel rank (0: prefix caching off), copied by
+        `take_snapshots` and `restore_snapshots` (kv_cache/snapshots.py)."""
         self.config = model.config
         self.layout = layout
         on_cpu = jax.default_backend() == "cpu"
@@ -247,6 +253,10 @@ class ModelRunner:
         self.ctx = CacheStep(layout, self.backend)
         self.warm = False
         self.cache: PagedKVCache = self._new_cache() if allocate_cache else jax.eval_shape(self._new_cache)
+        self.num_prefix_snapshots = num_prefix_snapshots
+        self.snapshots: PrefixSnapshots | None = None
+        if num_prefix_snapshots:
+            self.snapshots = self._new_snapshots() if allocate_cache else jax.eval_shape(self._new_snapshots)
         self.compiles = CompileCounter()  # counts from here: the cache's allocation is not a step's
         # One jitted function each; the cache is donated. `compile_buckets` compiles every bucket's
         # step and prompt scoring ahead of time, and steps then call those executables (keyed by
@@ -261,6 +271,7 @@ class ModelRunner:
         self._scorers: dict[tuple[int, int], jax.stages.Compiled] = {}
         self.weights_def = weights_def  # the weights' tree structure (`weights` is its flat leaves)
         self._jit_head_programs()
+        self._jit_snapshot_programs()
 
     def _jit_head_programs(self) -> None:
         """The head over a step's streams (`head`, `prompt_scores`) and `gather`. On a mesh, step
@@ -273,6 +284,61 @@ class ModelRunner:
         self._head_scores = jax.jit(functools.partial(_head_scores, self.graphdef, self.weights_def),
                                     out_shardings=whole)
         self._gather = jax.jit(lambda x: x, out_shardings=replicated)
+
+    def _jit_snapshot_programs(self) -> None:
+        """The prefix cache's two copies (taken after a step, restored before one), each of up to
+        `copies_per_rank` entries per rank; on a mesh under a shard_map over the data axis, as the
+        step: every rank copies between its own slots and snapshots."""
+        self._copies: dict[str, jax.stages.Compiled] = {}
+        if not self.num_prefix_snapshots:
+            return
+        take = functools.partial(take_snapshots, self.layout)
+        restore = functools.partial(restore_snapshots, self.layout)
+        if self.mesh is not None:
+            cache_specs = partition_specs(self._whole_layout(), DATA)
+            snap_specs = snapshot_partition_specs(self.snapshots, DATA)
+            rows = P(DATA)
+            take = jax.shard_map(take, mesh=self.mesh, in_specs=(cache_specs, snap_specs, rows, rows, rows),
+                                 out_specs=snap_specs, axis_names={DATA}, check_vma=False)
+            restore = jax.shard_map(restore, mesh=self.mesh, in_specs=(cache_specs, snap_specs, rows, rows, rows),
+                                    out_specs=cache_specs, axis_names={DATA}, check_vma=False)
+        self._take = jax.jit(take, donate_argnums=1)
+        self._restore = jax.jit(restore, donate_argnums=0)
+
+    @property
+    def copies_per_rank(self) -> int:
+        """Snapshot copies one call makes per rank at most: a step's rows."""
+        return max(rows for rows, _ in self.buckets.all)
+
+    def _new_snapshots(self) -> PrefixSnapshots:
+        snapshots = init_snapshots(self.layout, self.num_prefix_snapshots * self.dp)
+        if self.mesh is None:
+            return snapshots
+        specs = snapshot_partition_specs(snapshots, DATA)
+        return jax.device_put(snapshots, jax.tree.map(lambda spec: NamedSharding(self.mesh, spec), specs,
+                                                      is_leaf=lambda x: isinstance(x, P)))
+
+    def _copy_args(self, entries: Sequence[tuple[int, int, int, int]]) -> tuple:
+        return self._put(copy_entries(list(entries), self.dp, self.copies_per_rank))
+
+    def take_snapshots(self, entries: Sequence[tuple[int, int, int, int]]) -> None:
+        """Snapshot (rank, slot, snapshot id, boundary) entries: each slot's state at its block
+        boundary, right after the step that ended there (the device runs calls in order)."""
+        args = (self.cache, self.snapshots, *self._copy_args(entries))
+        self.snapshots = self._copies.get("take", self._take)(*args)
+
+    def restore_snapshots(self, entries: Sequence[tuple[int, int, int, int]]) -> None:
+        """Restore (rank, slot, snapshot id, boundary) entries into slots about to resume there."""
+        args = (self.cache, self.snapshots, *self._copy_args(entries))
+        self.cache = self._copies.get("restore", self._restore)(*args)
+
+    def _compile_snapshot_programs(self, on_done: Callable[[], None] | None) -> None:
+        if not self.num_prefix_snapshots or self._copies:
+            return
+        args = (self.cache, self.snapshots, *self._copy_args([]))
+        jobs = {name: (describe(f"{name} snapshots", args, **self._program_settings), functools.partial(fn.lower, *args))
+                for name, fn in (("take", self._take), ("restore", self._restore))}
+        self._copies.update(self.programs.compile(jobs, on_done=on_done))
 
     def _step_function(self, weights_def, options) -> Callable:
         """The pure step over (weights, cache, token ids, rows); on a mesh, under a shard_map manual
@@ -325,6 +391,8 @@ class ModelRunner:
                     pass
             self.cache = leaves = None
             self.cache = self._new_cache()
+        if self.snapshots is not None and any(leaf.is_deleted() for leaf in jax.tree.leaves(self.snapshots)):
+            self.snapshots = self._new_snapshots()  # taken by a copy that did not complete: none is needed now
 
     def probe(self) -> None:
         """One step of padding rows in the smallest bucket, waited for: raises when the device or
@@ -487,6 +555,7 @@ class ModelRunner:
                 steps[key] = (describe("step", args, **self._program_settings),
                               functools.partial(self._step.lower, *args))
         self._steps.update(self.programs.compile(steps, self._naming_the_step, on_done))
+        self._compile_snapshot_programs(on_done)
         if not scoring:
             return
         scorers = {}
@@ -516,8 +585,9 @@ class ModelRunner:
 
     @property
     def num_programs(self) -> int:
-        """Programs `compile_buckets` compiles: each bucket's step, each prefill bucket's scoring."""
-        return len(self.buckets.all) + sum(1 for _, s in self.buckets.all if s > 1)
+        """Programs `compile_buckets` compiles: each bucket's step, each prefill bucket's scoring,
+        and the two snapshot copies with prefix caching."""
+        return len(self.buckets.all) + sum(1 for _, s in self.buckets.all if s > 1) + 2 * bool(self.num_prefix_snapshots)
 
     def warmup(self, on_compiled: Callable[[], None] | None = None) -> int:
         """Build every bucket's programs (`compile_buckets`; `on_compiled()` after each), then,
@@ -548,6 +618,10 @@ class ModelRunner:
                 jax.block_until_ready(self.prompt_scores(streams, np.zeros((b, s), np.int32)))
             if not before.is_deleted():
                 raise RuntimeError("the KV cache was not donated to the step: every step would copy it")
+        if self.num_prefix_snapshots and self.programs.built > built:  # copies of padding entries: nothing changes
+            self.take_snapshots([])
+            self.restore_snapshots([])
+            jax.block_until_ready((self.cache, self.snapshots))
         self.programs.keep()  # every program built here ran: a restart may read them back without running them
         self.warm = True
         compiled = self.compiles.compiles

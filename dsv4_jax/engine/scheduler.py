@@ -36,8 +36,18 @@ Policy, per rank:
   `update` fills in later. A request whose placeholder brings it to max_tokens gets no new row;
   one that the engine stops at `update` loses the row already scheduled (its token is dropped).
 
+Prefix caching (`num_prefix_snapshots` > 0; docs/prefix_caching.md): at admission a request
+takes the cached blocks of its longest prefix that ends at a block boundary with a snapshot,
+keeping at least its last token to compute, and starts computing there; its row names the
+snapshot the engine restores into its slot first (`ScheduledRow.restore`). A row that ends at a
+block boundary names a snapshot id the engine takes right after the step
+(`ScheduledRow.snapshot`); prefill chunks end at the last block boundary they cross so that
+there is one. `update`, when the tokens are known, registers each running request's full
+blocks under their hashes and each snapshot whose block is cached.
+
 Data parallelism: each rank has its own allocators, queues and step; a request is pinned at `add`
-to the rank with the fewest unfinished requests. Plain Python: no jax here.
+to the rank holding its longest cached prefix, ties going to the rank with the fewest unfinished
+requests. Plain Python: no jax here.
 """
 
 from __future__ import annotations
@@ -45,11 +55,13 @@ from __future__ import annotations
 import array
 import collections
 import dataclasses
+import functools
 import math
 import time
 from typing import Any, Callable
 
 from dsv4_jax.engine.block_manager import BlockManager
+from dsv4_jax.engine.prefix_cache import SnapshotPool, block_hasher, root_hash
 from dsv4_jax.engine.request import PLACEHOLDER, Request, RequestRejected, RequestStatus
 
 
@@ -69,6 +81,9 @@ class SchedulerConfig:
     max_num_batched_tokens: int | None = None  # per step; None: max_prefill_rows * max_prefill_tokens
     enable_chunked_prefill: bool = True
     dp_size: int = 1
+    num_prefix_snapshots: int = 0  # per rank; 0: prefix caching off
+    prefix_caching_hash_algo: str = "sha256"
+    cache_identity: str = ""  # what changes the KV besides the tokens (model, dtypes): the hash chain's root
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens is None:
@@ -77,9 +92,12 @@ class SchedulerConfig:
             raise ValueError(
                 f"SchedulerConfig.enable_chunked_prefill must be a bool, got {self.enable_chunked_prefill!r}"
             )
+        block_hasher(self.prefix_caching_hash_algo)
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
-            if field.name == "enable_chunked_prefill":
+            if field.name in ("enable_chunked_prefill", "prefix_caching_hash_algo", "cache_identity"):
+                continue
+            if field.name == "num_prefix_snapshots" and value == 0:
                 continue
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"SchedulerConfig.{field.name} must be an int >= 1, got {value!r}")
@@ -106,6 +124,12 @@ class ScheduledRow:
     token_ids: tuple[int, ...]
     compressed_blocks: array.array  # a copy of the request's blocks, covering positions [0, start + n)
     is_sampling: bool  # the chunk reaches the end of the known tokens: the engine samples this row
+    restore: int = -1  # a prefix-cache hit: the snapshot to copy into the slot before the step (state at `start`)
+    snapshot: int = -1  # the snapshot id to take after the step (the chunk ends at a block boundary)
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.token_ids)
 
     @property
     def dp_rank(self) -> int:
@@ -128,6 +152,7 @@ class _StepPlan:
     def __init__(self, max_rows: int, budget: int):
         self.max_rows, self.budget_left = max_rows, budget
         self.chunks: dict[str, tuple[Request, int]] = {}
+        self.restores: dict[str, int] = {}  # request id -> snapshot restored before its chunk
 
     @property
     def full(self) -> bool:
@@ -138,10 +163,13 @@ class _StepPlan:
         self.budget_left -= n
 
     def drop(self, request: Request) -> None:
+        self.restores.pop(request.request_id, None)
         if request.request_id in self.chunks:
             self.budget_left += self.chunks.pop(request.request_id)[1]
 
-    def rows(self) -> list[ScheduledRow]:
+    def rows(self, snapshot_for: Callable[[Request, int], int]) -> list[ScheduledRow]:
+        """The step's rows; `snapshot_for(request, end)` gives the snapshot id a row ending at
+        `end` takes (-1: none)."""
         rows = []
         for request, n in self.chunks.values():
             start = request.num_computed_tokens
@@ -149,7 +177,8 @@ class _StepPlan:
             # blocks[:] is a memcpy of C ints: the row keeps this step's blocks whatever the request
             # holds later (a tuple of Python ints cost 1.6 ms a decode step at 32 rows x 4096 blocks).
             rows.append(ScheduledRow(request, request.slot, start, tokens, request.compressed_blocks[:],
-                                     start + n == request.num_tokens))
+                                     start + n == request.num_tokens, self.restores.get(request.request_id, -1),
+                                     snapshot_for(request, start + n)))
         return rows
 
 
@@ -176,6 +205,16 @@ class Scheduler:
         self._taken_as_done: set[int] = set()
         self._step = 0
         self.num_preemptions = 0  # vllm:num_preemptions_total
+        # Prefix caching: each rank's snapshot ids, the block hash function and the chain's root.
+        self.prefix_caching = c.num_prefix_snapshots > 0
+        self.snapshot_pools = tuple(SnapshotPool(c.num_prefix_snapshots) for _ in range(c.dp_size)) \
+            if self.prefix_caching else ()
+        for bm, pool in zip(self.block_managers, self.snapshot_pools):
+            bm.on_evict = pool.drop
+        self._hash = block_hasher(c.prefix_caching_hash_algo)
+        self._root = root_hash(self._hash, c.cache_identity)
+        self.prefix_cache_queries = 0  # prompt tokens looked up at admission (vllm:prefix_cache_queries)
+        self.prefix_cache_hits = 0  # of them, tokens found cached (vllm:prefix_cache_hits)
 
     # ---- metrics ----------------------------------------------------------------------------
     @property
@@ -196,10 +235,13 @@ class Scheduler:
 
     # ---- requests in and out ----------------------------------------------------------------
     def add(self, request: Request) -> None:
-        """Queue a new request on the least loaded rank; refuse one that could never run."""
+        """Queue a new request on the rank holding its longest cached prefix, else (and on ties)
+        the least loaded one; refuse one that could never run."""
         self.check(request)
-        loads = [len(self._running[k]) + len(self._waiting[k]) for k in range(self.config.dp_size)]
-        request.dp_rank = loads.index(min(loads))
+        ranks = range(self.config.dp_size)
+        loads = [len(self._running[k]) + len(self._waiting[k]) for k in ranks]
+        hits = [self._prefix_hit(k, request)[0] for k in ranks] if self.prefix_caching else [0] * len(loads)
+        request.dp_rank = min(ranks, key=lambda k: (-hits[k], loads[k]))
         self._waiting[request.dp_rank].append(request)
         self._requests[request.request_id] = request
         self._last_served[request.request_id] = -1
@@ -262,6 +304,8 @@ class Scheduler:
         depend on the steps forgotten."""
         if self._requests:
             raise ValueError(f"drop_pending() with {len(self._requests)} unfinished requests: abort them first")
+        for output in self._pending:
+            self._release_snapshots(output.rows)
         self._pending.clear()
         self._taken_as_done.clear()
 
@@ -282,7 +326,7 @@ class Scheduler:
             plan = self._plan_rank(rank, kind, preempted, decode_rows)
             for request_id in plan.chunks:
                 self._last_served[request_id] = self._step
-            rows += plan.rows()
+            rows += plan.rows(functools.partial(self._snapshot_for, rank))
         self._step += 1
         output = SchedulerOutput(tuple(rows), tuple(preempted))
         if rows:
@@ -354,23 +398,33 @@ class Scheduler:
                 return
             if request.status is RequestStatus.RUNNING:
                 n = min(request.num_tokens - request.num_computed_tokens, c.max_prefill_tokens, plan.budget_left)
-                self._add_running(rank, plan, request, n, preempted)
+                self._add_running(rank, plan, request, self._chunk(request, request.num_computed_tokens, n),
+                                  preempted)
         bm = self.block_managers[rank]
         promised = self._promised_blocks(rank)
         while waiting and not plan.full and len(running) < c.max_num_seqs and bm.num_free_slots:
             request = waiting[0]
             if request.num_output_tokens >= request.max_tokens:  # preempted with its last token pending
                 return
-            n = min(request.num_tokens, c.max_prefill_tokens, plan.budget_left)
+            cached, snapshot = self._prefix_hit(rank, request) if self.prefix_caching else (0, None)
+            start = cached * c.block_size
+            n = self._chunk(request, start, min(request.num_tokens - start, c.max_prefill_tokens, plan.budget_left))
             unsplit_prompt = not c.enable_chunked_prefill and not request.output_token_ids
             # Admitted when the blocks of all it has to compute (its prompt; after a preemption, its
             # prompt and output) are free beside those promised: on its first chunk's blocks alone, a
             # long prompt admitted into a nearly full pool preempted itself at its next chunk, and
             # was admitted again, step after step (its prefill redone, the queue behind it starved).
             whole = bm.blocks_for(request.num_tokens)
-            if (unsplit_prompt and n < request.num_tokens) or whole > bm.num_free_blocks - promised \
-                    or not bm.allocate_blocks(request, n):
+            if (unsplit_prompt and start + n < request.num_tokens) \
+                    or self._blocks_to_admit(rank, request, cached) > bm.num_free_blocks - promised:
                 return  # first come, first served: the head waits for room
+            self._count_hit(request, start)
+            bm.share(request, request.block_hashes[:cached])
+            if not bm.allocate_blocks(request, start + n):  # cannot fail: checked above
+                raise RuntimeError(f"request {request.request_id}: blocks counted free were not")
+            request.num_computed_tokens = start
+            if cached:
+                plan.restores[request.request_id] = self.snapshot_pools[rank].lookup(request.block_hashes[cached - 1])
             promised += whole - len(request.compressed_blocks)
             waiting.popleft()
             bm.allocate_slot(request)
@@ -379,6 +433,106 @@ class Scheduler:
                 request.first_scheduled_time = time.monotonic()
             running.append(request)
             plan.add(request, n)
+
+    # ---- prefix caching ---------------------------------------------------------------------
+    def _block_hashes(self, request: Request, num_tokens: int) -> list[bytes]:
+        """The chained hashes of `request`'s full blocks within its first `num_tokens` tokens,
+        as far as its tokens are known (a pending sample is not), extended in place."""
+        hashes, bs = request.block_hashes, self.config.block_size
+        while (len(hashes) + 1) * bs <= num_tokens:
+            k = len(hashes)
+            ids = request.token_ids(k * bs, (k + 1) * bs)
+            if PLACEHOLDER in ids:
+                break
+            hashes.append(self._hash(hashes[-1] if hashes else self._root, ids))
+        return hashes
+
+    def _prefix_hit(self, rank: int, request: Request) -> tuple[int, bytes | None]:
+        """(k, hash): the deepest block boundary k * block_size, before the request's last token,
+        whose blocks are all cached on `rank` and whose state has a snapshot, and the hash of the
+        block ending there; (0, None) for none. Nothing is touched."""
+        hashes = self._block_hashes(request, request.num_tokens - 1)
+        pool = self.snapshot_pools[rank]
+        for k in range(self.block_managers[rank].num_cached_prefix(hashes), 0, -1):
+            if hashes[k - 1] in pool:
+                return k, hashes[k - 1]
+        return 0, None
+
+    def _blocks_to_admit(self, rank: int, request: Request, cached: int) -> int:
+        """Blocks that admitting `request` with `cached` shared blocks takes out of the free count:
+        those of the rest of what it computes, and the shared ones nobody held."""
+        bm = self.block_managers[rank]
+        return bm.blocks_for(request.num_tokens) - cached + bm.num_evictable_in(request.block_hashes[:cached])
+
+    def _count_hit(self, request: Request, cached_tokens: int) -> None:
+        if request.num_cached_tokens is None:  # its first admission, as vLLM reports it
+            request.num_cached_tokens = cached_tokens
+        if self.prefix_caching:
+            self.prefix_cache_queries += request.num_tokens
+            self.prefix_cache_hits += cached_tokens
+
+    def _chunk(self, request: Request, start: int, n: int) -> int:
+        """A prefill chunk of up to `n` tokens from `start`: with prefix caching, one that crosses
+        a block boundary ends at the last it crosses, where a snapshot is taken (the state of a
+        boundary inside a chunk is never kept)."""
+        c = self.config
+        if not self.prefix_caching or (not c.enable_chunked_prefill and not request.output_token_ids):
+            return n
+        boundary = (start + n) // c.block_size * c.block_size
+        return boundary - start if boundary > start else n
+
+    def _snapshot_for(self, rank: int, request: Request, end: int) -> int:
+        """The snapshot id a row of `request` ending at `end` takes: a new one at a block boundary
+        whose block has none yet, else -1."""
+        bs = self.config.block_size
+        if not self.prefix_caching or end % bs:
+            return -1
+        hashes = self._block_hashes(request, end)
+        if len(hashes) >= end // bs and hashes[end // bs - 1] in self.snapshot_pools[rank]:
+            return -1
+        snap = self.snapshot_pools[rank].reserve()
+        return -1 if snap is None else snap
+
+    def _register(self, row: ScheduledRow) -> None:
+        """After a row's step: cache its request's full computed blocks, and its snapshot where
+        the block ending at the row's end is cached (otherwise the snapshot goes back)."""
+        request, rank = row.request, row.dp_rank
+        bm = self.block_managers[rank]
+        running = request.status is RequestStatus.RUNNING
+        if running:
+            hashes = self._block_hashes(request, request.num_computed_tokens)
+            bm.register(request, hashes[: len(request.compressed_blocks)])
+        if row.snapshot < 0:
+            return
+        k = row.end // self.config.block_size
+        hashes = request.block_hashes
+        if running and len(hashes) >= k and bm.is_cached(hashes[k - 1]):
+            self.snapshot_pools[rank].register(row.snapshot, hashes[k - 1])
+        else:
+            self.snapshot_pools[rank].release(row.snapshot)
+
+    def _release_snapshots(self, rows) -> None:
+        for row in rows:
+            if row.snapshot >= 0:
+                self.snapshot_pools[row.dp_rank].release(row.snapshot)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block and snapshot; False (nothing changed) while any request is
+        queued or running, as vLLM refuses it then."""
+        if self._requests:
+            return False
+        for bm in self.block_managers:
+            bm.reset_prefix_cache()
+        for pool in self.snapshot_pools:
+            pool.clear()
+        return True
+
+    def check_invariants(self) -> None:
+        """Every rank's allocator and snapshot pool invariants (`BlockManager.check_invariants`)."""
+        for bm in self.block_managers:
+            bm.check_invariants()
+        for pool in self.snapshot_pools:
+            pool.check_invariants()
 
     def _promised_blocks(self, rank: int) -> int:
         """Blocks the rank's running prefills will still take for the rest of what they compute."""
@@ -389,8 +543,10 @@ class Scheduler:
     def _head_fits(self, rank: int) -> bool:
         """The head of the rank's queue could be admitted now (`_add_prefills`' rule): otherwise a
         step waiting for it would only take rows from the decodes."""
-        bm = self.block_managers[rank]
-        return bm.blocks_for(self._waiting[rank][0].num_tokens) <= bm.num_free_blocks - self._promised_blocks(rank)
+        head = self._waiting[rank][0]
+        cached = self._prefix_hit(rank, head)[0] if self.prefix_caching else 0
+        return self._blocks_to_admit(rank, head, cached) <= self.block_managers[rank].num_free_blocks \
+            - self._promised_blocks(rank)
 
     def _add_running(self, rank: int, plan: _StepPlan, request: Request, n: int, preempted: list[str]) -> None:
         """Add a chunk of a running request, preempting the newest running requests (maybe this
@@ -421,6 +577,7 @@ class Scheduler:
         # Taken as done: a request preempted since still gets its token (its outputs hold it).
         live = [row for row in output.rows if not row.request.status.finished
                 and (taken or row.request.status is RequestStatus.RUNNING)]
+        live_ids = {id(row) for row in live}
         missing = [row.request.request_id for row in live if row.is_sampling and row.request.request_id not in sampled]
         if missing:
             raise ValueError(f"no sampled token for the sampling rows of requests {missing}")
@@ -443,5 +600,12 @@ class Scheduler:
                 request.last_token_time = now
                 got.append(request)
                 if request.num_output_tokens >= request.max_tokens:
+                    if self.prefix_caching:  # before its blocks go: a next turn may extend this output
+                        self._register(row)
                     self.finish(request.request_id, RequestStatus.FINISHED_LENGTH)
+                    continue
+            if self.prefix_caching:
+                self._register(row)
+        if self.prefix_caching:
+            self._release_snapshots(row for row in output.rows if id(row) not in live_ids)
         return got
