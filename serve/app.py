@@ -3,7 +3,8 @@
 Routes: `GET /v1/models`, `POST /v1/chat/completions` (serve/chat.py), `POST /v1/completions`
 (serve/completions.py), `POST /tokenize`, `POST /detokenize`, `GET /version`, `GET /health`
 (503 until warm-up is done, and while shutting down), `GET /metrics` (Prometheus, vLLM's names),
-`GET /` (a chat page, unless `--no-web-ui`).
+`GET /` (a chat page, unless `--no-web-ui`); with `VLLM_SERVER_DEV_MODE=1`, vLLM's development
+endpoint `POST /reset_prefix_cache` (200 once emptied, 409 while requests run or wait).
 With `--api-key`, every route but `/health`, `/metrics` and `/version` wants `Authorization:
 Bearer <key>` (vLLM leaves the first two open too). Bodies over `MAX_BODY_BYTES` get 413, bodies
 that are not JSON (or hold a lone UTF-16 surrogate) 400, anything unexpected 500: always
@@ -222,6 +223,16 @@ async def _metrics(state: ServingState, request: Request) -> Response:
     return Response(body, media_type=content_type)
 
 
+async def _reset_prefix_cache(state: ServingState, request: Request) -> Response:
+    # A running or waiting request may hold cached blocks or be about to look them up, so the engine
+    # refuses then; the 409 tells the caller (a benchmark wanting a cold cache) that nothing changed.
+    if not await state.engine.reset_prefix_cache():
+        raise OpenAIError("the prefix cache can only be reset when no request is running or waiting; "
+                          "retry once the server is idle", status=409)
+    logger.info("prefix cache reset (POST /reset_prefix_cache)")
+    return Response(status_code=200)
+
+
 async def _chat_page(state: ServingState, request: Request) -> Response:
     # One static file, no build step and no outside assets (serve/web/chat.html).
     return HTMLResponse(CHAT_PAGE.read_text(encoding="utf-8"))
@@ -246,6 +257,8 @@ def _routes(state: ServingState) -> list[Route]:
     ]
     if not state.args.no_web_ui:
         routes.append(Route("/", _guarded(state, _chat_page, needs_engine=False), methods=["GET"]))
+    if state.args.dev_mode:  # as vLLM: absent (404, as any unknown path) unless VLLM_SERVER_DEV_MODE=1
+        routes.append(Route("/reset_prefix_cache", _guarded(state, _reset_prefix_cache), methods=["POST"]))
     return routes
 
 

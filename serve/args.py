@@ -32,11 +32,14 @@ differs from vLLM (everything else has vLLM's name, meaning and default):
                                 outlines, lm-format-enforcer
                                 refused
     --trust-remote-code         accepted, does nothing            runs the model repo's code
-    --tokenizer-mode, --enforce-eager, --async-scheduling, --no-enable-prefix-caching,
-    --disable-log-stats, --disable-log-requests
+    --tokenizer-mode, --enforce-eager, --async-scheduling, --disable-log-stats,
+    --disable-log-requests
                                 accepted, change nothing: one warning each
-    --speculative-config, --enable-prefix-caching
-                                refused: not built yet
+    --speculative-config        refused: not built yet
+    --num-prefix-snapshots      sized from the sequence slots:    (none)
+                                sliding-window and compressor
+                                states the prefix cache keeps,
+                                per data-parallel rank
     --max-waiting-requests      1024 sequences: a longer queue answers 503  (none)
     --no-web-ui                 turns off the browser page        (none)
     any other vLLM flag         refused: not supported by dsv4-jax
@@ -63,6 +66,7 @@ import sys
 from typing import Any, NoReturn, Sequence
 
 from dsv4_jax.engine.args import BUILTIN_MODEL, DTYPES, EngineArgs
+from dsv4_jax.engine.prefix_cache import HASH_ALGOS
 from dsv4_jax.engine.sampling_params import MAX_LOGPROBS
 from dsv4_jax.engine.structured_outputs import StructuredOutputsConfig
 from dsv4_jax.parallel.distributed import DistributedConfig
@@ -83,6 +87,7 @@ TOOL_CALL_PARSERS = ("deepseek_v4",)
 REASONING_PARSERS = ("deepseek_v4", "")  # "": no reasoning split (everything is content)
 UVICORN_LOG_LEVELS = ("debug", "info", "warning", "error", "critical", "trace")
 API_KEY_ENV = "VLLM_API_KEY"
+DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"  # vLLM's switch for its development endpoints (POST /reset_prefix_cache)
 DEFAULT_QUIET_ENDPOINTS = ("/health", "/metrics")
 SIZE_SUFFIXES = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "K": 2**10, "M": 2**20, "G": 2**30}
 
@@ -91,14 +96,12 @@ IGNORED_FLAGS = {
     "--tokenizer-mode": (True, "the tokenizer is always the model's tokenizer.json with the V4 chat encoder"),
     "--enforce-eager": (False, "there are no CUDA graphs to turn off: steps are jit-compiled for fixed shapes"),
     "--async-scheduling": (False, "async scheduling is on by default here (--no-async-scheduling turns it off)"),
-    "--no-enable-prefix-caching": (False, "prefix caching is not built, so it is always off"),
     "--disable-log-stats": (False, "vLLM recipes pass it; logging is set by --uvicorn-log-level"),
     "--disable-log-requests": (False, "vLLM recipes pass it; logging is set by --uvicorn-log-level"),
 }
 # vLLM flags for features not built yet: refused. flag -> (takes a value, what to do instead).
 REFUSED_FLAGS = {
     "--speculative-config": (True, "speculative decoding (MTP) is not built yet in dsv4-jax; drop the flag"),
-    "--enable-prefix-caching": (False, "prefix caching is not built yet in dsv4-jax; drop the flag"),
 }
 
 
@@ -116,11 +119,13 @@ class ServerArgs:
     tool_call_parser: str | None
     reasoning_parser: str | None
     api_key: str | None = dataclasses.field(repr=False)  # never printed with the rest
+    dev_mode: bool  # VLLM_SERVER_DEV_MODE: the development endpoints are served
     uvicorn_log_level: str
     disable_access_log_for_endpoints: tuple[str, ...]  # paths whose requests leave no access-log line
     disable_uvicorn_access_log: bool  # no access-log line at all
     default_chat_template_kwargs: dict[str, Any] | None
     enable_force_include_usage: bool
+    enable_prompt_tokens_details: bool  # usage carries prompt_tokens_details.cached_tokens
     max_logprobs: int
     max_waiting_requests: int
     no_web_ui: bool
@@ -338,6 +343,15 @@ def _add_engine_flags(add: AddArgument) -> None:
              "(default: None = chosen by the KV resolver for the device)")
     add("--block-size", type=_block_size, default=256,
         help=f"token positions per KV block, a positive multiple of {BLOCK_SIZE_MULTIPLE} (default: %(default)s)")
+    add("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+        help="reuse the KV of a prompt's leading full blocks that an earlier request computed; "
+             "--no-enable-prefix-caching turns it off (default: on, as vLLM)")
+    add("--prefix-caching-hash-algo", choices=HASH_ALGOS, default="sha256",
+        help="hash naming a cached block by its tokens and its prefix's; the xxhash ones need the xxhash "
+             "package (default: %(default)s)")
+    add("--num-prefix-snapshots", type=_positive_int, default=None, metavar="N",
+        help="sliding-window and compressor states the prefix cache keeps per data-parallel rank, one per "
+             "cached block boundary a hit may start from (default: None = sized from the sequence slots)")
     add("--trust-remote-code", action="store_true", default=argparse.SUPPRESS,
         help="accepted for vLLM compatibility and does nothing: no code from a model directory is ever run "
              "(default: off)")
@@ -384,6 +398,9 @@ def _add_server_flags(add: AddArgument) -> None:
     add("--enable-force-include-usage", action="store_true",
         help="every streamed response carries usage: in each chunk (the usage so far) and in a last chunk, "
              "whatever the request's stream_options say (default: off)")
+    add("--enable-prompt-tokens-details", action="store_true",
+        help="usage carries prompt_tokens_details.cached_tokens: the prompt tokens served from the prefix "
+             "cache (default: off)")
     add("--max-logprobs", type=_max_logprobs, default=MAX_LOGPROBS,
         help=f"top logprobs a request may ask for, 0..{MAX_LOGPROBS} (default: %(default)s)")
     add("--max-waiting-requests", type=_positive_int, default=1024,
@@ -529,6 +546,9 @@ def _engine_args(namespace: argparse.Namespace, model: str, attention_backend: s
         master_addr=namespace.master_addr,
         master_port=namespace.master_port,
         structured_outputs_config=structured_outputs,
+        enable_prefix_caching=namespace.enable_prefix_caching,
+        prefix_caching_hash_algo=namespace.prefix_caching_hash_algo,
+        num_prefix_snapshots=namespace.num_prefix_snapshots,
     )
 
 
@@ -543,14 +563,26 @@ def _server_args(namespace: argparse.Namespace, engine: EngineArgs, ignored: tup
         tool_call_parser=namespace.tool_call_parser,
         reasoning_parser=namespace.reasoning_parser or None,  # '': no reasoning split
         api_key=namespace.api_key or os.environ.get(API_KEY_ENV) or None,
+        dev_mode=_dev_mode(),
         uvicorn_log_level=namespace.uvicorn_log_level,
         disable_access_log_for_endpoints=namespace.disable_access_log_for_endpoints,
         disable_uvicorn_access_log=namespace.disable_uvicorn_access_log,
         default_chat_template_kwargs=namespace.default_chat_template_kwargs,
         enable_force_include_usage=namespace.enable_force_include_usage,
+        enable_prompt_tokens_details=namespace.enable_prompt_tokens_details,
         max_logprobs=namespace.max_logprobs,
         max_waiting_requests=namespace.max_waiting_requests,
         no_web_ui=namespace.no_web_ui,
         debug=namespace.debug,
         ignored_flags=ignored,
     )
+
+
+def _dev_mode() -> bool:
+    """VLLM_SERVER_DEV_MODE as vLLM reads it: an integer, on unless 0 (unset: off)."""
+    text = os.environ.get(DEV_MODE_ENV, "").strip()
+    try:
+        return bool(int(text or "0"))
+    except ValueError:
+        raise ValueError(f"{DEV_MODE_ENV}={text!r} is not an integer (1 serves the development endpoints, "
+                         "0 or unset does not)") from None

@@ -81,6 +81,7 @@ async def create_chat_completion(state: ServingState, body: Any):
     if req.stream:
         return sse_response(_stream(state, plan, request_id, created, generation, choices, texts))
     totals = [0] * req.params.n
+    cached = 0
     logprobs: list[list[dict]] = [[] for _ in choices]
     try:
         async with contextlib.aclosing(generation.outputs()) as outputs:
@@ -88,6 +89,7 @@ async def create_chat_completion(state: ServingState, body: Any):
                 completion = out.outputs[0]
                 _, tokens, entries = choices[index].advance(completion)
                 totals[index] = len(completion.token_ids)
+                cached = _cached_tokens(index, out, cached)
                 if entries is not None:
                     logprobs[index] += chat_logprobs(texts, tokens, entries, req.params.logprobs)
     finally:
@@ -97,9 +99,16 @@ async def create_chat_completion(state: ServingState, body: Any):
         "choices": [{"index": c.index, "message": c.message(plan.split_reasoning),
                      "logprobs": {"content": logprobs[c.index]} if req.params.logprobs is not None else None,
                      "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in choices],
-        "usage": usage(len(plan.prompt_ids), sum(totals)),
+        "usage": usage(len(plan.prompt_ids), sum(totals), cached if req.prompt_tokens_details else None),
     }
     return body
+
+
+def _cached_tokens(index: int, out: Any, cached: int) -> int:
+    """The response's cached prompt tokens after choice `index`'s output `out`: the first
+    choice's. Each choice is an engine request of its own, looked up in the prefix cache at its
+    own admission; the prompt is counted once whatever n is (usage.prompt_tokens), so are these."""
+    return (out.num_cached_tokens or 0) if index == 0 else cached
 
 
 async def _stream(state: ServingState, plan: _ChatPlan, request_id: str, created: int, generation: Generation,
@@ -107,6 +116,7 @@ async def _stream(state: ServingState, plan: _ChatPlan, request_id: str, created
     req = plan.request
     head = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": req.model}
     totals = [0] * len(choices)
+    cached = 0
 
     def chunk(index: int, delta: dict, logprobs: Any = None, finish_reason: str | None = None,
               stop_reason: Any = None) -> dict:
@@ -130,6 +140,7 @@ async def _stream(state: ServingState, plan: _ChatPlan, request_id: str, created
                 choice = choices[index]
                 delta, tokens, entries = choice.advance(completion)
                 totals[index] = len(completion.token_ids)
+                cached = _cached_tokens(index, out, cached)
                 logprobs = {"content": chat_logprobs(texts, tokens, entries, req.params.logprobs)} \
                     if entries is not None and tokens else None
                 if delta or logprobs or choice.finish_reason is not None:
@@ -137,4 +148,5 @@ async def _stream(state: ServingState, plan: _ChatPlan, request_id: str, created
     finally:
         generation.close()
     if req.include_usage:
-        yield {**head, "choices": [], "usage": usage(len(plan.prompt_ids), sum(totals))}
+        yield {**head, "choices": [],
+               "usage": usage(len(plan.prompt_ids), sum(totals), cached if req.prompt_tokens_details else None)}

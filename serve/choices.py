@@ -130,10 +130,15 @@ def prompt_logprobs(texts: TokenTexts, entries: list[dict[int, Logprob] | None])
         for t, lp in entry.items()} for entry in entries]
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    """OpenAI's `usage` object."""
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict[str, Any]:
+    """OpenAI's `usage` object; given `cached_tokens` (the server's --enable-prompt-tokens-details),
+    with `prompt_tokens_details.cached_tokens`, the prompt tokens the prefix cache served. It is
+    there on a miss too (0), as OpenAI's; vLLM leaves the object out then."""
+    body: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                            "total_tokens": prompt_tokens + completion_tokens}
+    if cached_tokens is not None:
+        body["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return body
 
 
 def chunk_usage(req: Any, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:

@@ -27,6 +27,7 @@ class _Choice:
                  prompt_tokens: int):
         self.index, self.echo = index, echo
         self.prompt_tokens = prompt_tokens  # its own prompt's (a request may hold several prompts)
+        self.cached_tokens = 0  # of its prompt, served from the prefix cache at its admission
         self.prompt_is_text, self.skip_special_tokens = prompt_is_text, skip_special_tokens
         self.sent_chars = self.sent_tokens = 0
         self.text_offset = 0
@@ -51,6 +52,7 @@ class _Choice:
         tokens lead the logprobs (vLLM: the prompt logprobs, the first token's null)."""
         completion = out.outputs[0]
         self.prompt_logprobs = out.prompt_logprobs
+        self.cached_tokens = out.num_cached_tokens or 0  # None until scheduled
         new_text = completion.text[self.sent_chars:]
         self.sent_chars = len(completion.text)
         tokens = completion.token_ids[self.sent_tokens:]
@@ -122,8 +124,17 @@ async def create_completion(state: ServingState, body: Any):
                      "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
                      "prompt_logprobs": None if c.prompt_logprobs is None else prompt_logprobs(texts, c.prompt_logprobs)}
                     for c in choices],
-        "usage": usage(usage_prompt, sum(c.sent_tokens for c in choices)),
+        "usage": usage(usage_prompt, sum(c.sent_tokens for c in choices), _cached_tokens(req, choices)),
     }
+
+
+def _cached_tokens(req: CompletionRequest, choices: list[_Choice]) -> int | None:
+    """The response's prompt tokens served from the prefix cache, as its prompt tokens are
+    counted: each prompt once whatever n is, so its first choice's (each choice is an engine
+    request of its own, looked up at its own admission). None without --enable-prompt-tokens-details."""
+    if not req.prompt_tokens_details:
+        return None
+    return sum(c.cached_tokens for c in choices[::req.params.n])
 
 
 
@@ -143,4 +154,5 @@ async def _stream(req: CompletionRequest, request_id: str, created: int, generat
     finally:
         generation.close()
     if req.include_usage:
-        yield {**head, "choices": [], "usage": usage(usage_prompt, sum(c.sent_tokens for c in choices))}
+        yield {**head, "choices": [],
+               "usage": usage(usage_prompt, sum(c.sent_tokens for c in choices), _cached_tokens(req, choices))}

@@ -12,8 +12,9 @@ Names, types and bucket boundaries follow vLLM's `PrometheusStatLogger` in `vllm
   `vllm:kv_cache_usage_perc` (a fraction in [0, 1], "1 means 100 percent usage");
 - counters: `vllm:prompt_tokens_total` (a request's prompt counted with its first token, as vLLM counts it
   at the end of its prefill), `vllm:generation_tokens_total`,
-  `vllm:request_success_total{finished_reason}`, `vllm:num_preemptions_total` (read from the scheduler's
-  cumulative count at scrape time);
+  `vllm:request_success_total{finished_reason}`, `vllm:num_preemptions_total`,
+  `vllm:prefix_cache_queries_total` and `vllm:prefix_cache_hits_total` (prompt tokens looked up in the
+  prefix cache, and found; these three read from the scheduler's cumulative counts at scrape time);
 - histograms: `vllm:time_to_first_token_seconds`, `vllm:inter_token_latency_seconds`,
   `vllm:e2e_request_latency_seconds`, `vllm:request_prompt_tokens`, `vllm:request_generation_tokens`;
   from the engine's timestamps (`RequestOutput.metrics`), as vLLM's FinishedRequestStats:
@@ -92,8 +93,8 @@ def token_count_buckets(max_model_len: int) -> tuple[int, ...]:
 
 
 class _EngineStatsCollector:
-    """Exposes the engine's gauges and its preemption counter from one `engine_stats()` call per scrape,
-    so they are never stale and agree with each other."""
+    """Exposes the engine's gauges and its cumulative counters (preemptions, prefix cache) from one
+    `engine_stats()` call per scrape, so they are never stale and agree with each other."""
 
     def __init__(self, model_name: str, engine_stats: Callable[[], EngineStats]):
         self._model_name = model_name
@@ -113,11 +114,16 @@ class _EngineStatsCollector:
             gauge.add_metric([self._model_name], value)
             yield gauge
         # CounterMetricFamily appends "_total" to the sample name itself: pass the name without it.
-        preemptions = CounterMetricFamily(
-            "vllm:num_preemptions", "Cumulative number of preemption from the engine.", labels=labels
-        )
-        preemptions.add_metric([self._model_name], stats.num_preemptions_total)
-        yield preemptions
+        for name, doc, value in (
+            ("vllm:num_preemptions", "Cumulative number of preemption from the engine.", stats.num_preemptions_total),
+            ("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
+             stats.prefix_cache_queries_total),
+            ("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
+             stats.prefix_cache_hits_total),
+        ):
+            counter = CounterMetricFamily(name, doc, labels=labels)
+            counter.add_metric([self._model_name], value)
+            yield counter
 
 
 @dataclass

@@ -25,6 +25,8 @@ is a drop-in for `vllm serve`. The points checked there:
   `continuous_usage_stats` with `include_usage` puts the usage so far in every chunk (vLLM's
   `should_include_usage`: the choice's own completion tokens; the last chunk sums the choices).
   The server's `--enable-force-include-usage` turns both on for every stream.
+  Its `--enable-prompt-tokens-details` adds `prompt_tokens_details.cached_tokens` to the usage
+  (the whole response's and the last chunk's, not the continuous ones, as vLLM).
 * tools: no `tool_choice` with non-empty `tools` means "auto" (OpenAI, vLLM's `check_tool_usage`),
   and vLLM refuses that implicit "auto" too unless auto tool choice is enabled on the server
   (`serving_chat.py` tests the resolved value). `tool_choice` other than "none" needs `tools`;
@@ -125,6 +127,7 @@ class ServerLimits:
     enable_auto_tool_choice: bool = False
     reasoning_parser: str | None = None
     force_include_usage: bool = False  # --enable-force-include-usage: every stream carries usage, continuously
+    prompt_tokens_details: bool = False  # --enable-prompt-tokens-details: usage says how much of the prompt was cached
     default_sampling: Mapping[str, Any] = field(default_factory=dict)
     default_chat_template_kwargs: Mapping[str, Any] = field(default_factory=dict)
     # The engine's --structured-outputs-config: its JSON defaults shape the grammar a request is checked as.
@@ -183,6 +186,7 @@ class ChatRequest:
     ignored_fields: tuple[str, ...]  # unknown top-level fields, for one warning
     max_tokens_field: str = "max_tokens"  # or max_completion_tokens: the field the limit came from
     max_tokens_is_default: bool = False  # the server's default, not the client's: capped to the room left
+    prompt_tokens_details: bool = False  # the server's --enable-prompt-tokens-details
     # The engine's names of the constraint (structured_outputs.<kind>) -> where the request wrote it.
     constraint_fields: Mapping[str, str] = field(default_factory=dict)
 
@@ -204,6 +208,7 @@ class CompletionRequest:
     return_tokens_as_token_ids: bool
     ignored_fields: tuple[str, ...]
     max_tokens_is_default: bool = False  # null: the server's default, capped to the room left
+    prompt_tokens_details: bool = False  # the server's --enable-prompt-tokens-details
     # The engine's names of the constraint (structured_outputs.<kind>) -> where the request wrote it.
     constraint_fields: Mapping[str, str] = field(default_factory=dict)
 
@@ -943,6 +948,7 @@ def parse_chat_request(body: Any, limits: ServerLimits) -> ChatRequest:
         max_tokens_field=max_tokens_param,
         max_tokens_is_default=max_tokens is None and params.max_tokens is not None,
         constraint_fields={} if constraint is None else constraint.fields,
+        prompt_tokens_details=limits.prompt_tokens_details,
     )
 
 
@@ -1032,6 +1038,7 @@ def parse_completion_request(body: Any, limits: ServerLimits) -> CompletionReque
         # Left out, OpenAI's 16 counts as asked for (vLLM and OpenAI refuse a prompt it does not fit).
         max_tokens_is_default="max_tokens" in body and given is None and max_tokens is not None,
         constraint_fields={} if constraint is None else constraint.fields,
+        prompt_tokens_details=limits.prompt_tokens_details,
     )
 
 

@@ -260,9 +260,23 @@ def _set(future: asyncio.Future, value) -> None:
         future.set_result(value)
 
 
-async def _become_ready(state, server, loaded: asyncio.Future, engine_class) -> None:
+def server_limits(args, config, served_model_names: tuple[str, ...]):
+    """The `ServerLimits` requests are checked against: the server's flags (`args`) with the
+    engine's config as built (its vocabulary, generation_config.json defaults, structured outputs)."""
     from serve.protocol import ServerLimits
 
+    return ServerLimits(
+        served_model_names=served_model_names, vocab_size=config.model_config.vocab_size,
+        max_logprobs=args.max_logprobs, enable_auto_tool_choice=args.enable_auto_tool_choice,
+        reasoning_parser=args.reasoning_parser, force_include_usage=args.enable_force_include_usage,
+        prompt_tokens_details=args.enable_prompt_tokens_details,
+        default_sampling=config.sampling_defaults,
+        default_chat_template_kwargs=args.default_chat_template_kwargs or {},
+        structured_outputs_config=config.structured_outputs_config,
+    )
+
+
+async def _become_ready(state, server, loaded: asyncio.Future, engine_class) -> None:
     result = await loaded
     if isinstance(result, BaseException):
         state.load_error = one_line(result)
@@ -273,14 +287,7 @@ async def _become_ready(state, server, loaded: asyncio.Future, engine_class) -> 
     state.config = config = built.config  # as built (a max_num_seqs the pools bound, its buckets)
     if config.sampling_defaults:
         logger.info("default sampling parameters from generation_config.json: %s", config.sampling_defaults)
-    state.limits = ServerLimits(
-        served_model_names=state.served_model_names, vocab_size=config.model_config.vocab_size,
-        max_logprobs=args.max_logprobs, enable_auto_tool_choice=args.enable_auto_tool_choice,
-        reasoning_parser=args.reasoning_parser, force_include_usage=args.enable_force_include_usage,
-        default_sampling=config.sampling_defaults,
-        default_chat_template_kwargs=args.default_chat_template_kwargs or {},
-        structured_outputs_config=config.structured_outputs_config,
-    )
+    state.limits = server_limits(args, config, state.served_model_names)
     engine = engine_class(built.engine)
     await engine.start()
     state.engine, state.layout = engine, built.engine.runner.layout

@@ -310,7 +310,7 @@ def tiny_engine_args() -> dict:
 
     return {"dtype": "float32", "kv_cache_dtype": "float32", "max_model_len": 256, "max_num_seqs": 4,
             "block_size": 128, "buckets": StepBuckets(prefill=((1, 16), (4, 32)), decode=(4,)),
-            "num_gpu_blocks_override": 10, "seed": 0}
+            "num_gpu_blocks_override": 10, "seed": 0, "enable_prefix_caching": False}
 
 
 @contextlib.contextmanager
@@ -341,10 +341,12 @@ def capped_block_manager(usable_blocks: int):
 
 # ---- the chat engine shared by the engine and server tests ---------------------------------------
 # A one-layer model with the real vocabulary (the V4 chat format's special tokens are ids above
-# 128,000), float32 weights and cache, 8 sequences. The server tests start `python -m serve` with
+# 128,000), float32 weights and cache, 8 sequences, prefix caching off (tests repeat prompts and
+# compare them; tests/test_prefix_caching.py turns it on). The server tests start `python -m serve` with
 # exactly these flags, so the server's warm-up loads what this fixture compiled.
 CHAT_SERVER_FLAGS = ("--dtype", "float32", "--kv-cache-dtype", "float32", "--max-model-len", "512",
-                     "--max-num-seqs", "8", "--max-num-batched-tokens", "512", "--block-size", "128", "--seed", "0")
+                     "--max-num-seqs", "8", "--max-num-batched-tokens", "512", "--block-size", "128", "--seed", "0",
+                     "--no-enable-prefix-caching")
 
 
 @pytest.fixture(scope="session")

@@ -54,3 +54,17 @@ def test_monitoring_page_lists_every_exposed_metric():
     _, families = exposed()
     listed = {name.removesuffix("_total") for name in METRIC_NAME.findall(text)}
     assert not families - listed, f"docs/monitoring.md does not list {sorted(families - listed)}"
+
+
+def test_prefix_cache_hit_rate_panel_divides_hits_by_queries():
+    """vLLM's hit rate: the rate of cached tokens over the rate of looked-up tokens (a fraction,
+    shown as a percentage), not their cumulative totals (which would hide a change of workload)."""
+    dashboard = json.loads(DASHBOARD.read_text(encoding="utf-8"))
+    (panel,) = [p for p in dashboard["panels"] if p["title"] == "Prefix cache hit rate"]
+    (expr,) = [t["expr"] for t in panel["targets"]]
+    numerator, denominator = expr.split("\n/\n")
+    assert METRIC_NAME.findall(numerator) == ["vllm:prefix_cache_hits_total"]
+    assert METRIC_NAME.findall(denominator) == ["vllm:prefix_cache_queries_total"]
+    assert numerator.startswith("rate(") and denominator.startswith("rate(")
+    defaults = panel["fieldConfig"]["defaults"]
+    assert (defaults["unit"], defaults["min"], defaults["max"]) == ("percentunit", 0, 1)

@@ -559,3 +559,44 @@ def test_steps_compile_without_xlas_rematerialization_pass(runner, monkeypatch):
     assert step_compiler_options() == {"xla_disable_hlo_passes": "rematerialization"}
     monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_disable_hlo_passes=foo,bar")
     assert step_compiler_options() == {"xla_disable_hlo_passes": "foo,bar,rematerialization"}
+
+
+# ---- prefix-cache snapshots ----------------------------------------------------------------------
+def _feed(runner, rows_by_step):
+    """Run steps of StepRows; the logits of each step's rows (decode steps' last-token logits)."""
+    return [np.asarray(runner.step(rows).logits)[: len(rows)] for rows in rows_by_step]
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["float32", "bfloat16", "fp8_ds_mla"])
+def test_a_snapshot_taken_at_a_boundary_and_restored_into_another_slot_continues_bit_for_bit(
+        rounded_checkpoint, kv_cache_dtype):
+    """The runner's own copies (kv_cache/snapshots.py), not a host copy: a prefix computed in slot 0
+    up to block boundary h is snapshotted, slot 1 runs another sequence (its ring and compressor
+    rows are someone else's), then gets the snapshot and the prefix's blocks, and continues. Its
+    logits equal slot 0's own continuation bit for bit, on the same backend and dtype, whatever
+    the cache rounds; in float32 they also equal the full forward."""
+    dense = dsv4_jax.load_model(rounded_checkpoint)
+    runner = ModelRunner(dense, _layout(ROUNDED, kv_cache_dtype, slots=2, max_model_len=256),
+                         buckets=StepBuckets(prefill=((2, 16),), decode=(2,)), num_prefix_snapshots=2)
+    runner.compile_buckets(scoring=False)
+    ids = np.random.default_rng(8).integers(0, ROUNDED.vocab_size, size=(2, BLOCK + 24)).tolist()
+    h, tail = BLOCK, 24
+    # The prefix in slot 0 (block 0), 16 tokens a step, ending exactly at h; then its snapshot.
+    _feed(runner, [[StepRow(0, s, ids[0][s : s + 16], [0])] for s in range(0, h, 16)])
+    runner.take_snapshots([(0, 0, 1, h)])
+    # Another sequence fills slot 1's ring and compressor rows (blocks 2, 3).
+    _feed(runner, [[StepRow(1, s, ids[1][s : s + 16], [2, 3])] for s in range(0, h + 16, 16)])
+    saved = _copy(runner.cache)  # steps and restores are donated the cache: each run below starts from a copy
+    runner.cache = _copy(saved)
+    runner.restore_snapshots([(0, 1, 1, h)])
+    restored = _feed(runner, [[StepRow(1, t, [ids[0][t]], [0, 4])] for t in range(h, h + tail)])
+    runner.cache = _copy(saved)
+    original = _feed(runner, [[StepRow(0, t, [ids[0][t]], [0, 5])] for t in range(h, h + tail)])
+    np.testing.assert_array_equal(np.concatenate(restored), np.concatenate(original))
+    if kv_cache_dtype == "float32":
+        full = np.asarray(dense(np.array(ids[:1], np.int32)))[0]
+        assert relative_error(np.concatenate(restored), full[h : h + tail]) <= EXACT
+    # Without the restore, slot 1's own rows give other logits: the copy is what made them equal.
+    runner.cache = saved
+    unrestored = _feed(runner, [[StepRow(1, h, [ids[0][h]], [0, 4])]])
+    assert not np.array_equal(unrestored[0], original[0])

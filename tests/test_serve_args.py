@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 
 import pytest
 
@@ -17,12 +18,13 @@ from dsv4_jax.engine.sampling_params import generation_defaults as sampling_defa
 from dsv4_jax.engine.structured_outputs import StructuredOutputsConfig
 from dsv4_jax.parallel.distributed import DistributedConfig
 from pallas_kernels.cli import run_main
-from serve.args import API_KEY_ENV, IGNORED_FLAGS, ServerArgs, build_parser, node_flags, parse_args
+from serve.args import API_KEY_ENV, DEV_MODE_ENV, IGNORED_FLAGS, ServerArgs, build_parser, node_flags, parse_args
 
 
 @pytest.fixture(autouse=True)
 def _clean_env(monkeypatch):
     monkeypatch.delenv(API_KEY_ENV, raising=False)
+    monkeypatch.delenv(DEV_MODE_ENV, raising=False)
     monkeypatch.delenv("DSV4_DEBUG", raising=False)
 
 
@@ -56,6 +58,10 @@ def test_defaults():
     assert (args.default_chat_template_kwargs, args.max_logprobs, args.max_waiting_requests) == (None, 20, 1024)
     assert (args.no_web_ui, args.debug, args.ignored_flags, args.enable_force_include_usage) == (False, False, (), False)
     assert (args.disable_access_log_for_endpoints, args.disable_uvicorn_access_log) == (("/health", "/metrics"), False)
+    # Prefix caching on (None: vLLM's "unset", which is on), sha256, snapshots sized by the engine;
+    # usage without prompt_tokens_details and no development endpoints, as vLLM.
+    assert (e.enable_prefix_caching, e.prefix_caching_hash_algo, e.num_prefix_snapshots) == (None, "sha256", None)
+    assert (args.enable_prompt_tokens_details, args.dev_mode) == (False, False)
 
 
 def test_every_flag_by_its_vllm_name(tmp_path):
@@ -70,7 +76,8 @@ def test_every_flag_by_its_vllm_name(tmp_path):
         "--uvicorn-log-level", "trace", "--default-chat-template-kwargs", '{"thinking": false}',
         "--max-logprobs", "0", "--max-waiting-requests", "5", "--no-web-ui", "--no-async-scheduling", "--debug",
         "--enable-force-include-usage", "--disable-access-log-for-endpoints", "/health,/v1/models",
-        "--disable-uvicorn-access-log",
+        "--disable-uvicorn-access-log", "--no-enable-prefix-caching", "--prefix-caching-hash-algo", "sha256_cbor",
+        "--num-prefix-snapshots", "12", "--enable-prompt-tokens-details",
     ]
     assert parse_args(argv) == ServerArgs(
         engine=EngineArgs(
@@ -78,14 +85,15 @@ def test_every_flag_by_its_vllm_name(tmp_path):
             enable_expert_parallel=True, load_format="orbax", gpu_memory_utilization=0.5, max_num_seqs=3,
             max_num_batched_tokens=512, num_gpu_blocks_override=40, max_model_len=1024, dtype="float32",
             kv_cache_dtype="fp8", attention_backend="pallas_bf16", block_size=384, seed=-7, generation_config="vllm",
-            async_scheduling=False,
+            async_scheduling=False, enable_prefix_caching=False, prefix_caching_hash_algo="sha256_cbor",
+            num_prefix_snapshots=12,
         ),
         model_is_builtin=False, served_model_name=("deepseek-ai/DeepSeek-V4-Flash", "v4"), host="0.0.0.0", port=0,
         enable_auto_tool_choice=True, tool_call_parser="deepseek_v4", reasoning_parser="deepseek_v4", api_key="k",
         uvicorn_log_level="trace", disable_access_log_for_endpoints=("/health", "/v1/models"),
         disable_uvicorn_access_log=True, default_chat_template_kwargs={"thinking": False},
         enable_force_include_usage=True, max_logprobs=0, max_waiting_requests=5, no_web_ui=True, debug=True,
-        ignored_flags=(),
+        ignored_flags=(), enable_prompt_tokens_details=True, dev_mode=False,
     )
     assert parse_args(argv).distributed == DistributedConfig()
 
@@ -132,6 +140,46 @@ def test_ignored_vllm_flag_parses_with_one_warning(flag, caplog):
     assert args.ignored_flags == tuple(warnings)
 
 
+def test_prefix_caching_flags_as_vllm():
+    """On unless turned off (vLLM's default), in either spelling; vLLM's hash names; no warning:
+    --no-enable-prefix-caching is a real flag now, not an ignored one."""
+    for argv, expected in (([], None), (["--enable-prefix-caching"], True), (["--no-enable-prefix-caching"], False),
+                           (["--no_enable_prefix_caching"], False),
+                           (["--no-enable-prefix-caching", "--enable-prefix-caching"], True)):  # the last one counts
+        args = parse_args(argv)
+        assert (args.engine.enable_prefix_caching, args.ignored_flags) == (expected, ()), argv
+    assert not {"--enable-prefix-caching", "--no-enable-prefix-caching"} & set(IGNORED_FLAGS)
+    for algo in ("sha256", "sha256_cbor"):  # the standard library's and cbor2 (a dependency): always there
+        assert parse_args(["--prefix-caching-hash-algo", algo]).engine.prefix_caching_hash_algo == algo
+    assert parse_args(["--num-prefix-snapshots", "3"]).engine.num_prefix_snapshots == 3
+
+
+@pytest.mark.parametrize("algo", ["xxhash", "xxhash_cbor"])
+@pytest.mark.parametrize("installed", [True, False])
+def test_xxhash_algos_work_exactly_when_xxhash_imports(algo, installed, monkeypatch, capsys):
+    if installed:
+        pytest.importorskip("xxhash")
+    else:
+        monkeypatch.setitem(sys.modules, "xxhash", None)  # `import xxhash` raises ImportError
+    argv = ["--prefix-caching-hash-algo", algo]
+    if installed:
+        assert parse_args(argv).engine.prefix_caching_hash_algo == algo
+    else:
+        line = _error_line(argv, capsys)
+        assert "--prefix-caching-hash-algo" in line and "pip install xxhash" in line
+
+
+@pytest.mark.parametrize("value, on", [("1", True), ("0", False), ("", False), (" 2 ", True)])
+def test_dev_mode_is_vllms_integer_environment_switch(value, on, monkeypatch):
+    monkeypatch.setenv(DEV_MODE_ENV, value)
+    assert parse_args([]).dev_mode is on
+
+
+def test_a_dev_mode_that_is_not_an_integer_is_one_line_naming_it(monkeypatch, capsys):
+    monkeypatch.setenv(DEV_MODE_ENV, "yes")
+    assert DEV_MODE_ENV in _error_line([], capsys)
+
+
 def test_every_help_states_the_default():
     actions = [a for a in build_parser()._actions if a.dest != "help"]
     assert [a.dest for a in actions if "default" not in (a.help or "")] == []
@@ -158,7 +206,10 @@ def test_every_help_states_the_default():
     (["--max-model", "10"], "--max-model"),  # no prefix matching of --max-model-len
     (["--dtype", "half"], "--dtype"),
     (["--speculative-config", '{"method": "mtp"}'], "--speculative-config"),
-    (["--enable-prefix-caching"], "--enable-prefix-caching"),
+    (["--prefix-caching-hash-algo", "md5"], "--prefix-caching-hash-algo"),
+    (["--prefix-caching-hash-algo", "builtin"], "--prefix-caching-hash-algo"),  # vLLM's old default, gone there too
+    (["--num-prefix-snapshots", "0"], "--num-prefix-snapshots"),
+    (["--enable-prefix-caching=yes"], "--enable-prefix-caching"),
     (["--attention-backend", "FLASHINFER"], "--attention-backend"),
     (["--kv-cache-dtype", "int8"], "--kv-cache-dtype"),
     (["-tp", "0"], "--tensor-parallel-size"),

@@ -14,7 +14,8 @@ IDLE = EngineStats(num_requests_running=0, num_requests_waiting=0, kv_cache_usag
 
 # The exposed sample names a vLLM dashboard queries (vLLM's PrometheusStatLogger), with their family type.
 GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")
-COUNTERS = ("vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:num_preemptions_total")
+COUNTERS = ("vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:num_preemptions_total",
+            "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total")
 HISTOGRAMS = (
     "vllm:time_to_first_token_seconds",
     "vllm:inter_token_latency_seconds",
@@ -145,6 +146,27 @@ def test_engine_gauges_and_preemptions_are_read_at_scrape_time():
     assert value(s, "vllm:kv_cache_usage_perc") == 0.875
     assert value(s, "vllm:num_preemptions_total") == 4
     assert len(calls) == 2  # one consistent snapshot per scrape
+
+
+def test_prefix_cache_counters_are_the_engines_cumulative_tokens_with_vllms_help():
+    """vllm:prefix_cache_queries_total / _hits_total are EngineStats' token counts as they are at
+    the scrape (the scheduler keeps the running sums), under vLLM's names and help texts, so its
+    hit-rate query (rate(hits) / rate(queries)) reads the same here."""
+    current = [IDLE]
+    m = ServerMetrics(MODEL, lambda: current[0])
+    s = scrape(m)
+    assert (value(s, "vllm:prefix_cache_queries_total"), value(s, "vllm:prefix_cache_hits_total")) == (0, 0)
+    # Two prompts of 1000 tokens: the first misses, the second finds its leading 768 (three blocks of 256).
+    current[0] = EngineStats(num_requests_running=1, num_requests_waiting=0, kv_cache_usage_perc=0.5,
+                             num_preemptions_total=0, prefix_cache_queries_total=2000, prefix_cache_hits_total=768)
+    s = scrape(m)
+    assert (value(s, "vllm:prefix_cache_queries_total"), value(s, "vllm:prefix_cache_hits_total")) == (2000, 768)
+    body, _ = m.render()
+    families = {f.name: f for f in text_string_to_metric_families(body.decode())}
+    assert families["vllm:prefix_cache_queries"].type == families["vllm:prefix_cache_hits"].type == "counter"
+    assert families["vllm:prefix_cache_queries"].documentation == \
+        "Prefix cache queries, in terms of number of queried tokens."
+    assert families["vllm:prefix_cache_hits"].documentation == "Prefix cache hits, in terms of number of cached tokens."
 
 
 def test_two_instances_share_nothing():

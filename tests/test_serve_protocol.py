@@ -344,6 +344,16 @@ def test_stream_options_only_with_stream():
 # ---- tools, formats, template options -----------------------------------------------------------
 
 
+def test_prompt_tokens_details_follow_the_server_flag_on_both_endpoints():
+    """--enable-prompt-tokens-details is the server's, not the request's: no body field turns it on
+    or off (vLLM has none either), and both endpoints, streamed or not, carry the server's setting."""
+    details = dataclasses.replace(LIMITS, prompt_tokens_details=True)
+    for parse, body in ((parse_chat_request, {"messages": USER}), (parse_completion_request, {"prompt": "Hi"})):
+        for stream in (False, True):
+            assert parse({**body, "stream": stream}, LIMITS).prompt_tokens_details is False
+            assert parse({**body, "stream": stream}, details).prompt_tokens_details is True
+
+
 def test_tool_choice_defaults_and_vllm_auto_rule():
     assert (chat().tool_choice, chat().tools) == (ToolChoice("none"), None)
     request = chat(AUTO_TOOLS, tools=[TOOL])

@@ -74,7 +74,8 @@ class _Latest:
 class EngineClient(Protocol):
     """What the server needs of an engine, and all it may use: requests in (`add_request`, whose
     outputs stream back), out (`abort_now`), the numbers it reports (`stats`, `num_waiting`), the
-    limits and tokenizer requests are checked against, and the life cycle."""
+    limits and tokenizer requests are checked against, emptying the prefix cache
+    (`reset_prefix_cache`), and the life cycle."""
 
     max_model_len: int
     tokenizer: Any
@@ -91,6 +92,8 @@ class EngineClient(Protocol):
     def abort_now(self, request_id: str) -> None: ...
 
     def stats(self) -> EngineStats: ...
+
+    async def reset_prefix_cache(self) -> bool: ...
 
     async def start(self) -> None: ...
 
@@ -175,7 +178,15 @@ class AsyncLLMEngine:
     def stats(self) -> EngineStats:
         scheduler = self.engine.scheduler
         return EngineStats(scheduler.num_running, self.num_waiting, scheduler.kv_cache_usage,
-                           scheduler.num_preemptions)
+                           scheduler.num_preemptions, prefix_cache_queries_total=scheduler.prefix_cache_queries,
+                           prefix_cache_hits_total=scheduler.prefix_cache_hits)
+
+    async def reset_prefix_cache(self) -> bool:
+        """Empty the prefix cache: True once done; False, with nothing changed, while a request
+        is queued or running (`LLMEngine.reset_prefix_cache`). Under the lock, so no step's host
+        work is halfway through the tables it clears (held for host work only: a short wait)."""
+        with self._work:
+            return self.engine.reset_prefix_cache()
 
     @property
     def num_unfinished(self) -> int:

@@ -283,7 +283,8 @@ class LLMEngine:
             raise RequestRejected(
                 f"min_tokens ({params.min_tokens}) exceeds the {max_tokens} tokens this request can generate "
                 f"(max_model_len {self.max_model_len} minus the prompt's {len(ids)})", "min_tokens")
-        request = Request(request_id, ids, max_tokens, sampling_params=params)
+        request = Request(request_id, ids, max_tokens, sampling_params=params,
+                          skip_prefix_cache=params.prompt_logprobs is not None)
         self.scheduler.check(request)  # may refuse: blocks the pool can never give
         mask, grammar = self._token_mask(params, ids)
         if grammar is None:

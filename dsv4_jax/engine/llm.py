@@ -135,6 +135,11 @@ class LLM:
         """On the leader of a multi-node run: release the followers (their `follow` returns)."""
         self.engine.stop_followers()
 
+    def reset_prefix_cache(self) -> bool:
+        """Empty the prefix cache (vLLM's `LLM.reset_prefix_cache`), e.g. to time a cold prompt:
+        True once done. Between `generate` calls nothing runs, so it is always done then."""
+        return self.engine.reset_prefix_cache()
+
     # ---- generation -------------------------------------------------------------------------------
     def _prompts(self, prompts) -> list[tuple[str | None, list[int]]]:
         from dsv4_jax.chat.tokenizer import encode_prompt
@@ -203,8 +208,10 @@ class LLM:
                 completions.append(o.outputs[0])
             # The phases of the first choice: its children arrive together, as vLLM's parent request.
             # The engine's prompt ids: truncate_prompt_tokens may have cut them.
+            # Its cached prompt tokens are the first choice's too: the prompt is counted once.
             results.append(RequestOutput(base, text, outs[0].prompt_token_ids, outs[0].prompt_logprobs, completions, True, outs[0].metrics,
-                                         next((o.error for o in outs if o.error), None)))
+                                         next((o.error for o in outs if o.error), None),
+                                         num_cached_tokens=outs[0].num_cached_tokens))
         return results
 
     def _run(self, total: int, use_tqdm) -> dict[str, RequestOutput]:

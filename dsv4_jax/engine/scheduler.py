@@ -451,6 +451,8 @@ class Scheduler:
         """(k, hash): the deepest block boundary k * block_size, before the request's last token,
         whose blocks are all cached on `rank` and whose state has a snapshot, and the hash of the
         block ending there; (0, None) for none. Nothing is touched."""
+        if request.skip_prefix_cache:
+            return 0, None
         hashes = self._block_hashes(request, request.num_tokens - 1)
         pool = self.snapshot_pools[rank]
         for k in range(self.block_managers[rank].num_cached_prefix(hashes), 0, -1):
