@@ -137,6 +137,30 @@ def add_dense_reference(model, requests: list[dict]) -> None:
 ALLOWED = [5, 9, 17, 33]  # allowed_token_ids of the constrained generation
 
 
+def snapshot_copy(runner) -> str:
+    """The prefix cache's copies on the mesh (run under a shard_map, each rank between its own
+    slots and snapshots): snapshot slot 0 of the last data-parallel rank at position `window`,
+    restore it into slot 1 of that rank. Only that rank's slot-1 ring rows [1, window) and
+    CSA / indexer state may change, to slot 0's; "ok" or what differs."""
+    lay, rank = runner.layout, runner.dp - 1
+    h = lay.window
+    before = jax.tree.map(np.array, runner.cache)
+    runner.take_snapshots([(rank, 0, 0, h)])
+    runner.restore_snapshots([(rank, 1, 0, h)])
+    after = jax.tree.map(np.asarray, runner.cache)
+    expected = jax.tree.map(np.copy, before)
+    first = rank * lay.num_sliding_blocks  # the rank's blocks, then its slots' rings
+    for leaf in jax.tree.leaves(expected.sliding.kv):
+        leaf[:, first + lay.sliding_ring, 1:h] = leaf[:, first, 1:h]
+    for state in (expected.csa_state, expected.csa_indexer_state):
+        for leaf in (state.kv, state.score):
+            leaf[:, rank * lay.num_seq_slots + 1] = leaf[:, rank * lay.num_seq_slots]
+    wrong = [str(path) for path, a, b in zip(jax.tree_util.tree_flatten_with_path(after)[0],
+                                             jax.tree.leaves(after), jax.tree.leaves(expected))
+             if not np.array_equal(a, b, equal_nan=True)]
+    return "ok" if not wrong else f"differs: {wrong}"
+
+
 def run_engine(path: str, parallel: ParallelConfig) -> dict:
     """Greedy generation through `LLM` on `parallel`'s mesh (see the module doc for the record)."""
     llm = LLM(
@@ -174,6 +198,7 @@ def run_engine(path: str, parallel: ParallelConfig) -> dict:
         "constrained_tokens": [out.outputs[0].token_ids for out in constrained],
         "idle_after": llm.engine.scheduler.num_running + llm.engine.scheduler.num_waiting,
         "built_while_serving": built_while_serving,
+        "snapshot_copy": snapshot_copy(runner),
     }
 
 

@@ -253,6 +253,13 @@ def test_token_masks_hold_on_every_mesh(worker):
         assert any(len(set(t)) > 1 for t in tokens), (label, tokens)
 
 
+def test_prefix_cache_copies_stay_inside_their_rank_on_every_mesh(worker):
+    """Prefix caching is on by default: the engine's snapshot copies, under the mesh's shard_map,
+    move exactly one rank's rows between its own slots (sharding_worker.snapshot_copy)."""
+    assert {label: engine["snapshot_copy"] for label, engine in worker["engine"].items()} == {
+        label: "ok" for label in worker["engine"]}
+
+
 def test_nothing_compiles_while_serving_on_a_mesh(worker):
     """Warm-up compiles the step, the sampler and the placeholder filling for the shardings steps
     really have (the step's logits, samples replicated on the mesh): generating builds nothing."""

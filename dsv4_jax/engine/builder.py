@@ -81,7 +81,7 @@ def build_engine(config: EngineConfig, *, block_manager_factory: Callable[..., A
             with _phase(timings, "warm-up", progress, "compiling"):
                 compiled = engine.warmup(progress=lambda what, done, total: progress(f"compiling {what}", done, total))
             logger.info("warm-up: %d compiles in %.1fs", compiled, time.perf_counter() - start)
-            needed = _activations_beyond(engine, plan, config.num_prefix_snapshots * config.snapshot_bytes)
+            needed = _activations_beyond(engine, plan)
             if needed is None:
                 break
             if reserved is not None:  # measured at these pools already: cannot happen twice
@@ -290,12 +290,12 @@ def largest_buckets(buckets):
     return StepBuckets(prefill=(max(buckets.prefill, key=lambda b: (b[0] * b[1], b[0])),), decode=(max(buckets.decode),))
 
 
-def _activations_beyond(engine, plan, snapshot_bytes: int) -> int | None:
+def _activations_beyond(engine, plan) -> int | None:
     """The warmed-up programs' activations (their executables' buffer assignment: nothing is
     compiled) where they exceed what the plan reserved, else None (and on CPU, where nothing is
     reserved; and where the backend reports no figures for executables read back from the program
     cache: they passed this check when they were built). The plan's reservation holds the prefix
-    cache's `snapshot_bytes` besides the activations."""
+    cache's snapshots besides the activations."""
     if plan.device_memory_bytes is None:
         return None
     from dsv4_jax.engine.activations import engine_activations
@@ -305,4 +305,4 @@ def _activations_beyond(engine, plan, snapshot_bytes: int) -> int | None:
     except RuntimeError as error:  # ProgramMemory.of: no memory analysis
         logger.info("the warmed-up programs' memory was not checked against the reservation: %s", error)
         return None
-    return needed if needed > plan.reserved_bytes - snapshot_bytes else None
+    return needed if needed > plan.reserved_bytes - engine.runner.snapshot_bytes_per_device else None

@@ -379,7 +379,11 @@ class Scheduler:
             self._add_prefills(rank, plan, preempted)
         else:
             plan = _StepPlan(c.max_prefill_rows, c.max_num_batched_tokens)
-            self._add_prefills(rank, plan, preempted)
+            # The decodes come after the prefills here: an admission must leave them the blocks
+            # they grow into, or their rows would preempt the request just admitted.
+            bm = self.block_managers[rank]
+            growth = sum(1 for r in decodes if bm.blocks_for(r.num_computed_tokens + 1) > len(r.compressed_blocks))
+            self._add_prefills(rank, plan, preempted, reserved=growth)
             self._add_decodes(rank, plan, decodes, preempted)
         return plan
 
@@ -390,7 +394,9 @@ class Scheduler:
             if request.status is RequestStatus.RUNNING:  # not preempted by an earlier row
                 self._add_running(rank, plan, request, 1, preempted)
 
-    def _add_prefills(self, rank: int, plan: _StepPlan, preempted: list[str]) -> None:
+    def _add_prefills(self, rank: int, plan: _StepPlan, preempted: list[str], reserved: int = 0) -> None:
+        """Running prefills' next chunks, then admissions first come, first served; `reserved`
+        blocks are kept free for rows added after these."""
         c, running, waiting = self.config, self._running[rank], self._waiting[rank]
         for request in [r for r in running if r.num_tokens - r.num_computed_tokens > 1
                         and r.num_output_tokens < r.max_tokens]:
@@ -401,7 +407,7 @@ class Scheduler:
                 self._add_running(rank, plan, request, self._chunk(request, request.num_computed_tokens, n),
                                   preempted)
         bm = self.block_managers[rank]
-        promised = self._promised_blocks(rank)
+        promised = self._promised_blocks(rank) + reserved
         while waiting and not plan.full and len(running) < c.max_num_seqs and bm.num_free_slots:
             request = waiting[0]
             if request.num_output_tokens >= request.max_tokens:  # preempted with its last token pending
