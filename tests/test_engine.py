@@ -660,7 +660,9 @@ def test_penalties_follow_the_full_forwards_logits_under_vllms_rules(llm, monkey
     ({"max_num_batched_tokens": 0}, "max_num_batched_tokens"),
     ({"block_size": 0}, "block_size"),
     ({"seed": 1.5}, "seed"),
-    ({"enable_prefix_caching": True}, "enable_prefix_caching"),
+    ({"enable_prefix_caching": "yes"}, "enable_prefix_caching"),
+    ({"num_prefix_snapshots": 0}, "num_prefix_snapshots"),
+    ({"prefix_caching_hash_algo": "md5"}, "prefix_caching_hash_algo"),
 ])
 def test_bad_llm_arguments_fail_before_anything_is_loaded(tmp_path, kwargs, field):
     # The model directory does not exist: an argument checked after loading would fail on it instead.

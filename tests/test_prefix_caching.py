@@ -4,7 +4,9 @@ request computed from scratch, and what the cache holds is accounted for.
 The reference for a request is the same engine with its cache emptied (`reset_prefix_cache`), so
 that it misses: the same compiled programs, only the prefix's computation differs. The tiny
 model has a sliding window of 4 and compression windows of 4 (CSA) and 16 (HCA); blocks are 128
-tokens, so every hit is longer than the window and than several compression windows.
+tokens, so every hit is longer than the window and than several compression windows. The engine
+is tests/test_engine.py's (`tiny_engine_args`) with caching on: the same layout and buckets, so
+its steps and sampler are the programs that file compiled (caching adds the two snapshot copies).
 """
 
 from __future__ import annotations
@@ -21,9 +23,8 @@ from conftest import TINY_ENGINE_LAYERS, capped_block_manager, tiny_engine_args 
 
 CONFIG = get_config("dsv4-tiny-test").replace(**TINY_ENGINE_LAYERS)
 BLOCK = 128
-USABLE_BLOCKS = 10  # of the pool's 16: four running requests of up to 3 blocks each preempt
-ARGS = {**tiny_engine_args(), "max_model_len": 512, "num_gpu_blocks_override": 16, "enable_prefix_caching": True,
-        "num_prefix_snapshots": 6}
+USABLE_BLOCKS = 6  # of the pool's 10: four running requests of up to 2 blocks each preempt
+ARGS = {**tiny_engine_args(), "enable_prefix_caching": True, "num_prefix_snapshots": 4}
 GAP = 1e-3  # top-1/top-2 logprob gap below which two runs may pick different tokens
 LOGPROB_TOL = 1e-4
 
@@ -65,14 +66,14 @@ def _assert_same_run(got, want) -> int:
     return len(b.token_ids)
 
 
-BASE = _tokens(1, 420)
+BASE = _tokens(1, 240)
 TAIL = _tokens(2, 40)
 CASES = {  # (the request that fills the cache, the request that hits, the tokens it should find cached)
-    "the hit ends at a block boundary": (BASE[:300], BASE[:256] + TAIL[:30], 256),
-    "the prompts diverge inside a block": (BASE[:300], BASE[:200] + TAIL, 128),
-    "a prompt equal to a cached one": (BASE[:300], BASE[:300], 256),
-    "a cached prompt of whole blocks keeps its last token to compute": (BASE[:256], BASE[:256], 128),
-    "three blocks": (BASE[:400], BASE[:390] + TAIL[:20], 384),
+    "the hit ends at a block boundary": (BASE[:200], BASE[:128] + TAIL[:30], 128),
+    "the prompts diverge inside the second block": (BASE[:200], BASE[:170] + TAIL, 128),
+    "the prompts diverge inside the first block": (BASE[:200], BASE[:100] + TAIL, 0),
+    "a prompt equal to a cached one": (BASE[:200], BASE[:200], 128),
+    "a cached prompt of one whole block keeps its last token to compute": (BASE[:128], BASE[:128], 0),
 }
 
 
@@ -111,11 +112,11 @@ def test_evicted_blocks_and_snapshots_are_recomputed_exactly(llm):
     want = _miss(llm, prompt)
     _generate(llm, [seed])
     scheduler = llm.engine.scheduler
-    for k in range(4):  # 4 x (3 blocks, 2 snapshots) of other prefixes: more than the 10 blocks and 6 snapshots
-        _generate(llm, [_tokens(100 + k, 300)], max_tokens=2)
+    for k in range(6):  # 6 x (2 blocks, 1 snapshot) of other prefixes: more than the 6 blocks and 4 snapshots
+        _generate(llm, [_tokens(100 + k, 200)], max_tokens=2)
     assert scheduler.block_managers[0].num_cached_blocks <= USABLE_BLOCKS
     (got,) = _generate(llm, [prompt])
-    assert got.num_cached_tokens < 256
+    assert got.num_cached_tokens == 0
     assert _assert_same_run(got, want) >= 8
     scheduler.check_invariants()
 
@@ -149,13 +150,13 @@ def test_64_requests_from_a_prefix_tree_with_aborts_and_preemptions_leave_nothin
     engine, scheduler = llm.engine, llm.engine.scheduler
     assert llm.reset_prefix_cache()
     rng = np.random.default_rng(64)
-    roots = [_tokens(200 + k, 300) for k in range(3)]
+    roots = [_tokens(200 + k, 200) for k in range(3)]
     prompts, params = {}, {}
     for i in range(64):
         root = roots[rng.integers(3)]
-        keep = int(rng.integers(1, 300))
-        prompts[f"r{i}"] = root[:keep] + _tokens(300 + i, int(rng.integers(1, 60)))
-        params[f"r{i}"] = SamplingParams(max_tokens=int(rng.integers(1, 120)), temperature=0.0, logprobs=2,
+        keep = int(rng.integers(1, 200))
+        prompts[f"r{i}"] = root[:keep] + _tokens(300 + i, int(rng.integers(1, 30)))
+        params[f"r{i}"] = SamplingParams(max_tokens=int(rng.integers(1, min(80, 256 - len(prompts[f"r{i}"])))), temperature=0.0, logprobs=2,
                                          ignore_eos=True)
     queries, hits = scheduler.prefix_cache_queries, scheduler.prefix_cache_hits
     preemptions = scheduler.num_preemptions

@@ -567,14 +567,15 @@ def _feed(runner, rows_by_step):
     return [np.asarray(runner.step(rows).logits)[: len(rows)] for rows in rows_by_step]
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["float32", "bfloat16", "fp8_ds_mla"])
+@pytest.mark.parametrize("kv_cache_dtype", ["bfloat16", "fp8_ds_mla"])
 def test_a_snapshot_taken_at_a_boundary_and_restored_into_another_slot_continues_bit_for_bit(
         rounded_checkpoint, kv_cache_dtype):
     """The runner's own copies (kv_cache/snapshots.py), not a host copy: a prefix computed in slot 0
     up to block boundary h is snapshotted, slot 1 runs another sequence (its ring and compressor
     rows are someone else's), then gets the snapshot and the prefix's blocks, and continues. Its
     logits equal slot 0's own continuation bit for bit, on the same backend and dtype, whatever
-    the cache rounds; in float32 they also equal the full forward."""
+    the cache rounds. (In float32 a hit equals a miss and the full forward: the premise test above
+    and tests/test_prefix_caching.py.)"""
     dense = dsv4_jax.load_model(rounded_checkpoint)
     runner = ModelRunner(dense, _layout(ROUNDED, kv_cache_dtype, slots=2, max_model_len=256),
                          buckets=StepBuckets(prefill=((2, 16),), decode=(2,)), num_prefix_snapshots=2)
@@ -593,9 +594,6 @@ def test_a_snapshot_taken_at_a_boundary_and_restored_into_another_slot_continues
     runner.cache = _copy(saved)
     original = _feed(runner, [[StepRow(0, t, [ids[0][t]], [0, 5])] for t in range(h, h + tail)])
     np.testing.assert_array_equal(np.concatenate(restored), np.concatenate(original))
-    if kv_cache_dtype == "float32":
-        full = np.asarray(dense(np.array(ids[:1], np.int32)))[0]
-        assert relative_error(np.concatenate(restored), full[h : h + tail]) <= EXACT
     # Without the restore, slot 1's own rows give other logits: the copy is what made them equal.
     runner.cache = saved
     unrestored = _feed(runner, [[StepRow(1, h, [ids[0][h]], [0, 4])]])

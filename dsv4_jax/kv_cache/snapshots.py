@@ -68,8 +68,9 @@ def snapshot_bytes(layout: PagedCacheLayout) -> int:
 
 
 def init_snapshots(layout: PagedCacheLayout, num_snapshots: int) -> PrefixSnapshots:
-    """Zeroed snapshots (their contents are only read once written)."""
-    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), abstract_snapshots(layout, num_snapshots))
+    """Zeroed snapshots (their contents are only read once written), made by one program."""
+    shapes = abstract_snapshots(layout, num_snapshots)
+    return jax.jit(lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes))()
 
 
 def snapshot_partition_specs(snapshots: PrefixSnapshots, data_axis: str | None) -> PrefixSnapshots:
