@@ -45,7 +45,7 @@ def mtp_case(tmp_path_factory):
     stats: dict = {}
     expected = ref.mtp_logits(streams64, next_ids, weights, cfg, stats=stats)
     return dict(cfg=cfg, weights=weights, streams=streams64, next_ids=next_ids, ours=ours,
-                expected=expected, stats=stats)
+                expected=expected, stats=stats, model=model)
 
 
 def test_mtp_logits_match_numpy_reference(mtp_case):
@@ -71,3 +71,46 @@ def test_reference_comparison_has_teeth(mtp_case, mutation):
     gap = np.abs(c["ours"] - mutated).max()
     print(f"{mutation}: max |ours - mutated reference| = {gap:.3e}")
     assert gap > 100 * TOLERANCE, f"mutation {mutation} moves the logits by only {gap:.3e}"
+
+
+def test_the_drafter_on_the_paged_cache_equals_the_whole_sequence_mtp(mtp_case, tmp_path):
+    """The MTP block as a drafter runs on the paged cache (`DeepseekV4.mtp_step`): its own
+    sliding-window KV, written at the main step's positions, read by later chunks and decode
+    steps. Prefill chunks then decode steps, across several windows, give the whole-sequence
+    `mtp_logits` at every position (float32 cache: within 1e-5 x max |logits|)."""
+    import jax
+    from flax import nnx
+
+    from dsv4_jax.engine.runner import ModelRunner, StepBuckets, StepRow
+    from dsv4_jax.testing import paged_layout
+
+    model = mtp_case["model"]
+    config = model.config
+    assert config.num_nextn_predict_layers == 1
+    layout = paged_layout(config, "float32", slots=2, max_model_len=256, num_mtp_layers=1)
+    assert config.num_hidden_layers in layout.sliding_layers  # the MTP layer has its own window pool
+    runner = ModelRunner(model, layout, buckets=StepBuckets(prefill=((2, 16),), decode=(2,)))
+    graphdef, weights_def, options, ctx = runner.graphdef, runner.weights_def, model.options, runner.ctx
+
+    def drafter(weights, cache, streams, next_ids, seqs):
+        m = nnx.merge(graphdef, jax.tree.unflatten(weights_def, weights))
+        h, cache = m.mtp_step(streams, next_ids, seqs, cache, options, ctx)
+        return m.logits_from_streams(h, m.mtp[0]), cache
+
+    drafter = jax.jit(drafter, donate_argnums=1)
+    ids = np.random.default_rng(7).integers(0, config.vocab_size, size=45)
+    n = 44  # positions 0..43, each with its next token known
+    want = np.asarray(model.mtp_logits(model.hidden_streams(ids[None, :n]), ids[None, 1 : n + 1]))[0]
+    got, start = [], 0
+    for length in [16, 16, *([1] * (n - 32))]:
+        rows = [StepRow(0, start, ids[start : start + length].tolist(), [0])]
+        bucket, tokens, seqs = runner.build(rows)
+        out = runner.run(bucket, tokens, seqs, len(rows))
+        next_ids = np.zeros(bucket, np.int32)
+        next_ids[0, :length] = ids[start + 1 : start + length + 1]
+        logits, runner.cache = drafter(runner.weights, runner.cache, out.streams, next_ids, seqs)
+        got.append(np.asarray(logits)[0, :length])
+        start += length
+    got = np.concatenate(got)
+    assert got.shape == want.shape and n > 2 * config.sliding_window
+    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()

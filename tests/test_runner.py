@@ -569,30 +569,27 @@ def _feed(runner, rows_by_step):
 
 def test_a_snapshot_taken_at_a_boundary_and_restored_into_another_slot_continues_bit_for_bit(model):
     """The runner's own copies (kv_cache/snapshots.py), not a host copy, in the rounded caches: a
-    prefix computed in slot 0 up to block boundary h is snapshotted, slot 1 runs another sequence
-    (its ring and compressor rows are someone else's), then gets the snapshot and the prefix's
-    blocks, and continues. Its logits equal slot 0's own continuation bit for bit, on the same
-    backend and dtype, whatever the cache rounds. (In float32 a hit equals a miss and the full
-    forward: the premise test above and tests/test_prefix_caching.py.)"""
+    prefix computed in slot 0 up to block boundary h is snapshotted; slots 1 and 2 run other
+    sequences (their rings and compressor rows are someone else's); slot 1 gets the snapshot.
+    Then slots 0, 1 and 2 continue the prefix side by side, sharing its block: slot 1's logits
+    equal slot 0's bit for bit, on the same backend and dtype, whatever the cache rounds; slot 2,
+    not restored, gives others. (In float32 a hit equals a miss and the full forward: the premise
+    test above and tests/test_prefix_caching.py.)"""
     ids = np.random.default_rng(8).integers(0, CONFIG.vocab_size, size=(2, BLOCK + 24)).tolist()
     h, tail = BLOCK, 24
     for kv_cache_dtype in ("bfloat16", "fp8_ds_mla"):
-        runner = ModelRunner(model, _layout(CONFIG, kv_cache_dtype, slots=2, max_model_len=256),
-                             buckets=StepBuckets(prefill=((2, 16),), decode=(2,)), num_prefix_snapshots=2)
+        runner = ModelRunner(model, _layout(CONFIG, kv_cache_dtype, slots=3, max_model_len=256),
+                             buckets=StepBuckets(prefill=((2, 16),), decode=(4,)), num_prefix_snapshots=2)
         runner.compile_buckets(scoring=False)
         # The prefix in slot 0 (block 0), 16 tokens a step, ending exactly at h; then its snapshot.
         _feed(runner, [[StepRow(0, s, ids[0][s : s + 16], [0])] for s in range(0, h, 16)])
         runner.take_snapshots([(0, 0, 1, h)])
-        # Another sequence fills slot 1's ring and compressor rows (blocks 2, 3).
-        _feed(runner, [[StepRow(1, s, ids[1][s : s + 16], [2, 3])] for s in range(0, h + 16, 16)])
-        saved = _copy(runner.cache)  # steps and restores are donated the cache: each run below starts from a copy
-        runner.cache = _copy(saved)
+        # Another sequence fills slots 1 and 2 (blocks 2, 3 and 4, 5); then slot 1 gets the snapshot.
+        _feed(runner, [[StepRow(1, s, ids[1][s : s + 16], [2, 3]), StepRow(2, s, ids[1][s : s + 16], [4, 5])]
+                       for s in range(0, h + 16, 16)])
         runner.restore_snapshots([(0, 1, 1, h)])
-        restored = _feed(runner, [[StepRow(1, t, [ids[0][t]], [0, 4])] for t in range(h, h + tail)])
-        runner.cache = _copy(saved)
-        original = _feed(runner, [[StepRow(0, t, [ids[0][t]], [0, 5])] for t in range(h, h + tail)])
-        np.testing.assert_array_equal(np.concatenate(restored), np.concatenate(original), err_msg=kv_cache_dtype)
-        # Without the restore, slot 1's own rows give other logits: the copy is what made them equal.
-        runner.cache = saved
-        unrestored = _feed(runner, [[StepRow(1, h, [ids[0][h]], [0, 4])]])
+        steps = _feed(runner, [[StepRow(slot, t, [ids[0][t]], [0, 6 + slot]) for slot in range(3)]
+                               for t in range(h, h + tail)])
+        original, restored, unrestored = (np.stack([step[slot] for step in steps]) for slot in range(3))
+        np.testing.assert_array_equal(restored, original, err_msg=kv_cache_dtype)
         assert not np.array_equal(unrestored[0], original[0]), kv_cache_dtype

@@ -267,6 +267,30 @@ class DeepseekV4(nnx.Module):
         return self.logits_from_streams(h, mtp)
 
 
+    def mtp_step(
+        self,
+        streams: jax.Array,  # [batch, S, hc_mult, hidden]: the main model's step streams at positions t
+        next_ids: jax.Array,  # [batch, S] int32: the token at t + 1 for each position t
+        seqs: StepSequences,  # the main step's rows (positions t)
+        cache: PagedKVCache,  # a layout with the MTP layers (`num_mtp_layers`)
+        options: ForwardOptions,
+        ctx: CacheStep,
+        depth: int = 0,
+    ) -> tuple[jax.Array, PagedKVCache]:  # the MTP block's streams before its hc_head, the cache
+        """`mtp_logits` on the paged cache, the drafter's path: the MTP block is a sliding layer
+        (the layout's layer num_hidden_layers + depth) with its own window KV, written at the
+        main step's positions, so a chunk reads the MTP rows of earlier steps as the main
+        layers read theirs. Its logits: `logits_from_streams(streams, self.mtp[depth])`."""
+        mtp = self.mtp[depth]
+        dtype = options.jnp_dtype
+        e = mtp.enorm(self.embed(next_ids, dtype))
+        h = mtp.h_proj(mtp.hnorm(streams.astype(dtype))) + mtp.e_proj(e)[:, :, None, :]
+        inv_freq = self.rope_frequencies()[0]  # the MTP layer is a sliding layer
+        rotation = (*rope_angles(seqs.positions, inv_freq), inv_freq)
+        place = ctx.places(np.array(self.config.num_hidden_layers + depth))
+        return mtp.step(h, next_ids, rotation, cache, ctx, seqs, place, options)
+
+
 def check_token_ids(token_ids: np.ndarray, vocab_size: int) -> None:
     """JAX clamps out-of-range gathers silently, so ids are checked on the host."""
     if token_ids.size and (token_ids.min() < 0 or token_ids.max() >= vocab_size):
