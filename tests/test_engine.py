@@ -883,3 +883,8 @@ def test_get_tokenizer_encodes_and_templates_as_the_engine_does(chat_llm):
     (hello,) = chat_llm.generate("Hello", SamplingParams(max_tokens=1), use_tqdm=False)
     assert tok.encode("Hello") == hello.prompt_token_ids and tok.decode(tok.encode("Hello")) == BOS + "Hello"
     assert (tok.bos_token_id, tok.eos_token_id) == (hello.prompt_token_ids[0], CONFIG.eos_token_id)
+
+
+def test_snapshots_asked_for_with_prefix_caching_off_are_refused_naming_both(tmp_path):
+    with pytest.raises(ValueError, match="num-prefix-snapshots.*no-enable-prefix-caching"):
+        LLM(str(tmp_path / "missing"), enable_prefix_caching=False, num_prefix_snapshots=4)

@@ -383,3 +383,15 @@ def test_plan_cli_leaves_out_a_layout_the_models_shapes_leave_undefined(tmp_path
     assert plan_cli.main(["--model", str(path), "--max-model-len", "1024"]) == 0
     rows = [line.split()[0] for line in capsys.readouterr().out.splitlines() if line.startswith(("fp8", "bfloat16"))]
     assert rows == ["bfloat16*"]
+
+
+def test_prefix_cache_snapshots_come_out_of_the_kv_budget_before_the_blocks():
+    """The snapshots' bytes are subtracted like the weights: the pools get that much less, and a
+    budget they leave too small names --num-prefix-snapshots."""
+    args = dict(max_model_len=8192, device_memory_bytes=100 * GiB, weight_bytes=20 * GiB, max_num_seqs=16)
+    plain = plan_capacity(FLASH, FP8, **args)
+    with_snapshots = plan_capacity(FLASH, FP8, **args, snapshot_bytes=5 * GiB)
+    assert plain.kv_budget_bytes - with_snapshots.kv_budget_bytes == 5 * GiB
+    assert with_snapshots.num_blocks["compressed"] < plain.num_blocks["compressed"]
+    with pytest.raises(ValueError, match="prefix-cache snapshots"):
+        plan_capacity(FLASH, FP8, **args, snapshot_bytes=70 * GiB)

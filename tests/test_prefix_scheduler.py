@@ -306,8 +306,13 @@ def test_thousand_requests_from_a_prefix_tree_read_only_their_own_prefix(overlap
     assert scheduler.num_preemptions > 0 and stopped > 0 and min(aborted.values()) > 0, (
         scheduler.num_preemptions, stopped, aborted)
     assert scheduler.prefix_cache_hits > 0 and device.num_restores > 0
-    assert scheduler.prefix_cache_hits == sum(start for _, start, _ in device.admissions)
-    assert scheduler.prefix_cache_queries == sum(tokens for _, _, tokens in device.admissions)
+    # The counters count each request's first admission (vLLM's): not a preempted request's again.
+    first = {}
+    for rid, start, tokens in device.admissions:
+        first.setdefault(rid, (start, tokens))
+    assert scheduler.prefix_cache_hits == sum(start for start, _ in first.values())
+    assert scheduler.prefix_cache_queries == sum(tokens for _, tokens in first.values())
+    assert len(first) < len(device.admissions)  # re-admissions happened, and were not counted
     assert {rid for rid, _, _ in device.admissions} <= set(device.requests)
     for rid, start in device.first_start.items():
         assert device.requests[rid].num_cached_tokens == start
@@ -398,7 +403,7 @@ def test_num_cached_tokens_is_set_at_first_admission_only():
         restarts += [row.start for row in output.rows if row.request is new and row.restore >= 0]
     assert new.num_preemptions >= 1 and restarts and max(restarts) > 0
     assert new.num_cached_tokens == 0 and old.num_cached_tokens == 0
-    assert device.scheduler.prefix_cache_hits == sum(restarts)
+    assert device.scheduler.prefix_cache_hits == 0  # a preempted request's recompute is not counted again
     assert_all_released(device.scheduler)
 
 
@@ -449,6 +454,26 @@ def test_dp_routing_follows_the_cached_prefix_even_to_the_busier_rank():
     assert [device.requests[f"b{i}"].num_cached_tokens for i in range(3)] == [48, 48, 48]
     assert c.num_cached_tokens == 64 and d.num_cached_tokens == 0 and e.num_cached_tokens == 0
     assert_all_released(scheduler)
+
+
+def test_dp_routing_leaves_a_rank_a_full_batch_ahead_to_the_others():
+    """One warm system prompt must not pin every request to the rank that cached it: once that
+    rank holds max_num_seqs more unfinished requests than another, the next goes to the other,
+    which computes the prefix once and then hits it too."""
+    config = prefix_config(dp_size=2)
+    device = Device(Scheduler(config))
+    rng = random.Random(9)
+    system = random_tokens(rng, 48)
+    device.run("warm", system + random_tokens(rng, 5), 1)
+    warm_rank = device.requests["warm"].dp_rank
+    ranks = [device.add(f"s{i}", system + random_tokens(rng, 8), 8).dp_rank for i in range(3 * config.max_num_seqs)]
+    first_other = ranks.index(1 - warm_rank)
+    assert ranks[:first_other] == [warm_rank] * first_other and first_other == config.max_num_seqs + 1
+    device.drain()
+    hits = [device.requests[f"s{i}"].num_cached_tokens for i in range(len(ranks))]
+    assert all(h == 48 for h, r in zip(hits, ranks) if r == warm_rank)
+    assert any(h == 48 for h, r in zip(hits, ranks) if r != warm_rank)  # the other rank caught up
+    assert_all_released(device.scheduler)
 
 
 def test_dp_routing_without_any_hit_goes_to_the_least_loaded_rank():
@@ -588,4 +613,18 @@ def test_other_hash_algos_drive_the_same_hits(algo):
     prompt = random_tokens(random.Random(11), 70)
     device.run("a", prompt, 2)
     assert device.run("b", prompt, 2).num_cached_tokens == 64
+    assert_all_released(device.scheduler)
+
+
+def test_a_prefix_cached_past_its_deepest_snapshot_gets_one_there():
+    """Chunks longer than a block (48-token chunks, 16-token blocks) end past a shared 40-token
+    prefix, so the first request leaves its blocks cached but no snapshot at their end. The next
+    request's first chunk ends where the cached blocks end (a snapshot is taken there), and every
+    request after it hits all of them."""
+    device = Device(Scheduler(prefix_config(max_prefill_tokens=48)))
+    rng = random.Random(21)
+    shared = random_tokens(rng, 40)
+    for i in range(5):
+        device.run(f"r{i}", shared + random_tokens(rng, 20), 2)
+    assert [device.requests[f"r{i}"].num_cached_tokens for i in range(5)] == [0, 0, 32, 32, 32]
     assert_all_released(device.scheduler)

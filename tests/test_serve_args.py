@@ -76,7 +76,7 @@ def test_every_flag_by_its_vllm_name(tmp_path):
         "--uvicorn-log-level", "trace", "--default-chat-template-kwargs", '{"thinking": false}',
         "--max-logprobs", "0", "--max-waiting-requests", "5", "--no-web-ui", "--no-async-scheduling", "--debug",
         "--enable-force-include-usage", "--disable-access-log-for-endpoints", "/health,/v1/models",
-        "--disable-uvicorn-access-log", "--no-enable-prefix-caching", "--prefix-caching-hash-algo", "sha256_cbor",
+        "--disable-uvicorn-access-log", "--enable-prefix-caching", "--prefix-caching-hash-algo", "sha256_cbor",
         "--num-prefix-snapshots", "12", "--enable-prompt-tokens-details",
     ]
     assert parse_args(argv) == ServerArgs(
@@ -85,7 +85,7 @@ def test_every_flag_by_its_vllm_name(tmp_path):
             enable_expert_parallel=True, load_format="orbax", gpu_memory_utilization=0.5, max_num_seqs=3,
             max_num_batched_tokens=512, num_gpu_blocks_override=40, max_model_len=1024, dtype="float32",
             kv_cache_dtype="fp8", attention_backend="pallas_bf16", block_size=384, seed=-7, generation_config="vllm",
-            async_scheduling=False, enable_prefix_caching=False, prefix_caching_hash_algo="sha256_cbor",
+            async_scheduling=False, enable_prefix_caching=True, prefix_caching_hash_algo="sha256_cbor",
             num_prefix_snapshots=12,
         ),
         model_is_builtin=False, served_model_name=("deepseek-ai/DeepSeek-V4-Flash", "v4"), host="0.0.0.0", port=0,

@@ -126,6 +126,10 @@ class EngineArgs:
         if self.enable_prefix_caching is not None:
             _boolean("enable_prefix_caching", self.enable_prefix_caching)
         _positive_int("num_prefix_snapshots", self.num_prefix_snapshots, allow_none=True)
+        if self.enable_prefix_caching is False and self.num_prefix_snapshots is not None:
+            raise ValueError(f"num_prefix_snapshots={self.num_prefix_snapshots} (--num-prefix-snapshots) sizes the "
+                             "prefix cache, which enable_prefix_caching=False (--no-enable-prefix-caching) turns "
+                             "off: drop one of them")
         from dsv4_jax.engine.prefix_cache import block_hasher
 
         block_hasher(self.prefix_caching_hash_algo)  # an unknown or unavailable algorithm names the flag

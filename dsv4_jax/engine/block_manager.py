@@ -140,10 +140,10 @@ class BlockManager:
         if block_hashes:
             self._holders[request.request_id] = request
 
-    def register(self, request: Request, block_hashes: list[bytes]) -> None:
-        """Cache `request`'s full blocks under their hashes (the first len(block_hashes) blocks,
-        all computed). A hash cached already keeps its block; this request's copy stays its own."""
-        for i, block_hash in enumerate(block_hashes):
+    def register(self, request: Request, block_hashes: list[bytes], first: int = 0) -> None:
+        """Cache `request`'s full blocks first, first + 1, ... under these hashes (all computed).
+        A hash cached already keeps its block; this request's copy stays its own."""
+        for i, block_hash in enumerate(block_hashes, first):
             block = request.compressed_blocks[i]
             if block in self._hash_of or block_hash in self._cached:
                 continue

@@ -180,8 +180,7 @@ def _size_pools(config: EngineConfig, model, channel, reserved: int | None) -> t
     if memory is not None and reserved is None:
         reserved = _measure_activations(config, model, memory, weight_bytes)
     config = _with_snapshots(config, memory, weight_bytes, reserved or 0)
-    snapshots = config.num_prefix_snapshots * config.snapshot_bytes
-    config, plan = _plan(config, memory, weight_bytes, (reserved or 0) + snapshots)
+    config, plan = _plan(config, memory, weight_bytes, reserved or 0)
     layout = _layout(config, plan)
     if channel is not None:  # what every node's programs are built for: the leader's
         if config.distributed.is_leader:
@@ -233,7 +232,7 @@ def _plan(config: EngineConfig, memory: int | None, weight_bytes: int, reserved:
             config.model_config, config.kv, max_model_len=config.max_model_len, device_memory_bytes=memory,
             gpu_memory_utilization=config.args.gpu_memory_utilization, weight_bytes=weight_bytes,
             block_size=config.args.block_size, max_num_seqs=max_num_seqs, reserved_bytes=reserved,
-            mesh=MeshShape(p.tensor_parallel_size, p.data_parallel_size, p.expert_parallel_size),
+            snapshot_bytes=config.num_prefix_snapshots * config.snapshot_bytes, mesh=MeshShape(p.tensor_parallel_size, p.data_parallel_size, p.expert_parallel_size),
         )
 
     try:
@@ -294,8 +293,7 @@ def _activations_beyond(engine, plan) -> int | None:
     """The warmed-up programs' activations (their executables' buffer assignment: nothing is
     compiled) where they exceed what the plan reserved, else None (and on CPU, where nothing is
     reserved; and where the backend reports no figures for executables read back from the program
-    cache: they passed this check when they were built). The plan's reservation holds the prefix
-    cache's snapshots besides the activations."""
+    cache: they passed this check when they were built)."""
     if plan.device_memory_bytes is None:
         return None
     from dsv4_jax.engine.activations import engine_activations
@@ -305,4 +303,4 @@ def _activations_beyond(engine, plan) -> int | None:
     except RuntimeError as error:  # ProgramMemory.of: no memory analysis
         logger.info("the warmed-up programs' memory was not checked against the reservation: %s", error)
         return None
-    return needed if needed > plan.reserved_bytes - engine.runner.snapshot_bytes_per_device else None
+    return needed if needed > plan.reserved_bytes else None

@@ -241,7 +241,7 @@ class LLMEngine:
     def release_cache(self) -> None:
         """Free the KV pools now: an engine about to be replaced, whose successor's pools are
         planned to fill the same memory."""
-        for leaf in jax.tree.leaves(self.runner.cache):
+        for leaf in jax.tree.leaves((self.runner.cache, self.runner.snapshots)):
             leaf.delete()
 
     # ---- requests ---------------------------------------------------------------------------------

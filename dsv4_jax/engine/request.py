@@ -79,6 +79,7 @@ class Request:
     # the prompt tokens its first admission found cached (None until then).
     block_hashes: list[bytes] = dataclasses.field(default_factory=list)
     num_cached_tokens: int | None = None
+    num_registered_blocks: int = 0  # its leading blocks already offered to the cache (since admission)
     # Computes its whole prompt whatever is cached (its blocks are still cached for others): a
     # request for prompt logprobs, whose cached positions would have none (as vLLM).
     skip_prefix_cache: bool = False

@@ -53,8 +53,8 @@ from dsv4_jax.engine.sampler import prompt_scores
 from dsv4_jax.engine.sampling_params import MAX_LOGPROBS
 from dsv4_jax.kv_cache.paged import PagedCacheLayout, PagedKVCache, init_paged_cache, kv_planes, partition_specs
 from dsv4_jax.kv_cache.snapshots import (
-    PrefixSnapshots, copy_entries, init_snapshots, restore_snapshots, snapshot_bytes, snapshot_partition_specs,
-    take_snapshots,
+    PrefixSnapshots, abstract_snapshots, copy_entries, init_snapshots, restore_snapshots, snapshot_bytes,
+    snapshot_partition_specs, take_snapshots,
 )
 from dsv4_jax.model.cache_step import CacheStep, StepSequences
 from dsv4_jax.model.axes import DATA
@@ -101,6 +101,9 @@ class StepBuckets:
         """These buckets with every decode bucket at least `rows` rows (merging any that meet)."""
         return dataclasses.replace(self, decode=tuple(sorted({max(b, rows) for b in self.decode})))
 
+
+# Snapshot copies one device call makes per data-parallel rank at most (`ModelRunner.copies_per_rank`).
+COPIES_PER_CALL = 8
 
 # Rows of a decode step at least, on CPUs: XLA:CPU runs a one-row bf16 matmul by converting the
 # whole weight to float32 first (YNNPACK takes two rows and up), which made a one-row decode step
@@ -313,16 +316,18 @@ class ModelRunner:
 
     @property
     def copies_per_rank(self) -> int:
-        """Snapshot copies one call makes per rank at most: a step's rows."""
-        return max(rows for rows, _ in self.buckets.all)
+        """Snapshot copies one call makes per rank at most (more are split over several calls): a
+        call's scratch holds that many snapshots (V4-Flash fp8: ~4.7 MiB each), so it stays small."""
+        return min(COPIES_PER_CALL, max(rows for rows, _ in self.buckets.all))
 
     def _new_snapshots(self) -> PrefixSnapshots:
-        snapshots = init_snapshots(self.layout, self.num_prefix_snapshots * self.dp)
+        """Every rank's snapshots, each allocated on its own devices (never all on one first)."""
+        count = self.num_prefix_snapshots * self.dp
         if self.mesh is None:
-            return snapshots
-        specs = snapshot_partition_specs(snapshots, DATA)
-        return jax.device_put(snapshots, jax.tree.map(lambda spec: NamedSharding(self.mesh, spec), specs,
-                                                      is_leaf=lambda x: isinstance(x, P)))
+            return init_snapshots(self.layout, count)
+        specs = snapshot_partition_specs(abstract_snapshots(self.layout, count), DATA)
+        return init_snapshots(self.layout, count, jax.tree.map(lambda spec: NamedSharding(self.mesh, spec), specs,
+                                                                is_leaf=lambda x: isinstance(x, P)))
 
     def _copy_args(self, entries: Sequence[tuple[int, int, int, int]]) -> tuple:
         return self._put(copy_entries(list(entries), self.dp, self.copies_per_rank))
@@ -330,13 +335,24 @@ class ModelRunner:
     def take_snapshots(self, entries: Sequence[tuple[int, int, int, int]]) -> None:
         """Snapshot (rank, slot, snapshot id, boundary) entries: each slot's state at its block
         boundary, right after the step that ended there (the device runs calls in order)."""
-        args = (self.cache, self.snapshots, *self._copy_args(entries))
-        self.snapshots = self._copies.get("take", self._take)(*args)
+        for part in self._copy_calls(entries):
+            self.snapshots = self._copies.get("take", self._take)(self.cache, self.snapshots, *part)
 
     def restore_snapshots(self, entries: Sequence[tuple[int, int, int, int]]) -> None:
         """Restore (rank, slot, snapshot id, boundary) entries into slots about to resume there."""
-        args = (self.cache, self.snapshots, *self._copy_args(entries))
-        self.cache = self._copies.get("restore", self._restore)(*args)
+        for part in self._copy_calls(entries):
+            self.cache = self._copies.get("restore", self._restore)(self.cache, self.snapshots, *part)
+
+    def _copy_calls(self, entries: Sequence[tuple[int, int, int, int]]) -> list[tuple]:
+        """The arguments of each call copying `entries`, at most `copies_per_rank` a rank per call
+        (one call of padding entries for none)."""
+        per_rank: dict[int, list] = {}
+        for entry in entries:
+            per_rank.setdefault(entry[0], []).append(entry)
+        k = self.copies_per_rank
+        calls = max([-(-len(e) // k) for e in per_rank.values()], default=1)
+        return [self._copy_args([e for rank_entries in per_rank.values() for e in rank_entries[i * k : (i + 1) * k]])
+                for i in range(calls)]
 
     def _compile_snapshot_programs(self, on_done: Callable[[], None] | None) -> None:
         if not self.num_prefix_snapshots or self._copies:

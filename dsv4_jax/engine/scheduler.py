@@ -47,7 +47,9 @@ blocks under their hashes and each snapshot whose block is cached.
 
 Data parallelism: each rank has its own allocators, queues and step; a request is pinned at `add`
 to the rank holding its longest cached prefix, ties going to the rank with the fewest unfinished
-requests. Plain Python: no jax here.
+requests, among the ranks with at most `max_num_seqs` more unfinished requests than the least
+loaded (so one cached system prompt does not send every request to one rank: the others compute
+it once and hold it too). Plain Python: no jax here.
 """
 
 from __future__ import annotations
@@ -236,12 +238,13 @@ class Scheduler:
     # ---- requests in and out ----------------------------------------------------------------
     def add(self, request: Request) -> None:
         """Queue a new request on the rank holding its longest cached prefix, else (and on ties)
-        the least loaded one; refuse one that could never run."""
+        the least loaded one (module doc); refuse one that could never run."""
         self.check(request)
         ranks = range(self.config.dp_size)
         loads = [len(self._running[k]) + len(self._waiting[k]) for k in ranks]
         hits = [self._prefix_hit(k, request)[0] for k in ranks] if self.prefix_caching else [0] * len(loads)
-        request.dp_rank = min(ranks, key=lambda k: (-hits[k], loads[k]))
+        near = [k for k in ranks if loads[k] <= min(loads) + self.config.max_num_seqs]
+        request.dp_rank = min(near, key=lambda k: (-hits[k], loads[k]))
         self._waiting[request.dp_rank].append(request)
         self._requests[request.request_id] = request
         self._last_served[request.request_id] = -1
@@ -412,9 +415,14 @@ class Scheduler:
             request = waiting[0]
             if request.num_output_tokens >= request.max_tokens:  # preempted with its last token pending
                 return
-            cached, snapshot = self._prefix_hit(rank, request) if self.prefix_caching else (0, None)
+            cached, _, in_cache = self._prefix_hit(rank, request) if self.prefix_caching else (0, None, 0)
             start = cached * c.block_size
-            n = self._chunk(request, start, min(request.num_tokens - start, c.max_prefill_tokens, plan.budget_left))
+            n = min(request.num_tokens - start, c.max_prefill_tokens, plan.budget_left)
+            if in_cache > cached and (c.enable_chunked_prefill or request.output_token_ids):
+                # Cached blocks past the deepest snapshot: the chunk ends where they end, and the
+                # snapshot taken there lets later requests hit all of them.
+                n = min(n, in_cache * c.block_size - start)
+            n = self._chunk(request, start, n)
             unsplit_prompt = not c.enable_chunked_prefill and not request.output_token_ids
             # Admitted when the blocks of all it has to compute (its prompt; after a preemption, its
             # prompt and output) are free beside those promised: on its first chunk's blocks alone, a
@@ -428,7 +436,7 @@ class Scheduler:
             bm.share(request, request.block_hashes[:cached])
             if not bm.allocate_blocks(request, start + n):  # cannot fail: checked above
                 raise RuntimeError(f"request {request.request_id}: blocks counted free were not")
-            request.num_computed_tokens = start
+            request.num_computed_tokens, request.num_registered_blocks = start, cached
             if cached:
                 plan.restores[request.request_id] = self.snapshot_pools[rank].lookup(request.block_hashes[cached - 1])
             promised += whole - len(request.compressed_blocks)
@@ -453,18 +461,20 @@ class Scheduler:
             hashes.append(self._hash(hashes[-1] if hashes else self._root, ids))
         return hashes
 
-    def _prefix_hit(self, rank: int, request: Request) -> tuple[int, bytes | None]:
-        """(k, hash): the deepest block boundary k * block_size, before the request's last token,
-        whose blocks are all cached on `rank` and whose state has a snapshot, and the hash of the
-        block ending there; (0, None) for none. Nothing is touched."""
+    def _prefix_hit(self, rank: int, request: Request) -> tuple[int, bytes | None, int]:
+        """(k, hash, m): the deepest block boundary k * block_size, before the request's last
+        token, whose blocks are all cached on `rank` and whose state has a snapshot, the hash of
+        the block ending there, and how many leading blocks are cached (m >= k); (0, None, m) for
+        no hit. Nothing is touched."""
         if request.skip_prefix_cache:
-            return 0, None
+            return 0, None, 0
         hashes = self._block_hashes(request, request.num_tokens - 1)
         pool = self.snapshot_pools[rank]
-        for k in range(self.block_managers[rank].num_cached_prefix(hashes), 0, -1):
+        cached = self.block_managers[rank].num_cached_prefix(hashes)
+        for k in range(cached, 0, -1):
             if hashes[k - 1] in pool:
-                return k, hashes[k - 1]
-        return 0, None
+                return k, hashes[k - 1], cached
+        return 0, None, cached
 
     def _blocks_to_admit(self, rank: int, request: Request, cached: int) -> int:
         """Blocks that admitting `request` with `cached` shared blocks takes out of the free count:
@@ -473,9 +483,12 @@ class Scheduler:
         return bm.blocks_for(request.num_tokens) - cached + bm.num_evictable_in(request.block_hashes[:cached])
 
     def _count_hit(self, request: Request, cached_tokens: int) -> None:
-        if request.num_cached_tokens is None:  # its first admission, as vLLM reports it
-            request.num_cached_tokens = cached_tokens
-        if self.prefix_caching:
+        """A request's first admission, as vLLM counts it: not again after a preemption, and not
+        at all for a request that skips the cache."""
+        if request.num_cached_tokens is not None:
+            return
+        request.num_cached_tokens = cached_tokens
+        if self.prefix_caching and not request.skip_prefix_cache:
             self.prefix_cache_queries += request.num_tokens
             self.prefix_cache_hits += cached_tokens
 
@@ -507,9 +520,12 @@ class Scheduler:
         request, rank = row.request, row.dp_rank
         bm = self.block_managers[rank]
         running = request.status is RequestStatus.RUNNING
-        if running:
+        if running:  # only the blocks completed since the last time: a long context is not walked again
             hashes = self._block_hashes(request, request.num_computed_tokens)
-            bm.register(request, hashes[: len(request.compressed_blocks)])
+            n, first = min(len(hashes), len(request.compressed_blocks)), request.num_registered_blocks
+            if n > first:
+                bm.register(request, hashes[first:n], first)
+                request.num_registered_blocks = n
         if row.snapshot < 0:
             return
         k = row.end // self.config.block_size
@@ -564,7 +580,7 @@ class Scheduler:
             victim = running.pop()
             plan.drop(victim)
             bm.free(victim)
-            victim.status, victim.num_computed_tokens = RequestStatus.WAITING, 0
+            victim.status, victim.num_computed_tokens, victim.num_registered_blocks = RequestStatus.WAITING, 0, 0
             victim.num_preemptions += 1
             self.num_preemptions += 1
             self._waiting[rank].appendleft(victim)

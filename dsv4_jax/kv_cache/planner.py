@@ -305,6 +305,7 @@ class CapacityPlan:
     num_seq_slots: int  # per rank: compressor-state slots and sliding-window rings
     num_blocks: dict[str, int]  # per rank: "sliding", "compressed" (csa, indexer and hca share it)
     max_seqs_per_rank: int  # sequences of max_model_len tokens that run at once on one rank
+    snapshot_bytes: int = 0  # per device: the prefix cache's snapshots (kv_cache/snapshots.py)
 
     @property
     def bytes_per_seq(self) -> int:
@@ -368,7 +369,7 @@ def _check_plan_flags(
 def _does_not_fit(
     config: DeepseekV4Config, spec: KVCacheSpec, pools: tuple[PoolUsage, ...], budget: int, *,
     max_model_len: int, device_memory_bytes: int, gpu_memory_utilization: float, weight_bytes: int,
-    reserved_bytes: int, block_size: int, num_mtp_layers: int,
+    reserved_bytes: int, block_size: int, num_mtp_layers: int, snapshot_bytes: int = 0,
 ) -> ValueError:
     """The error for a budget below one full-length sequence, with the longest one that fits."""
     per_seq = sum(p.bytes_per_seq for p in pools)
@@ -379,7 +380,10 @@ def _does_not_fit(
         + ", ".join(f"{p.name} {p.bytes_per_seq / GiB:.3f}" for p in pools)
         + f" GiB), but each device has {budget / GiB:.2f} GiB left ({device_memory_bytes / GiB:.2f} GiB x "
         f"{gpu_memory_utilization} - {weight_bytes / GiB:.2f} GiB weights - {reserved_bytes / GiB:.2f} GiB "
-        f"reserved for activations). Pass --max-model-len {fits} or less"
+        f"reserved for activations"
+        + (f" - {snapshot_bytes / GiB:.2f} GiB of prefix-cache snapshots (--num-prefix-snapshots)" if snapshot_bytes
+           else "")
+        + f"). Pass --max-model-len {fits} or less"
         + (", " if fits else " (nothing fits), ")
         + "raise --gpu-memory-utilization, "
         + ("lower --max-num-batched-tokens (a step's activations grow with its tokens), " if reserved_bytes else "")
@@ -513,11 +517,13 @@ def plan_capacity(
     max_num_seqs: int | None = None,
     num_mtp_layers: int = 0,
     reserved_bytes: int = 0,
+    snapshot_bytes: int = 0,
 ) -> CapacityPlan:
     """Size the pools of one rank and count the sequences that fit.
 
     With `device_memory_bytes` (per device; JAX's `bytes_limit` at run time): the KV budget is
-    `device_memory * gpu_memory_utilization - weight_bytes - reserved_bytes`. Each sequence slot
+    `device_memory * gpu_memory_utilization - weight_bytes - reserved_bytes - snapshot_bytes` (the
+    prefix cache's snapshots, per device). Each sequence slot
     costs its sliding-window ring and compressor state; the rest goes to compressed blocks. With
     `max_num_seqs` the slots are fixed and the remaining memory is all compressed blocks; without
     it, as many full-length sequences as fit get a slot each.
@@ -531,16 +537,17 @@ def plan_capacity(
     common = dict(
         spec=spec, mesh=mesh or MeshShape(), max_model_len=max_model_len, block_size=block_size,
         num_mtp_layers=num_mtp_layers, pools=pools, gpu_memory_utilization=float(gpu_memory_utilization),
-        weight_bytes=int(weight_bytes), reserved_bytes=int(reserved_bytes),
+        weight_bytes=int(weight_bytes), reserved_bytes=int(reserved_bytes), snapshot_bytes=int(snapshot_bytes),
     )
     if device_memory_bytes is None:
         return _plan_without_device_memory(common, max_num_seqs)
-    budget = int(device_memory_bytes * gpu_memory_utilization) - int(weight_bytes) - int(reserved_bytes)
+    budget = (int(device_memory_bytes * gpu_memory_utilization) - int(weight_bytes) - int(reserved_bytes)
+              - int(snapshot_bytes))
     if budget < sum(p.bytes_per_seq for p in pools):
         raise _does_not_fit(
             config, spec, pools, budget, max_model_len=max_model_len, device_memory_bytes=device_memory_bytes,
             gpu_memory_utilization=gpu_memory_utilization, weight_bytes=weight_bytes, reserved_bytes=reserved_bytes,
-            block_size=block_size, num_mtp_layers=num_mtp_layers,
+            block_size=block_size, num_mtp_layers=num_mtp_layers, snapshot_bytes=snapshot_bytes,
         )
     slots, compressed = _slots_and_compressed_blocks(pools, budget, max_num_seqs, max_model_len)
     compressed, idle = _with_idle_layers(pools, spec, budget, slots, compressed)

@@ -67,10 +67,11 @@ def snapshot_bytes(layout: PagedCacheLayout) -> int:
     return sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(abstract_snapshots(layout, 1)))
 
 
-def init_snapshots(layout: PagedCacheLayout, num_snapshots: int) -> PrefixSnapshots:
-    """Zeroed snapshots (their contents are only read once written), made by one program."""
+def init_snapshots(layout: PagedCacheLayout, num_snapshots: int, shardings=None) -> PrefixSnapshots:
+    """Zeroed snapshots (their contents are only read once written), made by one program straight
+    into `shardings` (a pytree of them, or None: the default device)."""
     shapes = abstract_snapshots(layout, num_snapshots)
-    return jax.jit(lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes))()
+    return jax.jit(lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes), out_shardings=shardings)()
 
 
 def snapshot_partition_specs(snapshots: PrefixSnapshots, data_axis: str | None) -> PrefixSnapshots:
