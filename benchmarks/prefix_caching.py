@@ -77,7 +77,6 @@ import datetime
 import json
 import os
 import re
-import signal
 import statistics
 import subprocess
 import sys
@@ -89,7 +88,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run as a script: the repository's packages (benchmarks) importable
 
 from benchmarks.runner import mid_model_dir, positive  # noqa: E402
-from benchmarks.serve_check import free_port, wait_healthy  # noqa: E402
+from benchmarks.serve_check import free_port, stop_server, wait_healthy  # noqa: E402
 from dsv4_jax.engine.args import default_buckets  # noqa: E402
 
 BLOCK_SIZE = 256  # the engine's default --block-size
@@ -349,14 +348,7 @@ def serve_part(args: argparse.Namespace, model: str, tokenizer: str | None, fail
                 failures.append(f"serve.bench one at a time (seed {run['seed']}): {run['hits']:.0f} hit tokens, "
                                 f"ideal {run['ideal']['hits']}")
     finally:
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
-        report["exit_status"] = process.returncode
+        report["exit_status"] = stop_server(process, timeout_s=60)
     return report
 
 

@@ -84,6 +84,19 @@ def wait_healthy(process: subprocess.Popen, base: str, deadline: float) -> float
     return None
 
 
+def stop_server(process: subprocess.Popen, timeout_s: float = 30) -> int:
+    """SIGTERM a server started in its own process group (its graceful shutdown), SIGKILL the
+    group if it outlives `timeout_s`; its exit status."""
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    return process.returncode
+
+
 def log_lines(log: Path, *needles: str) -> list[str]:
     return [line.strip() for line in log.read_text(errors="replace").splitlines() if any(n in line for n in needles)]
 
@@ -209,14 +222,8 @@ def main(argv: list[str] | None = None) -> int:
         after = compiles_after_warmup(args.log)
         table.row("no compile after warm-up", after == 0, f"{after} compiles logged after the warm-up line")
     finally:
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
-        table.row("shutdown on SIGTERM", process.returncode == 0, f"exit status {process.returncode}")
+        status = stop_server(process)
+        table.row("shutdown on SIGTERM", status == 0, f"exit status {status}")
     return 1 if table.failed else 0
 
 
