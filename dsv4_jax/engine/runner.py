@@ -53,8 +53,8 @@ from dsv4_jax.engine.sampler import prompt_scores
 from dsv4_jax.engine.sampling_params import MAX_LOGPROBS
 from dsv4_jax.kv_cache.paged import PagedCacheLayout, PagedKVCache, init_paged_cache, kv_planes, partition_specs
 from dsv4_jax.kv_cache.snapshots import (
-    PrefixSnapshots, abstract_snapshots, copy_entries, init_snapshots, restore_snapshots, snapshot_bytes,
-    snapshot_partition_specs, take_snapshots,
+    PrefixSnapshots, abstract_snapshots, copy_entries, init_snapshots, restore_snapshots, snapshot_partition_specs,
+    take_snapshots,
 )
 from dsv4_jax.model.cache_step import CacheStep, StepSequences
 from dsv4_jax.model.axes import DATA
@@ -308,11 +308,6 @@ class ModelRunner:
                                     out_specs=cache_specs, axis_names={DATA}, check_vma=False)
         self._take = jax.jit(take, donate_argnums=1)
         self._restore = jax.jit(restore, donate_argnums=0)
-
-    @property
-    def snapshot_bytes_per_device(self) -> int:
-        """What the prefix cache's snapshots take on each device (its rank's)."""
-        return self.num_prefix_snapshots and self.num_prefix_snapshots * snapshot_bytes(self.layout)
 
     @property
     def copies_per_rank(self) -> int:

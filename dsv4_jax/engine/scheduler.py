@@ -415,7 +415,7 @@ class Scheduler:
             request = waiting[0]
             if request.num_output_tokens >= request.max_tokens:  # preempted with its last token pending
                 return
-            cached, _, in_cache = self._prefix_hit(rank, request) if self.prefix_caching else (0, None, 0)
+            cached, in_cache = self._prefix_hit(rank, request) if self.prefix_caching else (0, 0)
             start = cached * c.block_size
             n = min(request.num_tokens - start, c.max_prefill_tokens, plan.budget_left)
             if in_cache > cached and (c.enable_chunked_prefill or request.output_token_ids):
@@ -461,20 +461,19 @@ class Scheduler:
             hashes.append(self._hash(hashes[-1] if hashes else self._root, ids))
         return hashes
 
-    def _prefix_hit(self, rank: int, request: Request) -> tuple[int, bytes | None, int]:
-        """(k, hash, m): the deepest block boundary k * block_size, before the request's last
-        token, whose blocks are all cached on `rank` and whose state has a snapshot, the hash of
-        the block ending there, and how many leading blocks are cached (m >= k); (0, None, m) for
-        no hit. Nothing is touched."""
+    def _prefix_hit(self, rank: int, request: Request) -> tuple[int, int]:
+        """(k, m): the deepest block boundary k * block_size, before the request's last token,
+        whose blocks are all cached on `rank` and whose state has a snapshot (0: no hit), and how
+        many leading blocks are cached (m >= k). Nothing is touched."""
         if request.skip_prefix_cache:
-            return 0, None, 0
+            return 0, 0
         hashes = self._block_hashes(request, request.num_tokens - 1)
         pool = self.snapshot_pools[rank]
         cached = self.block_managers[rank].num_cached_prefix(hashes)
         for k in range(cached, 0, -1):
             if hashes[k - 1] in pool:
-                return k, hashes[k - 1], cached
-        return 0, None, cached
+                return k, cached
+        return 0, cached
 
     def _blocks_to_admit(self, rank: int, request: Request, cached: int) -> int:
         """Blocks that admitting `request` with `cached` shared blocks takes out of the free count:
