@@ -157,18 +157,20 @@ def _unstacked_blocks(plan: Segment, segment: Block | BlockStack) -> list[tuple[
 # ---- the serving path over whole prompts -----------------------------------------------------------
 def paged_layout(
     config: DeepseekV4Config, kv_cache_dtype: str, *, slots: int, max_model_len: int, block_size: int = 128,
-    num_mtp_layers: int = 0,
+    num_mtp_layers: int = 0, spare_compressor_windows: int = 0,
 ) -> PagedCacheLayout:
     """A paged cache layout of `kv_cache_dtype` (as `--kv-cache-dtype` names it, resolved as for a
     CPU, where every dtype is allowed: the pools' formats do not depend on the device) for `slots`
     sequences of up to `max_model_len` tokens, pools sized as `PagedCacheLayout.build`'s defaults;
-    `num_mtp_layers` MTP layers get sliding-window pools too."""
+    `num_mtp_layers` MTP layers get sliding-window pools too, and each slot keeps
+    `spare_compressor_windows` more compressor windows (speculative decoding)."""
     from dsv4_jax.kv_cache.paged import PagedCacheLayout
     from dsv4_jax.kv_cache.resolver import resolve_kv_cache
 
     spec = resolve_kv_cache(kv_cache_dtype, device_kind="cpu", config=config)
     return PagedCacheLayout.build(config, spec, max_model_len=max_model_len, num_seq_slots=slots,
-                                  block_size=block_size, num_mtp_layers=num_mtp_layers)
+                                  block_size=block_size, num_mtp_layers=num_mtp_layers,
+                                  spare_compressor_windows=spare_compressor_windows)
 
 
 def prefill_logits(

@@ -368,16 +368,27 @@ def rounded_checkpoint(tmp_path_factory):
 SAME_BACKEND = 2.0**-8
 
 
+_ROUNDED_RUNNERS: dict[str, tuple] = {}
+
+
+@pytest.fixture
+def rounded_runner(rounded_checkpoint, kv_cache_dtype) -> tuple:
+    """One runner per rounded cache dtype, shared by the tests below (3 slots, 2 snapshots): the
+    dense float32 model with the official QAT rounding of KV to the fp8 grid (spec 3.8) where the
+    cache is fp8, the numerics an fp8 cache is meant to reproduce. Returns (model, runner)."""
+    if kv_cache_dtype not in _ROUNDED_RUNNERS:
+        dense = dsv4_jax.load_model(rounded_checkpoint, kv_cache_rounding=kv_cache_dtype == "fp8_ds_mla")
+        runner = ModelRunner(dense, _layout(ROUNDED, kv_cache_dtype, slots=3, max_model_len=256),
+                             buckets=StepBuckets(prefill=((2, 16),), decode=(4,)), num_prefix_snapshots=2)
+        runner.compile_buckets(scoring=False)
+        _ROUNDED_RUNNERS[kv_cache_dtype] = dense, runner
+    return _ROUNDED_RUNNERS[kv_cache_dtype]
+
+
 @pytest.mark.parametrize("kv_cache_dtype", ["bfloat16", "fp8_ds_mla"])
-def test_rounded_caches_chunked_equal_one_chunk_and_track_the_dense_forward(rounded_checkpoint, kv_cache_dtype,
+def test_rounded_caches_chunked_equal_one_chunk_and_track_the_dense_forward(rounded_runner, kv_cache_dtype,
                                                                             capsys):
-    fp8 = kv_cache_dtype == "fp8_ds_mla"
-    # The dense float32 forward with the official QAT rounding of KV to the fp8 grid (spec 3.8)
-    # where the cache is fp8: the numerics an fp8 cache is meant to reproduce.
-    dense = dsv4_jax.load_model(rounded_checkpoint, kv_cache_rounding=fp8)
-    runner = ModelRunner(dense, _layout(ROUNDED, kv_cache_dtype, slots=2, max_model_len=128),
-                         buckets=StepBuckets(prefill=((2, 16),), decode=(2,)))
-    runner.warmup()
+    dense, runner = rounded_runner
     ids = np.random.default_rng(2).integers(0, ROUNDED.vocab_size, size=(2, 40)).astype(np.int32)
     assert 40 // ROUNDED.csa_compress_ratio <= ROUNDED.index_topk and 40 // 16 >= 2  # HCA entries too
     seqs = [Sequence(ids[i], slot=i, blocks=[i], plan=[16, 7 + i, 16]) for i in range(2)]
@@ -567,7 +578,9 @@ def _feed(runner, rows_by_step):
     return [np.asarray(runner.step(rows).logits)[: len(rows)] for rows in rows_by_step]
 
 
-def test_a_snapshot_taken_at_a_boundary_and_restored_into_another_slot_continues_bit_for_bit(model):
+@pytest.mark.parametrize("kv_cache_dtype", ["bfloat16", "fp8_ds_mla"])
+def test_a_snapshot_taken_at_a_boundary_and_restored_into_another_slot_continues_bit_for_bit(rounded_runner,
+                                                                                            kv_cache_dtype):
     """The runner's own copies (kv_cache/snapshots.py), not a host copy, in the rounded caches: a
     prefix computed in slot 0 up to block boundary h is snapshotted; slots 1 and 2 run other
     sequences (their rings and compressor rows are someone else's); slot 1 gets the snapshot.
@@ -575,21 +588,18 @@ def test_a_snapshot_taken_at_a_boundary_and_restored_into_another_slot_continues
     equal slot 0's bit for bit, on the same backend and dtype, whatever the cache rounds; slot 2,
     not restored, gives others. (In float32 a hit equals a miss and the full forward: the premise
     test above and tests/test_prefix_caching.py.)"""
-    ids = np.random.default_rng(8).integers(0, CONFIG.vocab_size, size=(2, BLOCK + 24)).tolist()
+    _, runner = rounded_runner
+    ids = np.random.default_rng(8).integers(0, ROUNDED.vocab_size, size=(2, BLOCK + 24)).tolist()
     h, tail = BLOCK, 24
-    for kv_cache_dtype in ("bfloat16", "fp8_ds_mla"):
-        runner = ModelRunner(model, _layout(CONFIG, kv_cache_dtype, slots=3, max_model_len=256),
-                             buckets=StepBuckets(prefill=((2, 16),), decode=(4,)), num_prefix_snapshots=2)
-        runner.compile_buckets(scoring=False)
-        # The prefix in slot 0 (block 0), 16 tokens a step, ending exactly at h; then its snapshot.
-        _feed(runner, [[StepRow(0, s, ids[0][s : s + 16], [0])] for s in range(0, h, 16)])
-        runner.take_snapshots([(0, 0, 1, h)])
-        # Another sequence fills slots 1 and 2 (blocks 2, 3 and 4, 5); then slot 1 gets the snapshot.
-        _feed(runner, [[StepRow(1, s, ids[1][s : s + 16], [2, 3]), StepRow(2, s, ids[1][s : s + 16], [4, 5])]
-                       for s in range(0, h + 16, 16)])
-        runner.restore_snapshots([(0, 1, 1, h)])
-        steps = _feed(runner, [[StepRow(slot, t, [ids[0][t]], [0, 6 + slot]) for slot in range(3)]
-                               for t in range(h, h + tail)])
-        original, restored, unrestored = (np.stack([step[slot] for step in steps]) for slot in range(3))
-        np.testing.assert_array_equal(restored, original, err_msg=kv_cache_dtype)
-        assert not np.array_equal(unrestored[0], original[0]), kv_cache_dtype
+    # The prefix in slot 0 (block 0), 16 tokens a step, ending exactly at h; then its snapshot.
+    _feed(runner, [[StepRow(0, s, ids[0][s : s + 16], [0])] for s in range(0, h, 16)])
+    runner.take_snapshots([(0, 0, 1, h)])
+    # Another sequence fills slots 1 and 2 (blocks 2, 3 and 4, 5); then slot 1 gets the snapshot.
+    _feed(runner, [[StepRow(1, s, ids[1][s : s + 16], [2, 3]), StepRow(2, s, ids[1][s : s + 16], [4, 5])]
+                   for s in range(0, h + 16, 16)])
+    runner.restore_snapshots([(0, 1, 1, h)])
+    steps = _feed(runner, [[StepRow(slot, t, [ids[0][t]], [0, 6 + slot]) for slot in range(3)]
+                           for t in range(h, h + tail)])
+    original, restored, unrestored = (np.stack([step[slot] for step in steps]) for slot in range(3))
+    np.testing.assert_array_equal(restored, original)
+    assert not np.array_equal(unrestored[0], original[0])

@@ -97,6 +97,14 @@ class StepBuckets:
     def all(self) -> tuple[tuple[int, int], ...]:
         return (*self.prefill, *((b, 1) for b in self.decode))
 
+    def with_verify_rows(self, num_speculative_tokens: int) -> StepBuckets:
+        """These buckets with a (B, k + 1) bucket for each decode bucket B: the verify steps of
+        speculative decoding, whose rows are a token and up to k drafts."""
+        k = num_speculative_tokens
+        if not k:
+            return self
+        return dataclasses.replace(self, prefill=tuple(dict.fromkeys([*self.prefill, *((b, k + 1) for b in self.decode)])))
+
     def with_min_decode_rows(self, rows: int) -> StepBuckets:
         """These buckets with every decode bucket at least `rows` rows (merging any that meet)."""
         return dataclasses.replace(self, decode=tuple(sorted({max(b, rows) for b in self.decode})))
@@ -124,10 +132,14 @@ class StepRow:
 
 @dataclasses.dataclass(frozen=True)
 class StepOutput:
-    logits: jax.Array  # [B, vocab] float32: each row's last real token (padding rows: garbage)
+    # [B * n, vocab] float32, n = num_speculative_tokens + 1: the logits of each row's last n
+    # positions, row b's last real token at b * n + n - 1 (positions before a row's first repeat
+    # its first; padding rows: garbage). Without speculation [B, vocab], the last token's.
+    logits: jax.Array
     streams: jax.Array  # [B, S, hc_mult, hidden] before hc_head, for prompt logprobs and MTP
     rows: int  # real rows (`ModelRunner.row_positions` says where)
     bucket: tuple[int, int]  # (B, S) of the whole step: data-parallel ranks x the rank's bucket rows
+    seqs: StepSequences | None = None  # the step's row arrays as it was given them (the drafter reads them)
 
 
 class BucketMemory(NamedTuple):
@@ -153,12 +165,34 @@ def step_compiler_options() -> dict[str, str]:
     return {"xla_disable_hlo_passes": ",".join(dict.fromkeys([*passes, "rematerialization"]))}
 
 
-def _step(graphdef, weights_def, options, ctx, weights, cache, token_ids, seqs):
+def _step(graphdef, weights_def, options, ctx, num_logits, weights, cache, token_ids, seqs):
     model = nnx.merge(graphdef, jax.tree.unflatten(weights_def, weights))
     streams, cache = model.step(token_ids, seqs, cache, options, ctx)
-    last = jnp.maximum(seqs.lens - 1, 0)
-    final = jnp.take_along_axis(streams, last[:, None, None, None], axis=1)  # [B, 1, hc, hidden]
-    return model.logits_from_streams(final, model)[:, 0], streams, cache
+    back = jnp.arange(num_logits - 1, -1, -1, dtype=jnp.int32)  # the last num_logits positions, in order
+    at = jnp.maximum(seqs.lens[:, None] - 1 - back[None, :], 0)
+    final = jnp.take_along_axis(streams, at[:, :, None, None], axis=1)  # [B, n, hc, hidden]
+    logits = model.logits_from_streams(final, model)  # [B, n, vocab]
+    return logits.reshape(-1, logits.shape[-1]), streams, cache
+
+
+def _draft(graphdef, weights_def, options, ctx, num_drafts, weights, cache, streams, next_ids, seqs, draft_at):
+    """Speculative decoding's drafter: the MTP block over a step's rows (its window KV written at
+    the step's positions, `DeepseekV4.mtp_step`), then `num_drafts` greedy drafts per row: the
+    argmax of its logits at `draft_at` [B] (the row's last accepted position q, whose next token,
+    sampled by the step, is next_ids[q]), then the block applied again on its own output at
+    q + 1, q + 2, ... (vLLM's MTP drafting for k > 1). Returns the drafts [B, num_drafts] and the cache."""
+    model = nnx.merge(graphdef, jax.tree.unflatten(weights_def, weights))
+    mtp = model.mtp[0]
+    h, cache = model.mtp_step(streams, next_ids, seqs, cache, options, ctx)  # [B, S, hc, hidden]
+    h = jnp.take_along_axis(h, draft_at[:, None, None, None], axis=1)  # [B, 1, hc, hidden]
+    drafts = [jnp.argmax(model.logits_from_streams(h, mtp)[:, 0], axis=-1).astype(jnp.int32)]
+    real = seqs.lens > 0
+    for j in range(1, num_drafts):
+        position = seqs.start + draft_at + j
+        one = dataclasses.replace(seqs, positions=position[:, None], lens=real.astype(jnp.int32))
+        h, cache = model.mtp_step(h, drafts[-1][:, None], one, cache, options, ctx)
+        drafts.append(jnp.argmax(model.logits_from_streams(h, mtp)[:, 0], axis=-1).astype(jnp.int32))
+    return jnp.stack(drafts, axis=1), cache
 
 
 def _head(graphdef, weights_def, weights, streams):
@@ -227,6 +261,8 @@ class ModelRunner:
         interpret: bool | None = None,
         programs: ProgramCache | None = None,
         num_prefix_snapshots: int = 0,
+        num_speculative_tokens: int = 0,
+        mtp_drafts: bool = False,
     ):
         """`allocate_cache=False`: the cache is only its shapes (the step's shard_map places it), for
         `program_memory` of pools that need not fit beside the ones in use; such a runner is for
@@ -234,9 +270,20 @@ class ModelRunner:
         interpreter (None: only where JAX's default backend is the CPU); on a GPU, the GPU check
         compares the compiled kernels with the same kernels interpreted. `num_prefix_snapshots`:
         the prefix cache's snapshots per data-parallel rank (0: prefix caching off), copied by
-        `take_snapshots` and `restore_snapshots` (kv_cache/snapshots.py)."""
+        `take_snapshots` and `restore_snapshots` (kv_cache/snapshots.py). `num_speculative_tokens`
+        k > 0: steps give each row's last k + 1 logits (`StepOutput.logits`) and the buckets get
+        verify buckets (`StepBuckets.with_verify_rows`); with `mtp_drafts`, `draft` runs the MTP
+        block after each step (the layout must hold its window pool, `num_mtp_layers`)."""
         self.config = model.config
         self.layout = layout
+        self.num_speculative_tokens = num_speculative_tokens
+        self.mtp_drafts = bool(mtp_drafts and num_speculative_tokens)
+        if self.mtp_drafts and self.config.num_hidden_layers not in layout.sliding_layers:
+            raise ValueError("MTP drafts need the MTP layer's window pool: a layout with num_mtp_layers=1")
+        if num_speculative_tokens and not layout.spare_compressor_windows and (layout.csa_layers or layout.hca_layers):
+            raise ValueError("speculative decoding needs a layout with spare_compressor_windows=1 (a rejected draft "
+                             "may take a sequence back into the compressor's window before)")
+        buckets = buckets.with_verify_rows(num_speculative_tokens)
         on_cpu = jax.default_backend() == "cpu"
         self.buckets = buckets.with_min_decode_rows(CPU_MIN_DECODE_ROWS) if on_cpu else buckets
         # On CPUs each step's buffers come from malloc: keep their pages between steps.
@@ -270,9 +317,13 @@ class ModelRunner:
         # What the step's and the scoring's traces depend on besides their arguments (program_cache.py).
         self._program_settings = dict(config=self.config, options=model.options, layout=layout,
                                       backend=(self.backend.name, interpret, jax.default_backend()),
-                                      compiler_options=step_compiler_options())
+                                      compiler_options=step_compiler_options(),
+                                      num_speculative_tokens=num_speculative_tokens)
         self._steps: dict[tuple[int, int], jax.stages.Compiled] = {}
         self._scorers: dict[tuple[int, int], jax.stages.Compiled] = {}
+        self._drafters: dict[tuple[int, int], jax.stages.Compiled] = {}
+        self._draft = jax.jit(self._draft_function(weights_def, model.options), donate_argnums=1,
+                              compiler_options=step_compiler_options()) if self.mtp_drafts else None
         self.weights_def = weights_def  # the weights' tree structure (`weights` is its flat leaves)
         self._jit_head_programs()
         self._jit_snapshot_programs()
@@ -360,7 +411,7 @@ class ModelRunner:
     def _step_function(self, weights_def, options) -> Callable:
         """The pure step over (weights, cache, token ids, rows); on a mesh, under a shard_map manual
         over the data axis, every rank's pools side by side and split over it."""
-        step = functools.partial(_step, self.graphdef, weights_def, options, self.ctx)
+        step = functools.partial(_step, self.graphdef, weights_def, options, self.ctx, self.num_speculative_tokens + 1)
         if self.mesh is None:
             return step
         cache_specs = partition_specs(self._whole_layout(), DATA)
@@ -369,6 +420,19 @@ class ModelRunner:
         return jax.shard_map(
             step, mesh=self.mesh, in_specs=(_data_specs(self.weights), cache_specs, rows, seq_specs),
             out_specs=(rows, rows, cache_specs), axis_names={DATA}, check_vma=False,
+        )
+
+    def _draft_function(self, weights_def, options) -> Callable:
+        """The pure drafter (`_draft`); on a mesh under a shard_map over the data axis, as the step."""
+        draft = functools.partial(_draft, self.graphdef, weights_def, options, self.ctx, self.num_speculative_tokens)
+        if self.mesh is None:
+            return draft
+        cache_specs = partition_specs(self._whole_layout(), DATA)
+        rows = P(DATA)
+        seq_specs = StepSequences(rows, rows, rows, rows, rows)
+        return jax.shard_map(
+            draft, mesh=self.mesh, in_specs=(_data_specs(self.weights), cache_specs, rows, rows, seq_specs, rows),
+            out_specs=(rows, cache_specs), axis_names={DATA}, check_vma=False,
         )
 
     @property
@@ -529,7 +593,19 @@ class ModelRunner:
         else:
             tokens_dev, seqs_dev = self._put((tokens, seqs))
         logits, streams, self.cache = self._steps.get(bucket, self._step)(self.weights, self.cache, tokens_dev, seqs_dev)
-        return StepOutput(logits, streams, rows, bucket)
+        return StepOutput(logits, streams, rows, bucket, seqs_dev)
+
+    def draft(self, output: StepOutput, next_ids: np.ndarray, draft_at: np.ndarray) -> jax.Array:
+        """The MTP block's drafts after `output`'s step (`_draft`): next_ids [B, S] int32, the token
+        after each position of the step's rows (the sampled one after the last accepted), and
+        draft_at [B] int32, the index of each row's last accepted position. Returns the drafts
+        [B, num_speculative_tokens] int32 on the device."""
+        if self._draft is None:
+            raise RuntimeError("this runner drafts nothing: ModelRunner(num_speculative_tokens=k, mtp_drafts=True)")
+        args = self._put((next_ids.astype(np.int32), draft_at.astype(np.int32)))
+        drafts, self.cache = self._drafters.get(output.bucket, self._draft)(
+            self.weights, self.cache, output.streams, args[0], output.seqs, args[1])
+        return drafts
 
     def _put(self, host_arrays):
         """A step's host arrays as the step takes them. Without a mesh the numpy arrays go to the
@@ -573,6 +649,16 @@ class ModelRunner:
                               functools.partial(self._step.lower, *args))
         self._steps.update(self.programs.compile(steps, self._naming_the_step, on_done))
         self._compile_snapshot_programs(on_done)
+        if self.mtp_drafts:
+            drafters = {}
+            for key, step in self._steps.items():
+                if key not in self._drafters:
+                    seqs = self._put(self.padding_step(key)[1])
+                    args = (self.weights, self.cache, step.out_info[1], *self._put((np.zeros(key, np.int32),)),
+                            seqs, *self._put((np.zeros(key[0], np.int32),)))
+                    drafters[key] = (describe("mtp drafts", args, **self._program_settings),
+                                     functools.partial(self._draft.lower, *args))
+            self._drafters.update(self.programs.compile(drafters, self._naming_the_step, on_done))
         if not scoring:
             return
         scorers = {}
@@ -604,7 +690,8 @@ class ModelRunner:
     def num_programs(self) -> int:
         """Programs `compile_buckets` compiles: each bucket's step, each prefill bucket's scoring,
         and the two snapshot copies with prefix caching."""
-        return len(self.buckets.all) + sum(1 for _, s in self.buckets.all if s > 1) + 2 * bool(self.num_prefix_snapshots)
+        return (len(self.buckets.all) * (1 + self.mtp_drafts) + sum(1 for _, s in self.buckets.all if s > 1)
+                + 2 * bool(self.num_prefix_snapshots))
 
     def warmup(self, on_compiled: Callable[[], None] | None = None) -> int:
         """Build every bucket's programs (`compile_buckets`; `on_compiled()` after each), then,
@@ -624,13 +711,17 @@ class ModelRunner:
         if self.programs.built == built:
             for key, step in self._steps.items():  # the sampler warms up on logits placed as steps place them
                 logits = step.out_info[0]
-                self.warmup_logits[key[0]] = jax.device_put(np.zeros(logits.shape, logits.dtype), logits.sharding)
+                self.warmup_logits[logits.shape[0]] = jax.device_put(np.zeros(logits.shape, logits.dtype),
+                                                                     logits.sharding)
         for rank_rows, s in buckets if self.programs.built > built else ():
             b = rank_rows * self.dp
             before = jax.tree.leaves(self.cache)[0]
             with self._naming_the_backend((rank_rows, s)):
                 logits, streams = self._run_padding_step((b, s))
-            self.warmup_logits[b] = logits  # as steps lay them out: the sampler warms up on these
+                if self.mtp_drafts:  # the drafter of padding rows writes nothing either
+                    padding = StepOutput(logits, streams, 0, (b, s), self._put(self.padding_step((b, s))[1]))
+                    jax.block_until_ready(self.draft(padding, np.zeros((b, s), np.int32), np.zeros(b, np.int32)))
+            self.warmup_logits[logits.shape[0]] = logits  # as steps lay them out: the sampler warms up on these
             if s > 1:  # prompt logprobs come from prefill steps
                 jax.block_until_ready(self.prompt_scores(streams, np.zeros((b, s), np.int32)))
             if not before.is_deleted():

@@ -76,8 +76,8 @@ class CompressedPools:
 
 @pytree_dataclass
 class CompressorState:
-    kv: Any  # [L, slots, c*r, c*d] float32
-    score: Any  # [L, slots, c*r, c*d] float32, -inf where empty
+    kv: Any  # [L, slots, K*r, c*d] float32: a ring of K windows (model/cache_step.py)
+    score: Any  # [L, slots, K*r, c*d] float32, -inf where empty
 
 
 @pytree_dataclass
@@ -112,6 +112,10 @@ class PagedCacheLayout:
     # Data-parallel ranks whose pools lie side by side along the block axis (the runner's whole
     # layout): a kernel sees one rank's share, so idle layers are sized from that share.
     data_parallel: int = 1
+    # Compressor windows a slot keeps beyond those its compressor reads (2 on CSA, 1 on HCA): 1
+    # when speculative decoding may take a sequence back into the window before (its drafts are
+    # at most one compression ratio long), else 0 (model/cache_step.py).
+    spare_compressor_windows: int = 0
 
     def __post_init__(self) -> None:
         for name in ("num_seq_slots", "num_sliding_blocks", "num_compressed_blocks", "max_blocks_per_seq",
@@ -119,6 +123,9 @@ class PagedCacheLayout:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"PagedCacheLayout.{name} must be a positive integer, got {value!r}")
+        spare = self.spare_compressor_windows
+        if isinstance(spare, bool) or not isinstance(spare, int) or spare < 0:
+            raise ValueError(f"PagedCacheLayout.spare_compressor_windows must be a non-negative integer, got {spare!r}")
         if self.num_sliding_blocks < self.num_seq_slots * self.sliding_ring:
             raise ValueError(
                 f"PagedCacheLayout.num_sliding_blocks ({self.num_sliding_blocks}) must hold one ring of "
@@ -160,6 +167,7 @@ class PagedCacheLayout:
         num_sliding_blocks: int | None = None,
         block_size: int = 256,
         num_mtp_layers: int = 0,
+        spare_compressor_windows: int = 0,
     ) -> "PagedCacheLayout":
         """Defaults size the pools for `num_seq_slots` sequences of `max_model_len` tokens (+1 block each)."""
         _check_block_size(config, block_size)
@@ -184,6 +192,7 @@ class PagedCacheLayout:
             num_compressed_blocks=num_compressed_blocks or math.ceil(num_seq_slots * max_model_len / block_size)
             + num_seq_slots,
             max_blocks_per_seq=max_blocks,
+            spare_compressor_windows=spare_compressor_windows,
         )
 
     @classmethod
@@ -192,6 +201,7 @@ class PagedCacheLayout:
             config, plan.spec, max_model_len=plan.max_model_len, num_seq_slots=plan.num_seq_slots,
             num_compressed_blocks=plan.num_blocks["compressed"], num_sliding_blocks=plan.num_blocks["sliding"],
             block_size=plan.block_size, num_mtp_layers=plan.num_mtp_layers,
+            spare_compressor_windows=plan.spare_compressor_windows,
         )
 
 
@@ -219,7 +229,7 @@ def _describe(layout: PagedCacheLayout, make, make_table, make_state) -> PagedKV
         if not layers:
             return None
         c = 2 if overlap else 1
-        shape = (layers, slots, c * ratio, c * dim)
+        shape = (layers, slots, (c + layout.spare_compressor_windows) * ratio, c * dim)
         return CompressorState(kv=make_state(shape, 0.0), score=make_state(shape, -jnp.inf))
 
     return PagedKVCache(

@@ -167,8 +167,10 @@ def pool_usage(
     max_model_len: int,
     block_size: int = DEFAULT_BLOCK_SIZE,
     num_mtp_layers: int = 0,
+    spare_compressor_windows: int = 0,
 ) -> tuple[PoolUsage, ...]:
-    """Bytes per sequence of every pool at `max_model_len` tokens."""
+    """Bytes per sequence of every pool at `max_model_len` tokens (`spare_compressor_windows`:
+    the compressor windows each slot keeps beyond those read, `PagedCacheLayout`)."""
     if isinstance(max_model_len, bool) or not isinstance(max_model_len, int) or max_model_len <= 0:
         raise ValueError(f"--max-model-len must be a positive integer, got {max_model_len!r}")
     b = _check_block_size(config, block_size)
@@ -201,8 +203,9 @@ def pool_usage(
         paged("csa", n_csa, "entry", p.csa_per_entry, b // csa_r, seq_len // csa_r, blocks),
         paged("indexer", n_csa, "entry", p.indexer_per_entry, b // csa_r, seq_len // csa_r, blocks),
         paged("hca", n_hca, "entry", p.hca_per_entry, b // hca_r, seq_len // hca_r, blocks),
-        slot("csa_state", n_csa, p.csa_state_per_seq + p.csa_indexer_state_per_seq),
-        slot("hca_state", n_hca, p.hca_state_per_seq),
+        slot("csa_state", n_csa,
+             (p.csa_state_per_seq + p.csa_indexer_state_per_seq) * (2 + spare_compressor_windows) // 2),
+        slot("hca_state", n_hca, p.hca_state_per_seq * (1 + spare_compressor_windows)),
     )
 
 
@@ -306,6 +309,7 @@ class CapacityPlan:
     num_blocks: dict[str, int]  # per rank: "sliding", "compressed" (csa, indexer and hca share it)
     max_seqs_per_rank: int  # sequences of max_model_len tokens that run at once on one rank
     snapshot_bytes: int = 0  # per device: the prefix cache's snapshots (kv_cache/snapshots.py)
+    spare_compressor_windows: int = 0  # 1 for speculative decoding (PagedCacheLayout)
 
     @property
     def bytes_per_seq(self) -> int:
@@ -335,11 +339,11 @@ def _fixed_bytes_per_slot(pools: tuple[PoolUsage, ...]) -> int:
 
 def max_model_len_that_fits(
     config: DeepseekV4Config, spec: KVCacheSpec, budget_bytes: int, block_size: int = DEFAULT_BLOCK_SIZE,
-    num_mtp_layers: int = 0,
+    num_mtp_layers: int = 0, spare_compressor_windows: int = 0,
 ) -> int:
     """Largest max_model_len (a multiple of block_size) whose one sequence fits in `budget_bytes`."""
     def need(n_blocks: int) -> int:
-        pools = pool_usage(config, spec, n_blocks * block_size, block_size, num_mtp_layers)
+        pools = pool_usage(config, spec, n_blocks * block_size, block_size, num_mtp_layers, spare_compressor_windows)
         return sum(p.bytes_per_seq for p in pools)
 
     lo, hi = 0, 1
@@ -370,10 +374,12 @@ def _does_not_fit(
     config: DeepseekV4Config, spec: KVCacheSpec, pools: tuple[PoolUsage, ...], budget: int, *,
     max_model_len: int, device_memory_bytes: int, gpu_memory_utilization: float, weight_bytes: int,
     reserved_bytes: int, block_size: int, num_mtp_layers: int, snapshot_bytes: int = 0,
+    spare_compressor_windows: int = 0,
 ) -> ValueError:
     """The error for a budget below one full-length sequence, with the longest one that fits."""
     per_seq = sum(p.bytes_per_seq for p in pools)
-    fits = max_model_len_that_fits(config, spec, budget, block_size, num_mtp_layers) if budget > 0 else 0
+    fits = (max_model_len_that_fits(config, spec, budget, block_size, num_mtp_layers, spare_compressor_windows)
+            if budget > 0 else 0)
     return ValueError(
         f"--max-model-len {max_model_len} does not fit: one sequence needs {per_seq / GiB:.2f} GiB of "
         f"{spec.kv_cache_dtype} KV cache ("
@@ -518,6 +524,7 @@ def plan_capacity(
     num_mtp_layers: int = 0,
     reserved_bytes: int = 0,
     snapshot_bytes: int = 0,
+    spare_compressor_windows: int = 0,
 ) -> CapacityPlan:
     """Size the pools of one rank and count the sequences that fit.
 
@@ -533,11 +540,12 @@ def plan_capacity(
 
     Raises ValueError (naming the numbers and flags) when not even one sequence fits."""
     _check_plan_flags(config, max_model_len, gpu_memory_utilization, max_num_seqs)
-    pools = pool_usage(config, spec, max_model_len, block_size, num_mtp_layers)
+    pools = pool_usage(config, spec, max_model_len, block_size, num_mtp_layers, spare_compressor_windows)
     common = dict(
         spec=spec, mesh=mesh or MeshShape(), max_model_len=max_model_len, block_size=block_size,
         num_mtp_layers=num_mtp_layers, pools=pools, gpu_memory_utilization=float(gpu_memory_utilization),
         weight_bytes=int(weight_bytes), reserved_bytes=int(reserved_bytes), snapshot_bytes=int(snapshot_bytes),
+        spare_compressor_windows=spare_compressor_windows,
     )
     if device_memory_bytes is None:
         return _plan_without_device_memory(common, max_num_seqs)
@@ -548,6 +556,7 @@ def plan_capacity(
             config, spec, pools, budget, max_model_len=max_model_len, device_memory_bytes=device_memory_bytes,
             gpu_memory_utilization=gpu_memory_utilization, weight_bytes=weight_bytes, reserved_bytes=reserved_bytes,
             block_size=block_size, num_mtp_layers=num_mtp_layers, snapshot_bytes=snapshot_bytes,
+            spare_compressor_windows=spare_compressor_windows,
         )
     slots, compressed = _slots_and_compressed_blocks(pools, budget, max_num_seqs, max_model_len)
     compressed, idle = _with_idle_layers(pools, spec, budget, slots, compressed)

@@ -23,10 +23,9 @@ from dsv4_jax.model.cache_step import (
     StepSequences,
     entry_slots,
     kept_rows,
-    shift_completed_window,
-    slot_rows,
     store_rows,
     store_token_row,
+    timeline_rows,
     window_slots,
 )
 from dsv4_jax.model.compressor import Compressor, pool_current_window
@@ -210,41 +209,36 @@ class Attention(nnx.Module):
     def _compress(self, compressor, state_name, x, inv_freq, cache, seqs, place):
         """Advance `compressor` over the chunk from the rows it kept; store the rows to keep."""
         state = getattr(cache, state_name)
+        r = compressor.ratio
         if x.shape[1] == 1:
             # Decode: write the token's row and pool its window in place rather than rebuild and
-            # store every kept row (c x ratio rows a sequence: 128 for HCA in Flash, 8 for CSA).
-            r = compressor.ratio
+            # store every kept row (K x ratio rows a sequence: 128 for HCA in Flash, 8 for CSA).
             kv, score = compressor.project(x, seqs.positions)
-            row = (r if compressor.overlap else 0) + seqs.start % r
-            state = store_token_row(state, place.compressed, seqs.slots, row, kv[:, 0], score[:, 0])
+            state = store_token_row(state, place.compressed, seqs.slots, seqs.start, r, kv[:, 0], score[:, 0])
             completes = ((seqs.start + 1) % r == 0) & (seqs.lens > 0)
 
-            def pool(rows):
+            def read_and_pool():
+                rows = timeline_rows(state, place.compressed, seqs.slots, seqs.start, r)
                 windows = pool_current_window(rows.kv, rows.score, seqs.start, seqs.lens > 0, ratio=r,
                                               overlap=compressor.overlap)
                 return windows, compressor.entries(windows, inv_freq, x.dtype)
 
             if compressor.overlap:
-                # CSA (ratio 4): some row of a batch completes its window in most steps, and the
-                # completed window moves to the previous window's rows, so the rows are read and
-                # pooled every step (a cond would cost XLA:GPU a host read of its predicate).
-                rows = slot_rows(state, place.compressed, seqs.slots)
-                windows, entries = pool(rows)
-                state = shift_completed_window(state, place.compressed, seqs.slots, rows, completes, r)
+                # CSA (ratio 4): some row of a batch completes its window in most steps, so the
+                # rows are read and pooled every step (a cond would cost XLA:GPU a host read of
+                # its predicate).
+                windows, entries = read_and_pool()
             else:
                 # HCA: only a step where some row completes its window reads the 128 rows and
                 # pools (one in `ratio` steps of a row); the other branch's windows are all
                 # invalid, so nothing is written.
-                def read_and_pool():
-                    return pool(slot_rows(state, place.compressed, seqs.slots))
-
                 windows, entries = jax.lax.cond(
                     jnp.any(completes), read_and_pool,
                     lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), jax.eval_shape(read_and_pool)))
         else:
-            kept = kept_rows(state, place.compressed, seqs, compressor.ratio, compressor.overlap)
+            kept = kept_rows(state, place.compressed, seqs, r)
             entries, windows, kept = compressor.step(x, seqs.positions, seqs.lens, inv_freq, kept)
-            state = store_rows(state, place.compressed, seqs.slots, kept)
+            state = store_rows(state, place.compressed, seqs.slots, seqs.start + seqs.lens, r, kept)
         return entries, windows, dataclasses.replace(cache, **{state_name: state})
 
 

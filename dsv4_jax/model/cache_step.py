@@ -69,22 +69,49 @@ class CacheStep:
 
 
 # ---- compressor state slots ----------------------------------------------------------------------
-def kept_rows(state: CompressorState, layer: jax.Array, seqs: StepSequences, ratio: int, overlap: bool
-              ) -> CompressorRows:
-    """The rows each sequence's compressor kept ([batch, c*r, c*d]). A row at position 0 starts
-    a sequence: it gets empty rows whatever the slot held before (a slot is reused without being
-    cleared), and so do padding rows; with overlap, so do window 0's previous-window rows."""
-    rows = slot_rows(state, layer, seqs.slots)
+# A slot keeps a compressor's last K windows as a ring indexed by absolute window: window w lies in
+# rows [(w % K) * ratio, (w % K + 1) * ratio), token t at row (t // ratio % K) * ratio + t % ratio.
+# Where a sequence stands is then all a step needs to find its windows, so a step that moves it
+# back (rejected speculative drafts) needs no undo: the windows before it are still in place (K is
+# one more than the compressor reads when the cache serves speculation, PagedCacheLayout), and
+# what the drafts wrote past it is overwritten before anything pools it.
+def ring_order(window: jax.Array, ratio: int, windows: int) -> jax.Array:
+    """[batch, windows * ratio] int32: the ring row of each timeline row, the timeline holding
+    windows `window` [batch] - windows + 1 .. `window` in order."""
+    line = jnp.arange(windows * ratio)
+    absolute = window[:, None] - (windows - 1) + line[None, :] // ratio
+    return (absolute % windows) * ratio + line[None, :] % ratio
+
+
+def timeline_rows(state: CompressorState, layer: jax.Array, slots: jax.Array, start: jax.Array, ratio: int
+                  ) -> CompressorRows:
+    """Each sequence's kept windows in timeline order, the window of `start` [batch] last
+    ([batch, K*r, c*d]; padding rows read slot 0)."""
+    safe = jnp.maximum(slots, 0)
+    kv, score = state.kv[layer, safe], state.score[layer, safe]
+    order = ring_order(start // ratio, ratio, kv.shape[1] // ratio)[..., None]
+    return CompressorRows(jnp.take_along_axis(kv, order, axis=1), jnp.take_along_axis(score, order, axis=1))
+
+
+def kept_rows(state: CompressorState, layer: jax.Array, seqs: StepSequences, ratio: int) -> CompressorRows:
+    """The rows each sequence's compressor kept, in timeline order. A row at position 0 starts a
+    sequence: it gets empty rows whatever the slot held before (a slot is reused without being
+    cleared), and so do padding rows; so do the windows before a sequence's window 0."""
+    rows = timeline_rows(state, layer, seqs.slots, seqs.start, ratio)
     pad = ((seqs.slots < 0) | (seqs.start == 0))[:, None, None]
     rows = CompressorRows(jnp.where(pad, 0.0, rows.kv), jnp.where(pad, -jnp.inf, rows.score))
-    return rows.without_window_0_predecessor(seqs.start, ratio) if overlap else rows
+    return rows.without_windows_before_0(seqs.start, ratio)
 
 
-def store_rows(state: CompressorState, layer: jax.Array, slots: jax.Array, rows: CompressorRows) -> CompressorState:
-    target = jnp.where(slots < 0, state.kv.shape[1], slots)  # padding rows: dropped
+def store_rows(state: CompressorState, layer: jax.Array, slots: jax.Array, end: jax.Array, ratio: int,
+               rows: CompressorRows) -> CompressorState:
+    """Write the rows a chunk keeps (timeline order, the window of `end` [batch] last) into each
+    sequence's ring; padding rows (slot -1) are dropped."""
+    target = jnp.where(slots < 0, state.kv.shape[1], slots)[:, None]
+    order = ring_order(end // ratio, ratio, rows.kv.shape[1] // ratio)
     return CompressorState(
-        kv=state.kv.at[layer, target].set(rows.kv, mode="drop"),
-        score=state.score.at[layer, target].set(rows.score, mode="drop"),
+        kv=state.kv.at[layer, target, order].set(rows.kv, mode="drop"),
+        score=state.score.at[layer, target, order].set(rows.score, mode="drop"),
     )
 
 
@@ -92,40 +119,19 @@ def store_token_row(
     state: CompressorState,
     layer: jax.Array,
     slots: jax.Array,  # [batch] int32, -1 for padding rows (dropped)
-    row: jax.Array,  # [batch] int32: the state row of each sequence's token
+    position: jax.Array,  # [batch] int32: each sequence's token
+    ratio: int,
     kv: jax.Array,  # [batch, c*d] float32
     score: jax.Array,  # [batch, c*d] float32
 ) -> CompressorState:
-    """One decode token's row per sequence (the other rows stay as they are)."""
+    """One decode token's row per sequence, at its ring row (the other rows stay as they are)."""
     target = jnp.where(slots < 0, state.kv.shape[1], slots)
+    row = ring_order(position // ratio, ratio, state.kv.shape[2] // ratio)[:, -ratio:]
+    row = jnp.take_along_axis(row, (position % ratio)[:, None], axis=1)[:, 0]
     return CompressorState(
         kv=state.kv.at[layer, target, row].set(kv, mode="drop"),
         score=state.score.at[layer, target, row].set(score, mode="drop"),
     )
-
-
-def shift_completed_window(
-    state: CompressorState,
-    layer: jax.Array,
-    slots: jax.Array,  # [batch] int32, -1 for padding rows (dropped)
-    rows: CompressorRows,  # [batch, 2 * ratio, 2 * d]: each sequence's rows, its token's included
-    completes: jax.Array,  # [batch] bool: the token completed the current window
-    ratio: int,
-) -> CompressorState:
-    """Overlapping compressors (CSA) after a decode step: where the token completed its window,
-    that window's rows become the previous window's (rows [0, ratio)), as a chunk keeps them. The
-    next window's rows are not cleared: each is written before anything pools it."""
-    target = jnp.where(completes & (slots >= 0), slots, state.kv.shape[1])
-    return CompressorState(
-        kv=state.kv.at[layer, target, :ratio].set(rows.kv[:, ratio:], mode="drop"),
-        score=state.score.at[layer, target, :ratio].set(rows.score[:, ratio:], mode="drop"),
-    )
-
-
-def slot_rows(state: CompressorState, layer: jax.Array, slots: jax.Array) -> CompressorRows:
-    """Every row of each sequence's state as stored ([batch, c*r, c*d]; padding rows read slot 0)."""
-    safe = jnp.maximum(slots, 0)
-    return CompressorRows(state.kv[layer, safe], state.score[layer, safe])
 
 
 # ---- flat pool slots -----------------------------------------------------------------------------

@@ -24,29 +24,33 @@ from dsv4_jax.model.axes import COMPRESS, EMBED
 
 @pytree_dataclass
 class CompressorRows:
-    """What a compressor keeps between chunks, per sequence: the token rows of its last c
-    windows, `[batch, c * ratio, c * head_dim]` fp32, where c = 2 with overlap (the previous
-    complete window, then the current partial one) and 1 without. Row (c - 1) * r + t % r holds
-    token t of the current window (as the official kv_state). Rows the current window has not
-    filled yet hold kv 0 and score -inf after a chunk, or an earlier window's rows after a decode
-    step (`pool_current_window`): either way nothing pools them before the window's own token
-    overwrites them. A sequence's window 0 has no previous window: its rows count as empty
-    whatever they hold (`without_window_0_predecessor`, in both paths)."""
+    """What a compressor keeps between chunks, per sequence, in timeline order: the token rows of
+    its last K windows, `[batch, K * ratio, c * head_dim]` fp32, the current window last. K >= c,
+    where c = 2 with overlap (a CSA entry pools the previous window too) and 1 without; the cache
+    keeps K = c windows, or one more when it serves speculative decoding (a rejected draft may
+    take a sequence back into the window before). Row (K - 1) * r + t % r holds token t of the
+    current window (as the official kv_state). Rows the current window has not filled yet hold kv
+    0 and score -inf after a chunk, or whatever the cache held there after a decode step or a
+    rejected draft: either way nothing pools them before the window's own token overwrites them.
+    Windows before a sequence's window 0 count as empty whatever they hold
+    (`without_windows_before_0`, in both paths)."""
 
     kv: jax.Array
     score: jax.Array
 
     @classmethod
-    def empty(cls, batch: int, ratio: int, head_dim: int, overlap: bool) -> "CompressorRows":
+    def empty(cls, batch: int, ratio: int, head_dim: int, overlap: bool, windows: int | None = None
+              ) -> "CompressorRows":
         c = 2 if overlap else 1
-        shape = (batch, c * ratio, c * head_dim)
+        shape = (batch, (windows or c) * ratio, c * head_dim)
         return cls(jnp.zeros(shape, jnp.float32), jnp.full(shape, -jnp.inf, jnp.float32))
 
-    def without_window_0_predecessor(self, start: jax.Array, ratio: int) -> "CompressorRows":
-        """With overlap: the previous window's rows ([0, ratio)) empty where the sequence is still
-        in its window 0 (start [batch] < ratio), which has no previous window, whatever its slot
-        held before (a decode step writes its own row only)."""
-        empty = (start < ratio)[:, None, None] & (jnp.arange(self.kv.shape[1]) < ratio)[None, :, None]
+    def without_windows_before_0(self, start: jax.Array, ratio: int) -> "CompressorRows":
+        """These rows (the window of `start` [batch] last) with the windows before the sequence's
+        window 0 empty, whatever its slot held there (a decode step writes its own row only)."""
+        windows = self.kv.shape[1] // ratio
+        first = (start // ratio)[:, None] - (windows - 1)  # the window of row 0
+        empty = (first + jnp.arange(self.kv.shape[1])[None, :] // ratio < 0)[..., None]
         return CompressorRows(jnp.where(empty, 0.0, self.kv), jnp.where(empty, -jnp.inf, self.score))
 
 
@@ -88,46 +92,49 @@ def pool_windows(
     overlap: bool,
 ) -> tuple[PooledWindows, CompressorRows]:
     """Advance a compressor over a chunk: the entries of every window the chunk completes, and
-    the rows to keep for the next chunk.
+    the rows to keep for the next chunk (as many windows as `kept` holds).
 
     The kept rows and the chunk are laid on one timeline of whole windows that starts at the
     first kept window, so an entry is computed exactly as on the full sequence however the
     sequence was cut into chunks (window 0 of a sequence sees empty predecessor rows). A chunk of
     S tokens completes at most E = ceil(S / ratio) windows; candidate e is entry start // r + e.
     """
-    r, c = ratio, 2 if overlap else 1
+    r = ratio
     batch, seq, width = kv_rows.shape
+    kept_windows = kept.kv.shape[1] // r
     n_out = -(-seq // r)
-    length = (c + n_out) * r  # the kept windows, then room for the chunk at any offset
+    length = (kept_windows + n_out) * r  # the kept windows, then room for the chunk at any offset
     real = (jnp.arange(seq)[None, :] < lens[:, None])[..., None]
     kv_rows = jnp.where(real, kv_rows, 0.0)
     score_rows = jnp.where(real, score_rows, -jnp.inf)
-    at = (c - 1) * r + start % r  # timeline row i is position (start // r - (c - 1)) * r + i
+    at = (kept_windows - 1) * r + start % r  # timeline row i is position (start // r - K + 1) * r + i
 
     def lay(kept_rows, rows, fill, offset):
-        line = jnp.concatenate([kept_rows, jnp.full((length - c * r, width), fill, jnp.float32)])
+        line = jnp.concatenate([kept_rows, jnp.full((length - kept_windows * r, width), fill, jnp.float32)])
         return jax.lax.dynamic_update_slice(line, rows, (offset, 0))
 
     kv_line = jax.vmap(lambda k, x, o: lay(k, x, 0.0, o))(kept.kv, kv_rows, at)
     score_line = jax.vmap(lambda k, x, o: lay(k, x, -jnp.inf, o))(kept.score, score_rows, at)
-    kv_win = kv_line.reshape(batch, c + n_out, r, width)
-    score_win = score_line.reshape(batch, c + n_out, r, width)
-    if overlap:
+    kv_win = kv_line.reshape(batch, kept_windows + n_out, r, width)
+    score_win = score_line.reshape(batch, kept_windows + n_out, r, width)
+    first = kept_windows - 1  # the timeline window of the chunk's first token: the first candidate
+    if overlap:  # pair j pools windows j and j + 1: candidate window w is pair w - 1
         kv_win, score_win = overlapping_windows(kv_win, score_win, width // 2)
-    # Candidates are timeline windows c - 1 ..; the last one can never complete in the chunk.
-    kv_win, score_win = kv_win[:, :n_out], score_win[:, :n_out]
+        first -= 1
+    # Candidates are timeline windows K - 1 ..; the last one can never complete in the chunk.
+    kv_win, score_win = kv_win[:, first : first + n_out], score_win[:, first : first + n_out]
     pooled = gated_pool(kv_win, score_win, axis=2)
     entry_ids = (start // r)[:, None] + jnp.arange(n_out, dtype=jnp.int32)[None, :]
     valid = (entry_ids + 1) * r <= (start + lens)[:, None]
     windows = PooledWindows(jnp.where(valid[..., None], pooled, 0.0), entry_ids.astype(jnp.int32), valid)
     done = ((start + lens) // r - start // r) * r  # rows of the windows completed: drop them
-    keep = jax.vmap(lambda line, offset: jax.lax.dynamic_slice(line, (offset, 0), (c * r, width)))
+    keep = jax.vmap(lambda line, offset: jax.lax.dynamic_slice(line, (offset, 0), (kept_windows * r, width)))
     return windows, CompressorRows(keep(kv_line, done), keep(score_line, done))
 
 
 def pool_current_window(
-    kv_rows: jax.Array,  # [batch, c * ratio, c * head_dim] fp32: each sequence's rows as stored
-    score_rows: jax.Array,  # [batch, c * ratio, c * head_dim] fp32 gate logits (ape added)
+    kv_rows: jax.Array,  # [batch, K * ratio, c * head_dim] fp32: each sequence's rows, its window last
+    score_rows: jax.Array,  # [batch, K * ratio, c * head_dim] fp32 gate logits (ape added)
     position: jax.Array,  # [batch] int32: the decode token just written into its row
     real: jax.Array,  # [batch] bool: a real row (not padding)
     *,
@@ -136,14 +143,16 @@ def pool_current_window(
 ) -> PooledWindows:  # E = 1
     """A decode step of a compressor: the window its token completes, if any.
 
-    The state keeps token t of the current window in row (c - 1) * ratio + t % ratio and a decode
+    The rows are in timeline order (`CompressorRows`) with the token's own row written. A decode
     step writes only its own row, so rows the window has not reached yet hold an earlier window's
     tokens (or whatever a fresh slot held); the window is pooled only once all its rows are its
     own, when position % ratio == ratio - 1, which `pool_windows` would compute from the same
-    rows. With overlap the previous window's rows come first (`shift_completed_window` keeps them
-    there); window 0 has none, whatever its slot's first rows hold."""
+    rows. With overlap the previous window's rows come before it; window 0 has none, whatever its
+    slot's rows hold."""
+    c = 2 if overlap else 1
+    kv_rows, score_rows = kv_rows[:, -c * ratio :], score_rows[:, -c * ratio :]
     if overlap:
-        rows = CompressorRows(kv_rows, score_rows).without_window_0_predecessor(position, ratio)
+        rows = CompressorRows(kv_rows, score_rows).without_windows_before_0(position, ratio)
         batch, _, width = kv_rows.shape
         kv, score = (a.reshape(batch, 2, ratio, width) for a in (rows.kv, rows.score))  # previous, current
         kv_rows, score_rows = (w[:, 0] for w in overlapping_windows(kv, score, width // 2))
