@@ -85,11 +85,13 @@ def test_verify_steps_with_rejections_at_every_draft_equal_a_non_speculative_run
 
     # The prompts but their last tokens, one chunk each: both runners alike; the drafter fills the
     # MTP layer's window at every step's positions (the prompt's too).
-    for runner in (plain, spec):
-        out = runner.step([StepRow(i, 0, ids[i, : PROMPT - 1].tolist(), blocks[i]) for i in range(2)])
+    prompts = [StepRow(i, 0, ids[i, : PROMPT - 1].tolist(), blocks[i]) for i in range(2)]
+    plain.step(prompts)
+    bucket, tokens, seqs = spec.build(prompts)
+    out = spec.run(bucket, tokens, seqs, 2)
     next_ids = np.zeros(out.bucket, np.int32)
     next_ids[:2, : PROMPT - 1] = ids[:, 1:PROMPT]
-    spec.draft(out, next_ids, np.full(out.bucket[0], PROMPT - 2, np.int32))
+    spec.draft(out.streams, seqs, next_ids, np.full(out.bucket[0], PROMPT - 2, np.int32))
     # Each sequence's next position, whose token is not in the cache yet (the same for `plain`).
     position, plain_at, step = [PROMPT - 1] * 2, [PROMPT - 1] * 2, 0
     while min(position) < LENGTH - 1:
@@ -99,7 +101,8 @@ def test_verify_steps_with_rejections_at_every_draft_equal_a_non_speculative_run
             p, a = position[i], accepted[i]
             wrong = (ids[i, p + 1 + a : p + 1 + K] + 1 + rng.integers(0, CONFIG.vocab_size - 1, K - a)) % CONFIG.vocab_size
             rows.append(StepRow(i, p, [int(ids[i, p]), *ids[i, p + 1 : p + 1 + a].tolist(), *wrong.tolist()], blocks[i]))
-        out = spec.step(rows)
+        bucket, tokens, seqs = spec.build(rows)
+        out = spec.run(bucket, tokens, seqs, len(rows))
         logits = np.asarray(out.logits).reshape(out.bucket[0], K + 1, -1)
         next_ids, draft_at = np.zeros(out.bucket, np.int32), np.zeros(out.bucket[0], np.int32)
         for i in range(2):
@@ -109,7 +112,7 @@ def test_verify_steps_with_rejections_at_every_draft_equal_a_non_speculative_run
             compared += a + 1
             next_ids[i, : a + 1] = ids[i, p + 1 : p + a + 2]  # the accepted drafts, then the "sampled" token
             draft_at[i] = a
-        drafts = np.asarray(spec.draft(out, next_ids, draft_at))
+        drafts = np.asarray(spec.draft(out.streams, seqs, next_ids, draft_at))
         for i in range(2):
             q = position[i] + accepted[i]
             top2 = np.sort(mtp[i, q])[-2:]

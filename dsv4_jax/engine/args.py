@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dsv4_jax.parallel.distributed import DistributedConfig
+from dsv4_jax.engine.speculative import SpeculativeConfig
 from dsv4_jax.engine.structured_outputs import StructuredOutputsConfig
 
 if TYPE_CHECKING:
@@ -97,6 +98,9 @@ class EngineArgs:
     enable_prefix_caching: bool | None = None
     prefix_caching_hash_algo: str = "sha256"
     num_prefix_snapshots: int | None = None
+    # vLLM's --speculative-config: JSON text, a dict or a SpeculativeConfig (None: off); the
+    # drafter is the checkpoint's MTP block (docs/speculative_decoding.md)
+    speculative_config: str | dict | SpeculativeConfig | None = None
     # vLLM's arguments that change nothing here, accepted so its notebooks run as written.
     trust_remote_code: bool = False  # nothing from the model directory is ever run
     enforce_eager: bool = False  # there are no CUDA graphs: steps are compiled for fixed shapes
@@ -138,6 +142,7 @@ class EngineArgs:
                              "pass --load-format safetensors")
         self.distributed  # noqa: B018  (DistributedConfig checks the node flags)
         StructuredOutputsConfig.parse(self.structured_outputs_config)  # its errors name the flag
+        SpeculativeConfig.parse(self.speculative_config)  # so do these
 
     @property
     def distributed(self) -> DistributedConfig:
@@ -169,6 +174,9 @@ class EngineArgs:
         kv = resolve_for_device(self.kv_cache_dtype, device, self.attention_backend, config=config)
         pool_usage(config, kv, max_model_len, self.block_size)  # whole blocks of every compress ratio
         max_num_seqs = self.max_num_seqs or default_max_num_seqs(device)
+        speculative = SpeculativeConfig.parse(self.speculative_config)
+        if speculative is not None:
+            speculative.check_model(config, model_dir)  # no V4 MTP block: refused, never silently off
         if self.tokenizer is not None and not Path(self.tokenizer).exists():
             raise FileNotFoundError(f"tokenizer {self.tokenizer}: no such file or directory")
         load_format = self.load_format
@@ -185,6 +193,7 @@ class EngineArgs:
             parallel=parallel, load_format=load_format,
             tokenizer=Path(self.tokenizer) if self.tokenizer is not None else model_dir,
             structured_outputs_config=StructuredOutputsConfig.parse(self.structured_outputs_config),
+            speculative_config=speculative,
             # generation_config.json's sampling defaults (vLLM's keys); followers never sample.
             sampling_defaults=generation_defaults(model_dir, self.generation_config,
                                                   "generation_config (--generation-config)")
@@ -231,6 +240,11 @@ class EngineConfig:
     # Prefix-cache snapshots per data-parallel rank and the bytes of one (the builder sizes them).
     num_prefix_snapshots: int = 0
     snapshot_bytes: int = 0
+    speculative_config: SpeculativeConfig | None = None
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        return self.speculative_config.num_speculative_tokens if self.speculative_config is not None else 0
 
     @property
     def prefix_caching(self) -> bool:
@@ -253,6 +267,7 @@ class EngineConfig:
             "--enable-expert-parallel": a.enable_expert_parallel, "--seed": a.seed, "buckets": self.buckets,
             "--enable-prefix-caching": self.prefix_caching, "--num-prefix-snapshots": a.num_prefix_snapshots,
             "--prefix-caching-hash-algo": a.prefix_caching_hash_algo,
+            "--speculative-config": self.speculative_config,
         }
 
 

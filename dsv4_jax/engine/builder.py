@@ -110,6 +110,7 @@ def _engine(config: EngineConfig, model, tokenizer, layout, block_manager_factor
         async_scheduling=config.args.async_scheduling, block_manager_factory=block_manager_factory,
         structured_outputs_config=config.structured_outputs_config,
         num_prefix_snapshots=config.num_prefix_snapshots, prefix_caching_hash_algo=config.args.prefix_caching_hash_algo,
+        speculative_config=config.speculative_config,
     )
     logger.info("KV cache per data-parallel rank (%d): %d sequence slots, %d compressed blocks of %d positions; "
                 "%.1f MiB on the mesh", config.parallel.data_parallel_size, layout.num_seq_slots,
@@ -207,8 +208,10 @@ def _with_snapshots(config: EngineConfig, memory: int | None, weight_bytes: int,
 
     if not config.prefix_caching:
         return dataclasses.replace(config, num_prefix_snapshots=0, snapshot_bytes=0)
+    spec = min(1, config.num_speculative_tokens)  # the MTP layer's window and the spare compressor window
     one = snapshot_bytes(PagedCacheLayout.build(config.model_config, config.kv, max_model_len=config.args.block_size,
-                                                num_seq_slots=1, block_size=config.args.block_size))
+                                                num_seq_slots=1, block_size=config.args.block_size,
+                                                num_mtp_layers=spec, spare_compressor_windows=spec))
     count = config.args.num_prefix_snapshots
     if count is None:
         count = PREFIX_SNAPSHOTS_PER_SEQ * config.max_num_seqs
@@ -233,6 +236,9 @@ def _plan(config: EngineConfig, memory: int | None, weight_bytes: int, reserved:
             gpu_memory_utilization=config.args.gpu_memory_utilization, weight_bytes=weight_bytes,
             block_size=config.args.block_size, max_num_seqs=max_num_seqs, reserved_bytes=reserved,
             snapshot_bytes=config.num_prefix_snapshots * config.snapshot_bytes, mesh=MeshShape(p.tensor_parallel_size, p.data_parallel_size, p.expert_parallel_size),
+            # Speculative decoding: the MTP layer's window pool and a spare compressor window a slot.
+            num_mtp_layers=min(1, config.num_speculative_tokens),
+            spare_compressor_windows=min(1, config.num_speculative_tokens),
         )
 
     try:

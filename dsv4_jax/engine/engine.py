@@ -45,6 +45,7 @@ from dsv4_jax.engine.sampler import (
 )
 from dsv4_jax.engine.sampling_params import SamplingParams
 from dsv4_jax.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from dsv4_jax.engine.speculative import Drafter, SpecDecodeStats, SpeculativeConfig, accepted_tokens
 from dsv4_jax.engine.structured_outputs import GrammarCompiler, StructuredOutputsConfig, check_structured_outputs
 from dsv4_jax.engine.token_masks import TokenMask, bad_words_token_ids, fill_masks, packed_ids
 from dsv4_jax.kv_cache.paged import PagedCacheLayout
@@ -72,6 +73,7 @@ class _InFlight:
     sampled: SampledTokens
     position: dict[str, int]  # request id -> its row
     prompt_scores: tuple | None = None  # a prefill step's `ModelRunner.prompt_scores`, when some row asked
+    seqs: Any = None  # the step's host row arrays (`ModelRunner.build`), for the MTP drafter
 
 
 @dataclasses.dataclass
@@ -175,28 +177,49 @@ class LLMEngine:
         structured_outputs_config: StructuredOutputsConfig = StructuredOutputsConfig(),
         num_prefix_snapshots: int = 0,
         prefix_caching_hash_algo: str = "sha256",
+        speculative_config: SpeculativeConfig | None = None,
     ):
         """`block_manager_factory`: each data-parallel rank's allocators (`Scheduler`'s default when
         None). `num_prefix_snapshots` > 0 turns prefix caching on, with that many snapshots per
-        rank (docs/prefix_caching.md)."""
+        rank (docs/prefix_caching.md). `speculative_config`: speculative decoding with the model's
+        MTP block (engine/speculative.py; the layout needs its window pool and a spare compressor
+        window); scheduling is then synchronous."""
         self.config = model.config
         self.tokenizer = tokenizer
         self._token_texts: dict[int, str] = {}  # token id -> its text, for logprobs (`_logprob`)
         self.max_model_len = max_model_len
         self.seed = seed
+        k = speculative_config.num_speculative_tokens if speculative_config is not None else 0
+        if k:
+            speculative_config.check_model(self.config)
+            short = [b for b in buckets.prefill if b[1] < k + 1]
+            if short:
+                raise ValueError(f"prefill buckets {short} are shorter than a verify row of {k + 1} tokens "
+                                 f"(num_speculative_tokens {k} + 1): give every prefill bucket at least {k + 1} tokens")
+            if async_scheduling:
+                logger.info("speculative decoding runs without async scheduling: each step's drafts need its tokens")
+        self.speculative_config = speculative_config
+        self.num_speculative_tokens = k
+        # Host drafts instead of the MTP block's (None: the MTP block on the device): tests and
+        # benchmarks give one (dsv4_jax.testing), from the next step on.
+        self.drafter: Drafter | None = None
+        self.spec_decode_stats = SpecDecodeStats(k) if k else None
         self.runner = ModelRunner(model, layout, attention_backend=attention_backend, buckets=buckets,
-                                  num_prefix_snapshots=num_prefix_snapshots)
-        buckets = self.runner.buckets  # as the runner runs them (CPUs widen one-row decodes)
+                                  num_prefix_snapshots=num_prefix_snapshots, num_speculative_tokens=k,
+                                  mtp_drafts=bool(k))
+        buckets = self.runner.buckets  # as the runner runs them (CPUs widen one-row decodes; verify rows)
         dp = self.runner.dp  # data-parallel ranks: a step holds dp x the bucket's rows
         # Sampled tokens padded to the widest step: one placeholder-filling compile per bucket.
-        self.sampler_config = dataclasses.replace(sampler_config, pad_rows=dp * max(b for b, _ in buckets.all))
-        self.async_scheduling = async_scheduling  # may be switched between steps
+        self.sampler_config = dataclasses.replace(sampler_config,
+                                                  pad_rows=dp * max(b for b, _ in buckets.all) * (k + 1))
+        self.async_scheduling = async_scheduling and not k  # may be switched between steps (never on with k)
         eos = self.config.eos_token_id
         self.eos_token_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
         self.scheduler = Scheduler(SchedulerConfig.for_runner(
             buckets, layout, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
             max_num_batched_tokens=max_num_batched_tokens, dp_size=dp, num_prefix_snapshots=num_prefix_snapshots,
             prefix_caching_hash_algo=prefix_caching_hash_algo, cache_identity=_cache_identity(model, layout),
+            num_speculative_tokens=k,
         ), block_manager_factory or BlockManager)
         mesh = self.runner.mesh
         self.sampler = Sampler(self.sampler_config, mesh)
@@ -211,7 +234,8 @@ class LLMEngine:
             "gather": self.runner.gather,
             "take_snapshots": self.runner.take_snapshots,
             "restore_snapshots": self.runner.restore_snapshots,
-        }, passed_on=frozenset({"fill", "run", "sample"}))
+            "draft": self.runner.draft,
+        }, passed_on=frozenset({"fill", "run", "sample", "draft"}))
         self._tracked: dict[str, _Tracked] = {}
         self._init_constraints(structured_outputs_config)
         self._numbers = itertools.count()
@@ -490,7 +514,7 @@ class LLMEngine:
                 return None
             self._in_flight = self._launch(scheduled, None)
         current, self._in_flight = self._in_flight, None
-        if self.async_scheduling:
+        if self.async_scheduling and not self.num_speculative_tokens:
             scheduled = self.scheduler.schedule()  # current's tokens are placeholders until its update
             if scheduled.rows:
                 self._in_flight = self._launch(scheduled, current)
@@ -505,8 +529,16 @@ class LLMEngine:
         """What `finish_step` reads from the device (ready once the launched step has run)."""
         return launched.sampled, launched.prompt_scores
 
+    def _logit_row(self, at: int) -> int:
+        """The row of a step's logits (and samples) holding step row `at`'s last position: each
+        row has num_speculative_tokens + 1 of them (`StepOutput.logits`)."""
+        n = self.num_speculative_tokens + 1
+        return at * n + n - 1
+
     def _launch(self, scheduled: SchedulerOutput, previous: _InFlight | None) -> _InFlight:
-        """Dispatch a step and its sampling to the device; nothing waits for the results."""
+        """Dispatch a step and its sampling to the device; nothing waits for the results. A verify
+        row (a token and its drafts) samples each of its positions, as the row would sample there
+        after the drafts before it (engine/speculative.py)."""
         rows = scheduled.rows
         bucket, tokens, seqs = self.runner.build(rows)
         position = self.runner.row_positions(rows, bucket[0])
@@ -524,25 +556,30 @@ class LLMEngine:
         snapshots = [(r.dp_rank, r.slot, r.snapshot, r.end) for r in rows if r.snapshot >= 0]
         if snapshots:  # rows ending at a block boundary: their state there, before a later step moves on
             self.device.call("take_snapshots", snapshots)
-        masks = self._step_masks(rows, position, out.bucket[0], previous)  # may wait for the previous step
-        sampling = [SamplingRow(_FILLER, 0)] * (max(position) + 1)  # rows after the last: padding
-        for at, r in zip(position, rows):
+        logit_rows = [self._logit_row(at) for at in position]
+        masks = self._step_masks(rows, logit_rows, out.logits.shape[0], previous)  # may wait for the previous step
+        sampling = [SamplingRow(_FILLER, 0)] * (max(logit_rows) + 1)  # rows after the last: padding
+        for at, last, r in zip(position, logit_rows, rows):
             tracked = self._tracked.get(r.request.request_id)
             if r.is_sampling and tracked is not None and tracked.request is r.request:  # not aborted meanwhile
                 outputs, history, params = r.request.output_token_ids, tracked.penalty_history, tracked.params
                 if tracked.mask is not None and tracked.mask.error is not None and params.min_tokens:
                     params = dataclasses.replace(params, min_tokens=0)  # its row allows EOS only: no ban on it
                 # A pending last output (a placeholder) is the previous step's sample of row source[at].
-                sampling[at] = SamplingRow(params, tracked.index, r.request.prompt_token_ids, outputs,
-                                           None if history is None else history.catch_up(outputs), int(source[at]))
+                sampling[last] = SamplingRow(params, tracked.index, r.request.prompt_token_ids, outputs,
+                                             None if history is None else history.catch_up(outputs), int(source[at]))
+                drafts = list(r.token_ids[len(r.token_ids) - r.num_drafts :])
+                for i in range(r.num_drafts):  # position i of the drafts: outputs and drafts[:i] before it
+                    sampling[last - r.num_drafts + i] = SamplingRow(params, tracked.index, r.request.prompt_token_ids,
+                                                                    [*outputs, *drafts[:i]])
         batch = build_sampling_batch(
-            sampling, out.bucket[0], vocab_size=self.config.vocab_size, eos_token_ids=self.eos_token_ids,
+            sampling, out.logits.shape[0], vocab_size=self.config.vocab_size, eos_token_ids=self.eos_token_ids,
             engine_seed=self.seed, step=self._steps, config=self.sampler_config, token_masks=masks,
         )
         self._steps += 1
         sampled = self.device.call("sample", out.logits, batch, None if previous is None else previous.sampled.token_ids)
         return _InFlight(scheduled, out, sampled, {r.request.request_id: at for at, r in zip(position, rows)},
-                         self._launch_prompt_scores(rows, position, out))
+                         self._launch_prompt_scores(rows, position, out), seqs)
 
     def _step_masks(self, rows, position, bucket: int, previous: _InFlight | None) -> np.ndarray | None:
         """The mask rows of a step whose sampling rows include constrained ones (None: none). A
@@ -605,19 +642,75 @@ class LLMEngine:
         fetched = jax.device_get((sampled.token_ids, sampled.logprobs, sampled.top_token_ids, sampled.top_logprobs,
                                   sampled.ranks) if want_logprobs else (sampled.token_ids,))
         tokens, logprob_arrays = fetched[0], (fetched[1:] if want_logprobs else None)
-        chosen = {r.request.request_id: int(tokens[step.position[r.request.request_id]])
-                  for r in scheduled.rows if r.is_sampling}
-        got = self.scheduler.update(scheduled, chosen)
+        # Each sampling row's tokens: one, or for a verify row its accepted drafts and the token after.
+        emitted = {}
+        for r in scheduled.rows:
+            if r.is_sampling:
+                last = self._logit_row(step.position[r.request.request_id])
+                sampled = tokens[last - r.num_drafts : last + 1]
+                emitted[r.request.request_id] = (r, accepted_tokens(sampled, r.token_ids[len(r.token_ids) - r.num_drafts:]))
+        drafts = self._mtp_drafts(step, emitted) if self.num_speculative_tokens and self.drafter is None else None
+        got = self.scheduler.update(scheduled, {rid: toks[0] for rid, (_, toks) in emitted.items()})
         outputs = []
         for request in got:
             tracked = self._tracked[request.request_id]
-            if logprob_arrays is not None and tracked.logprobs is not None:
-                self._record_logprobs(tracked, logprob_arrays, step.position[request.request_id])
-            self._after_token(tracked)
+            row, toks = emitted[request.request_id]
+            first = self._logit_row(step.position[request.request_id]) - row.num_drafts
+            self._apply_token(tracked, logprob_arrays, first)
+            for i, token in enumerate(toks[1:], start=1):  # accepted drafts: the tokens after them
+                if request.status.finished or not self.scheduler.extend(row, token):
+                    break
+                self._apply_token(tracked, logprob_arrays, first + i)
+            if self.spec_decode_stats is not None:
+                self.spec_decode_stats.record(row.num_drafts, len(toks) - 1)
+                self.scheduler.release_rejected_blocks(request)
+                self._propose(tracked, drafts, step.position[request.request_id])
             outputs.append(tracked.output())
             if request.status.finished:
                 del self._tracked[request.request_id]
         return outputs
+
+    def _apply_token(self, tracked: _Tracked, logprob_arrays, row: int) -> None:
+        """The request's newest output token, sampled at `row` of the step's samples: its logprobs,
+        then the stop checks."""
+        if logprob_arrays is not None and tracked.logprobs is not None:
+            self._record_logprobs(tracked, logprob_arrays, row)
+        self._after_token(tracked)
+
+    def _mtp_drafts(self, step: _InFlight, emitted: dict) -> np.ndarray:
+        """Run the MTP block over the step's rows and fetch its drafts [B, k]: next_ids holds each
+        position's next token (the chunk's, the accepted drafts', then the token sampled after the
+        last accepted; a prompt chunk that ends early, the prompt's next), and a verify row drafts
+        from its last accepted position."""
+        bucket = step.out.bucket
+        next_ids, draft_at = np.zeros(bucket, np.int32), np.zeros(bucket[0], np.int32)
+        for r in step.scheduled.rows:
+            at = step.position[r.request.request_id]
+            known = len(r.token_ids) - r.num_drafts
+            if r.request.request_id in emitted:
+                toks = emitted[r.request.request_id][1]
+                ahead = [*r.token_ids[1 : known + len(toks) - 1], toks[-1]]
+            else:  # a prompt chunk that is not the prompt's last: the prompt's next token follows it
+                ahead = [*r.token_ids[1:known], *r.request.prompt_token_ids[r.end : r.end + 1]]
+            next_ids[at, : len(ahead)] = ahead
+            draft_at[at] = len(ahead) - 1
+        drafts = self.device.call("draft", step.out.streams, step.seqs, next_ids, draft_at)
+        if jax.process_count() > 1:  # each process holds its devices' rows: made whole first
+            drafts = self.device.call("gather", drafts)
+        return np.asarray(jax.device_get(drafts))
+
+    def _propose(self, tracked: _Tracked, drafts: np.ndarray | None, at: int) -> None:
+        """The drafts a running request's next decode row carries: none for a request that
+        speculates nothing (penalties, token masks: engine/speculative.py)."""
+        request, params = tracked.request, tracked.params
+        if request.status.finished or request.num_tokens - request.num_computed_tokens != 1 \
+                or params.has_penalties or tracked.mask is not None:
+            request.draft_token_ids = []
+        elif drafts is not None:
+            request.draft_token_ids = drafts[at].tolist()
+        else:
+            request.draft_token_ids = list(self.drafter.propose(request.all_token_ids, len(request.prompt_token_ids),
+                                                                self.num_speculative_tokens))
 
     def _after_token(self, tracked: _Tracked) -> None:
         request, params = tracked.request, tracked.params
@@ -699,8 +792,8 @@ class LLMEngine:
             # A one-token chunk in a decode step: its logits are the step's own, and decode buckets
             # have no compiled scoring (one row of [B, vocab] on the host is cheap).
             logits = self._host_logits(step.out.logits)
-            scored = [_prompt_scores(logits[i, None], np.asarray(targets), tracked.params.prompt_logprobs)
-                      for i, tracked, _, targets in wanted]
+            scored = [_prompt_scores(logits[self._logit_row(i), None], np.asarray(targets),
+                                     tracked.params.prompt_logprobs) for i, tracked, _, targets in wanted]
         else:
             logprob, rank, top_ids, top_logprobs = jax.device_get(step.prompt_scores)
             scored = []
@@ -792,7 +885,7 @@ class LLMEngine:
     def _step_logits(self) -> dict[int, jax.ShapeDtypeStruct]:
         """Step rows -> the logits [rows, vocab] float32 a step of that many rows returns, placed as
         it places them, before any step is built."""
-        rows = {b * self.runner.dp for b, _ in self.runner.buckets.all}
+        rows = {b * self.runner.dp * (self.num_speculative_tokens + 1) for b, _ in self.runner.buckets.all}
         placed = self.runner.logits_sharding
         return {b: jax.ShapeDtypeStruct((b, self.config.vocab_size), jnp.float32, sharding=placed) for b in rows}
 

@@ -83,6 +83,9 @@ class Request:
     # Computes its whole prompt whatever is cached (its blocks are still cached for others): a
     # request for prompt logprobs, whose cached positions would have none (as vLLM).
     skip_prefix_cache: bool = False
+    # Speculative decoding: the tokens proposed to follow its last one, verified by its next decode
+    # row (the engine sets them after each step; the scheduler may use fewer).
+    draft_token_ids: list[int] = dataclasses.field(default_factory=list)
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -139,7 +139,6 @@ class StepOutput:
     streams: jax.Array  # [B, S, hc_mult, hidden] before hc_head, for prompt logprobs and MTP
     rows: int  # real rows (`ModelRunner.row_positions` says where)
     bucket: tuple[int, int]  # (B, S) of the whole step: data-parallel ranks x the rank's bucket rows
-    seqs: StepSequences | None = None  # the step's row arrays as it was given them (the drafter reads them)
 
 
 class BucketMemory(NamedTuple):
@@ -593,18 +592,20 @@ class ModelRunner:
         else:
             tokens_dev, seqs_dev = self._put((tokens, seqs))
         logits, streams, self.cache = self._steps.get(bucket, self._step)(self.weights, self.cache, tokens_dev, seqs_dev)
-        return StepOutput(logits, streams, rows, bucket, seqs_dev)
+        return StepOutput(logits, streams, rows, bucket)
 
-    def draft(self, output: StepOutput, next_ids: np.ndarray, draft_at: np.ndarray) -> jax.Array:
-        """The MTP block's drafts after `output`'s step (`_draft`): next_ids [B, S] int32, the token
-        after each position of the step's rows (the sampled one after the last accepted), and
-        draft_at [B] int32, the index of each row's last accepted position. Returns the drafts
-        [B, num_speculative_tokens] int32 on the device."""
+    def draft(self, streams: jax.Array, seqs: StepSequences, next_ids: np.ndarray, draft_at: np.ndarray
+              ) -> jax.Array:
+        """The MTP block's drafts after a step (`_draft`), from its `streams` and its host row
+        arrays `seqs` (`build`'s): next_ids [B, S] int32, the token after each position of the
+        step's rows (the sampled one after the last accepted), and draft_at [B] int32, the index of
+        each row's last accepted position. Returns the drafts [B, num_speculative_tokens] int32 on
+        the device."""
         if self._draft is None:
             raise RuntimeError("this runner drafts nothing: ModelRunner(num_speculative_tokens=k, mtp_drafts=True)")
-        args = self._put((next_ids.astype(np.int32), draft_at.astype(np.int32)))
-        drafts, self.cache = self._drafters.get(output.bucket, self._draft)(
-            self.weights, self.cache, output.streams, args[0], output.seqs, args[1])
+        seqs, next_ids, draft_at = self._put((seqs, next_ids.astype(np.int32), draft_at.astype(np.int32)))
+        drafts, self.cache = self._drafters.get(tuple(next_ids.shape), self._draft)(
+            self.weights, self.cache, streams, next_ids, seqs, draft_at)
         return drafts
 
     def _put(self, host_arrays):
@@ -719,8 +720,8 @@ class ModelRunner:
             with self._naming_the_backend((rank_rows, s)):
                 logits, streams = self._run_padding_step((b, s))
                 if self.mtp_drafts:  # the drafter of padding rows writes nothing either
-                    padding = StepOutput(logits, streams, 0, (b, s), self._put(self.padding_step((b, s))[1]))
-                    jax.block_until_ready(self.draft(padding, np.zeros((b, s), np.int32), np.zeros(b, np.int32)))
+                    jax.block_until_ready(self.draft(streams, self.padding_step((b, s))[1], np.zeros((b, s), np.int32),
+                                                     np.zeros(b, np.int32)))
             self.warmup_logits[logits.shape[0]] = logits  # as steps lay them out: the sampler warms up on these
             if s > 1:  # prompt logprobs come from prefill steps
                 jax.block_until_ready(self.prompt_scores(streams, np.zeros((b, s), np.int32)))

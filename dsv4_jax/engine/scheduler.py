@@ -45,6 +45,14 @@ block boundary names a snapshot id the engine takes right after the step
 there is one. `update`, when the tokens are known, registers each running request's full
 blocks under their hashes and each snapshot whose block is cached.
 
+Speculative decoding (`num_speculative_tokens` k > 0; engine/speculative.py): a decode row
+carries the request's drafts after its token (`Request.draft_token_ids`, at most k, none past
+max_tokens or max_model_len or the step's token budget), and its blocks cover the drafts'
+positions. `update` counts the row's own token as computed and gives it the first sampled token;
+`extend` then applies each accepted draft (computed) and the token after it, and
+`release_rejected_blocks` gives back the blocks only rejected drafts needed. Scheduling is then
+synchronous (the engine turns async scheduling off).
+
 Data parallelism: each rank has its own allocators, queues and step; a request is pinned at `add`
 to the rank holding its longest cached prefix, ties going to the rank with the fewest unfinished
 requests, among the ranks with at most `max_num_seqs` more unfinished requests than the least
@@ -86,6 +94,7 @@ class SchedulerConfig:
     num_prefix_snapshots: int = 0  # per rank; 0: prefix caching off
     prefix_caching_hash_algo: str = "sha256"
     cache_identity: str = ""  # what changes the KV besides the tokens (model, dtypes): the hash chain's root
+    num_speculative_tokens: int = 0  # drafts a decode row may carry; 0: speculative decoding off
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens is None:
@@ -99,7 +108,7 @@ class SchedulerConfig:
             value = getattr(self, field.name)
             if field.name in ("enable_chunked_prefill", "prefix_caching_hash_algo", "cache_identity"):
                 continue
-            if field.name == "num_prefix_snapshots" and value == 0:
+            if field.name in ("num_prefix_snapshots", "num_speculative_tokens") and value == 0:
                 continue
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"SchedulerConfig.{field.name} must be an int >= 1, got {value!r}")
@@ -118,7 +127,8 @@ class SchedulerConfig:
 
 @dataclasses.dataclass(frozen=True)
 class ScheduledRow:
-    """One row of a step: `token_ids` = request.all_token_ids[start : start + n]."""
+    """One row of a step: `token_ids` = request.all_token_ids[start : start + n], then the
+    row's `num_drafts` drafts (speculative decoding)."""
 
     request: Request
     slot: int
@@ -128,10 +138,12 @@ class ScheduledRow:
     is_sampling: bool  # the chunk reaches the end of the known tokens: the engine samples this row
     restore: int = -1  # a prefix-cache hit: the snapshot to copy into the slot before the step (state at `start`)
     snapshot: int = -1  # the snapshot id to take after the step (the chunk ends at a block boundary)
+    num_drafts: int = 0  # drafts after the known tokens (a verify row)
 
     @property
     def end(self) -> int:
-        return self.start + len(self.token_ids)
+        """The position after the row's last known token (its drafts are not known to be right)."""
+        return self.start + len(self.token_ids) - self.num_drafts
 
     @property
     def dp_rank(self) -> int:
@@ -175,12 +187,14 @@ class _StepPlan:
         rows = []
         for request, n in self.chunks.values():
             start = request.num_computed_tokens
-            tokens = tuple(request.token_ids(start, start + n))
+            known = min(n, request.num_tokens - start)
+            drafts = tuple(request.draft_token_ids[: n - known])
+            tokens = tuple(request.token_ids(start, start + known)) + drafts
             # blocks[:] is a memcpy of C ints: the row keeps this step's blocks whatever the request
             # holds later (a tuple of Python ints cost 1.6 ms a decode step at 32 rows x 4096 blocks).
             rows.append(ScheduledRow(request, request.slot, start, tokens, request.compressed_blocks[:],
-                                     start + n == request.num_tokens, self.restores.get(request.request_id, -1),
-                                     snapshot_for(request, start + n)))
+                                     start + known == request.num_tokens, self.restores.get(request.request_id, -1),
+                                     snapshot_for(request, start + known), len(drafts)))
         return rows
 
 
@@ -385,7 +399,9 @@ class Scheduler:
             # The decodes come after the prefills here: an admission must leave them the blocks
             # they grow into, or their rows would preempt the request just admitted.
             bm = self.block_managers[rank]
-            growth = sum(1 for r in decodes if bm.blocks_for(r.num_computed_tokens + 1) > len(r.compressed_blocks))
+            k = c.num_speculative_tokens
+            growth = sum(max(0, bm.blocks_for(r.num_computed_tokens + 1 + min(len(r.draft_token_ids), k))
+                                - len(r.compressed_blocks)) for r in decodes)
             self._add_prefills(rank, plan, preempted, reserved=growth)
             self._add_decodes(rank, plan, decodes, preempted)
         return plan
@@ -395,7 +411,17 @@ class Scheduler:
             if plan.full:
                 return
             if request.status is RequestStatus.RUNNING:  # not preempted by an earlier row
-                self._add_running(rank, plan, request, 1, preempted)
+                self._add_running(rank, plan, request, 1 + self._num_drafts(request, plan), preempted)
+
+    def _num_drafts(self, request: Request, plan: _StepPlan) -> int:
+        """Drafts a decode row of `request` carries: its proposals, at most k, none that could
+        only follow its last token (max_tokens) or pass max_model_len, within the step's budget."""
+        c = self.config
+        if not c.num_speculative_tokens or not request.draft_token_ids:
+            return 0
+        return max(0, min(len(request.draft_token_ids), c.num_speculative_tokens,
+                          request.max_tokens - request.num_output_tokens - 1,
+                          c.max_model_len - request.num_tokens, plan.budget_left - 1))
 
     def _add_prefills(self, rank: int, plan: _StepPlan, preempted: list[str], reserved: int = 0) -> None:
         """Running prefills' next chunks, then admissions first come, first served; `reserved`
@@ -519,12 +545,8 @@ class Scheduler:
         request, rank = row.request, row.dp_rank
         bm = self.block_managers[rank]
         running = request.status is RequestStatus.RUNNING
-        if running:  # only the blocks completed since the last time: a long context is not walked again
-            hashes = self._block_hashes(request, request.num_computed_tokens)
-            n, first = min(len(hashes), len(request.compressed_blocks)), request.num_registered_blocks
-            if n > first:
-                bm.register(request, hashes[first:n], first)
-                request.num_registered_blocks = n
+        if running:
+            self._register_blocks(request, rank)
         if row.snapshot < 0:
             return
         k = row.end // self.config.block_size
@@ -533,6 +555,15 @@ class Scheduler:
             self.snapshot_pools[rank].register(row.snapshot, hashes[k - 1])
         else:
             self.snapshot_pools[rank].release(row.snapshot)
+
+    def _register_blocks(self, request: Request, rank: int) -> None:
+        """Cache a running request's full computed blocks, only those completed since the last
+        time (a long context is not walked again)."""
+        hashes = self._block_hashes(request, request.num_computed_tokens)
+        n, first = min(len(hashes), len(request.compressed_blocks)), request.num_registered_blocks
+        if n > first:
+            self.block_managers[rank].register(request, hashes[first:n], first)
+            request.num_registered_blocks = n
 
     def _release_snapshots(self, rows) -> None:
         for row in rows:
@@ -580,6 +611,7 @@ class Scheduler:
             plan.drop(victim)
             bm.free(victim)
             victim.status, victim.num_computed_tokens, victim.num_registered_blocks = RequestStatus.WAITING, 0, 0
+            victim.draft_token_ids = []
             victim.num_preemptions += 1
             self.num_preemptions += 1
             self._waiting[rank].appendleft(victim)
@@ -587,6 +619,27 @@ class Scheduler:
             if victim is request:
                 return
         plan.add(request, n)
+
+    def extend(self, row: ScheduledRow, token: int) -> bool:
+        """Speculative decoding, after `update`: the row's next draft was accepted (its position
+        is computed) and `token` follows it. Returns whether the request runs on (False: it
+        reached max_tokens with this token and is finished, "length")."""
+        request = row.request
+        request.num_computed_tokens += 1
+        request.output_token_ids.append(int(token))
+        request.last_token_time = time.monotonic()
+        if self.prefix_caching:
+            self._register_blocks(request, row.dp_rank)
+        if request.num_output_tokens >= request.max_tokens:
+            self.finish(request.request_id, RequestStatus.FINISHED_LENGTH)
+            return False
+        return True
+
+    def release_rejected_blocks(self, request: Request) -> None:
+        """Give back the blocks a running request's verify row took only for drafts that were
+        rejected (its blocks then cover its computed positions and the next token's)."""
+        if request.status is RequestStatus.RUNNING and request.compressed_blocks:
+            self.block_managers[request.dp_rank].release_blocks_past(request, request.num_tokens)
 
     def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
         """Apply a finished runner step (the oldest not updated): advance each row's request by its
@@ -611,7 +664,7 @@ class Scheduler:
         for row in live:
             request = row.request
             if not taken:
-                request.num_computed_tokens += len(row.token_ids)
+                request.num_computed_tokens += len(row.token_ids) - row.num_drafts  # drafts: `extend`
             if row.is_sampling:
                 token = int(sampled[request.request_id])
                 if taken:  # the placeholder sits right after the row's chunk
