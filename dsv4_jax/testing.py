@@ -208,16 +208,17 @@ class ReplayDrafter:
     """A host drafter for tests and benchmarks (`LLMEngine.drafter`): it proposes what a previous
     run generated after the same prompt (`runs`: prompt ids -> that run's output ids), so a
     greedy rerun accepts every draft; `right(outputs_so_far, k)` says how many of the k drafts
-    stay right, the rest each replaced by another token (rejected by a greedy rerun)."""
+    stay right, the rest each replaced by another token (rejected by a greedy rerun); `limit`
+    caps the drafts (fewer than the engine's k)."""
 
     def __init__(self, runs: dict[tuple[int, ...], Sequence[int]], vocab_size: int,
-                 right: Callable[[int, int], int] | None = None):
-        self.runs, self.vocab_size = runs, vocab_size
+                 right: Callable[[int, int], int] | None = None, limit: int | None = None):
+        self.runs, self.vocab_size, self.limit = runs, vocab_size, limit
         self.right = right or (lambda done, k: k)
 
     def propose(self, token_ids: Sequence[int], num_prompt_tokens: int, k: int) -> list[int]:
         done = len(token_ids) - num_prompt_tokens
         run = self.runs.get(tuple(int(t) for t in token_ids[:num_prompt_tokens]), ())
-        drafts = [int(t) for t in run[done : done + k]]
+        drafts = [int(t) for t in run[done : done + min(k, self.limit or k)]]
         keep = self.right(done, len(drafts))
         return drafts[:keep] + [(t + 1) % self.vocab_size for t in drafts[keep:]]

@@ -57,7 +57,7 @@ ENGINE_LANE = frozenset({
     "test_runner_backends.py", "test_sampler.py", "test_scheduler.py", "test_serve_args.py", "test_serve_bench.py",
     "test_serve_choices.py", "test_serve_metrics.py", "test_serve_protocol.py", "test_server.py",
     "test_server_faults.py", "test_server_load.py", "test_user_errors.py", "test_converted_cache.py",
-    "test_structured_outputs.py", "test_server_structured.py", "test_prefix_caching.py"})
+    "test_structured_outputs.py", "test_server_structured.py", "test_prefix_caching.py", "test_speculative.py"})
 XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER")  # "gw0", "gw1" inside a pytest-xdist worker
 
 

@@ -1,12 +1,16 @@
-"""Speculative decoding on the paged cache: verify steps whose drafts are accepted or rejected at
-every position leave the cache as a non-speculative run leaves it, and the logits at accepted
-positions are the full forward's.
+"""Speculative decoding (engine/speculative.py) on the paged cache and through the engine.
 
-One runner config crosses every boundary within a hundred tokens: sliding window 4, CSA ratio 4
-with index_topk 2, HCA ratio 16, blocks of 128 positions; float32 cache, so nothing is rounded.
-A verify row is a sequence's last token and k drafts; the test plays the acceptance: the first
-`a` drafts are the sequence's true next tokens, the rest are wrong, with `a` cycling through
-0..k (every position rejects in turn, and some steps accept all).
+One config crosses every boundary within a hundred tokens: sliding window 4, CSA ratio 4 with
+index_topk 2, HCA ratio 16, blocks of 128 positions; float32 cache, so nothing is rounded. One
+`LLM` with k = 3 serves every test (its runner also runs the runner-level test first).
+
+* On the runner: verify rows whose drafts are accepted or rejected at every position leave the
+  cache as a non-speculative run leaves it, and the logits at accepted positions are the full
+  forward's; the MTP drafts are the whole-sequence MTP's argmax.
+* Through the engine: host drafters that propose a previous run's tokens (every draft kept), or
+  wrong ones (every draft rejected), or right ones up to a position that moves (rejections at
+  every position), fewer than k, and the MTP block: greedy and seeded outputs, logprobs, stops,
+  max_tokens, prefix-cache hits and n > 1 are what decoding without drafts gives.
 """
 
 from __future__ import annotations
@@ -15,10 +19,10 @@ import jax
 import numpy as np
 import pytest
 
-import dsv4_jax
+from dsv4_jax import LLM, SamplingParams
 from dsv4_jax.engine.runner import ModelRunner, StepBuckets, StepRow
 from dsv4_jax.presets import get_config
-from dsv4_jax.testing import paged_layout, write_random_checkpoint
+from dsv4_jax.testing import ReplayDrafter, paged_layout, prefill_logits, write_random_checkpoint
 
 CONFIG = get_config("dsv4-tiny-test").replace(sliding_window=4, compress_ratios=(0, 4, 16, 4, 0), index_topk=2)
 K = 3  # drafts per verify row
@@ -27,10 +31,25 @@ LENGTH = 88  # positions 0..87: windows of 4 and 16 completed many times, by acc
 EXACT = 1e-5  # float32 cache: max |cached - full| / max |full|
 
 
+GAP = 1e-3  # the comparison rule's top-1 / top-2 logit gap
+
+
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
+def checkpoint(tmp_path_factory):
     assert CONFIG.num_nextn_predict_layers == 1
-    return dsv4_jax.load_model(write_random_checkpoint(tmp_path_factory.mktemp("spec") / "ckpt", CONFIG, seed=11))
+    return write_random_checkpoint(tmp_path_factory.mktemp("spec") / "ckpt", CONFIG, seed=11)
+
+
+@pytest.fixture(scope="module")
+def llm(checkpoint):
+    return LLM(str(checkpoint), dtype="float32", kv_cache_dtype="float32", max_model_len=256, max_num_seqs=2,
+               block_size=128, buckets=StepBuckets(prefill=((2, 16),), decode=(2,)), seed=0,
+               speculative_config={"method": "mtp", "num_speculative_tokens": K})
+
+
+@pytest.fixture(scope="module")
+def model(llm):
+    return llm.model
 
 
 def _layout():
@@ -65,19 +84,19 @@ def _readable(cache, layout, slot: int, blocks: list[int], position: int) -> dic
     return out
 
 
-def test_verify_steps_with_rejections_at_every_draft_equal_a_non_speculative_run(model):
+def test_verify_steps_with_rejections_at_every_draft_equal_a_non_speculative_run(llm, model):
     """Two sequences side by side: prompt chunks, then verify rows of a token and K drafts whose
     first a are right (a = 0..K in turn, offset per sequence). After every step the accepted
     positions' logits equal the full forward's, and each slot's readable cache equals that of a
     runner that decoded the same tokens one at a time; the MTP drafts of the step (greedy) are the
     whole-sequence MTP's argmax at the last accepted position wherever its top two differ."""
     layout = _layout()
+    spec = llm.engine.runner  # the engine's own (nothing runs on it meanwhile); its cache is reset after
+    assert spec.layout == layout and spec.num_speculative_tokens == K and spec.mtp_drafts
     rng = np.random.default_rng(3)
     ids = rng.integers(0, CONFIG.vocab_size, size=(2, LENGTH + K + 1))
     full = np.asarray(model(ids))  # [2, T, vocab]
     mtp = np.asarray(model.mtp_logits(model.hidden_streams(ids[:, :-1]), ids[:, 1:]))  # [2, T - 1, vocab]
-    spec = ModelRunner(model, layout, buckets=StepBuckets(prefill=((2, 16),), decode=(2,)),
-                       num_speculative_tokens=K, mtp_drafts=True)
     plain = ModelRunner(model, layout, buckets=StepBuckets(prefill=((2, 16),), decode=(2,)))
     assert (2, K + 1) in spec.buckets.prefill
     blocks = [[0, 2], [1, 3]]
@@ -135,3 +154,139 @@ def test_verify_steps_with_rejections_at_every_draft_equal_a_non_speculative_run
                 np.testing.assert_allclose(got[name], want[name], atol=EXACT * scale, rtol=0,
                                            err_msg=f"step {step}, sequence {i}: {name}")
     assert max(errors) <= EXACT and compared >= 100 and drafts_checked >= 20, (max(errors), compared, drafts_checked)
+    assert llm.reset_prefix_cache()  # nothing the engine cached may name blocks this test wrote
+
+
+# ---- through the engine ----------------------------------------------------------------------------
+PROMPTS = [np.random.default_rng(0).integers(0, CONFIG.vocab_size, size=n).tolist() for n in (20, 37, 9)]
+NO_DRAFTS = ReplayDrafter({}, CONFIG.vocab_size)  # proposes nothing: every row decodes one token
+
+
+def _generate(llm, drafter, params, prompts=PROMPTS):
+    """Outputs with `drafter` (None: the MTP block) and the spec-decode counters it added."""
+    engine = llm.engine
+    engine.drafter = drafter
+    stats = engine.spec_decode_stats
+    before = (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens, list(stats.accepted_per_position))
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    added = (stats.num_drafts - before[0], stats.num_draft_tokens - before[1], stats.num_accepted_tokens - before[2],
+             [a - b for a, b in zip(stats.accepted_per_position, before[3])])
+    return outs, added
+
+
+def _tokens(outs) -> list[list[int]]:
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def _agree(got: list[list[int]], want: list[list[int]], reference: list[np.ndarray]) -> None:
+    """The comparison rule: equal until the first difference, which only a near tie in the
+    reference's logits (fed `want`'s tokens) may cause."""
+    for row, (g, w, logits) in enumerate(zip(got, want, reference)):
+        differ = next((i for i, (a, b) in enumerate(zip(g, w)) if a != b), None)
+        if differ is not None:
+            top = np.sort(logits[differ])[-2:]
+            assert top[1] - top[0] <= GAP, (row, differ)
+        else:
+            assert len(g) == len(w), row
+
+
+def _reference(model, prompts, outputs) -> list[np.ndarray]:
+    """Each output position's logits from one chunk over prompt + output (the serving path, fresh)."""
+    every = prefill_logits(model, [p + o[:-1] for p, o in zip(prompts, outputs)])
+    return [logits[len(p) - 1 :] for p, logits in zip(prompts, every)]
+
+
+def test_greedy_speculation_emits_what_decoding_emits_with_every_drafter(llm, model):
+    """Without drafts the tokens follow the one-chunk forward; with the MTP block, a drafter whose
+    drafts are all kept, one whose drafts are all rejected, one rejected at every position in turn,
+    and fewer drafts than k, the tokens are the same (the comparison rule), and the counters say
+    what the drafter did."""
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    base = _tokens(_generate(llm, NO_DRAFTS, params)[0])
+    reference = _reference(model, PROMPTS, base)
+    for row, logits in zip(base, reference):
+        _agree([row], [[int(np.argmax(x)) for x in logits]], [logits])
+    runs = {tuple(p): out for p, out in zip(PROMPTS, base)}
+    drafters = {
+        "all kept": ReplayDrafter(runs, CONFIG.vocab_size),
+        "all rejected": ReplayDrafter(runs, CONFIG.vocab_size, right=lambda done, k: 0),
+        "rejected at every position": ReplayDrafter(runs, CONFIG.vocab_size, right=lambda done, k: done % (k + 1)),
+        "one draft": ReplayDrafter(runs, CONFIG.vocab_size, limit=1),
+        "two drafts, the second rejected": ReplayDrafter(runs, CONFIG.vocab_size, right=lambda done, k: 1, limit=2),
+        "the MTP block": None,
+    }
+    for name, drafter in drafters.items():
+        outs, (drafts, draft_tokens, accepted, per_position) = _generate(llm, drafter, params)
+        _agree(_tokens(outs), base, reference)
+        assert drafts > 0 and sum(per_position) == accepted, name
+        if name in ("all kept", "one draft"):
+            assert accepted == draft_tokens and drafts <= 3 * 40 / (1 + draft_tokens / drafts) + 3, name
+        if name == "all rejected":
+            assert accepted == 0 and draft_tokens > 2 * drafts, name  # fewer only near max_tokens
+        if name == "rejected at every position":
+            assert 0 < accepted < draft_tokens and all(n > 0 for n in per_position), (name, per_position)
+        if name == "two drafts, the second rejected":
+            assert per_position == [drafts, 0, 0] and draft_tokens == 2 * drafts, (name, per_position)
+
+
+def test_seeded_sampling_gives_the_same_tokens_and_logprobs_with_drafts(llm):
+    """A seed keys each output index, so a speculative run draws the tokens decoding draws (top-p,
+    min_tokens and a logit bias applied at every verify position), and their logprobs."""
+    params = SamplingParams(temperature=0.9, top_p=0.95, seed=7, max_tokens=30, min_tokens=4, logprobs=2,
+                            logit_bias={5: 2.0}, ignore_eos=False)
+    base_outs, _ = _generate(llm, NO_DRAFTS, params)
+    base = _tokens(base_outs)
+    runs = {tuple(p): out for p, out in zip(PROMPTS, base)}
+    for drafter in (ReplayDrafter(runs, CONFIG.vocab_size), ReplayDrafter(runs, CONFIG.vocab_size,
+                                                                           right=lambda done, k: done % (k + 1))):
+        outs, (_, draft_tokens, accepted, _) = _generate(llm, drafter, params)
+        assert _tokens(outs) == base and accepted > 0
+        for got, want in zip(outs, base_outs):
+            g, w = got.outputs[0], want.outputs[0]
+            assert [sorted(e) for e in g.logprobs] == [sorted(e) for e in w.logprobs]
+            for ge, we in zip(g.logprobs, w.logprobs):
+                assert all(abs(ge[t].logprob - we[t].logprob) <= 1e-4 for t in we)
+            assert abs(g.cumulative_logprob - w.cumulative_logprob) <= 1e-3
+            assert g.finish_reason == w.finish_reason
+
+
+def test_no_token_after_a_stop_or_past_max_tokens_is_emitted(llm):
+    """A stop token, a stop string or max_tokens inside a step's accepted drafts ends the output
+    there, as decoding ends it: the drafts after it are dropped."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    base = _tokens(_generate(llm, NO_DRAFTS, greedy)[0])
+    runs = {tuple(p): out for p, out in zip(PROMPTS, base)}
+    kept = ReplayDrafter(runs, CONFIG.vocab_size)
+    stop_token = base[0][13]
+    text = llm.tokenizer.decode(base[1][:30])
+    cases = [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, stop_token_ids=[stop_token]),
+             SamplingParams(temperature=0.0, max_tokens=13, ignore_eos=True),
+             SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, stop=[text[-4:]] if text.strip() else None)]
+    for params in cases:
+        want, _ = _generate(llm, NO_DRAFTS, params)
+        got, (_, _, accepted, _) = _generate(llm, kept, params)
+        assert accepted > 0
+        for g, w in zip(got, want):
+            g, w = g.outputs[0], w.outputs[0]
+            assert (list(g.token_ids), g.text, g.finish_reason, g.stop_reason) == \
+                   (list(w.token_ids), w.text, w.finish_reason, w.stop_reason)
+    stopped = _generate(llm, kept, cases[0])[0][0].outputs[0]
+    assert stopped.token_ids[-1] == stop_token and len(stopped.token_ids) <= 14 and stopped.finish_reason == "stop"
+    assert [len(o.outputs[0].token_ids) for o in _generate(llm, kept, cases[1])[0]] == [13, 13, 13]
+
+
+def test_prefix_hits_and_parallel_samples_with_the_mtp_drafter(llm):
+    """A prompt longer than a block, twice: the second hits its first block (128 cached tokens)
+    and both give decoding's tokens; n = 2 seeded samples equal decoding's."""
+    long_prompt = [np.random.default_rng(4).integers(0, CONFIG.vocab_size, size=150).tolist()]
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    want = _tokens(_generate(llm, NO_DRAFTS, greedy, long_prompt)[0])
+    assert llm.reset_prefix_cache()
+    first, _ = _generate(llm, None, greedy, long_prompt)
+    second, (drafts, _, _, _) = _generate(llm, None, greedy, long_prompt)
+    assert second[0].num_cached_tokens == 128 and drafts > 0
+    assert _tokens(first) == want and _tokens(second) == want
+    parallel = SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=20, ignore_eos=True)
+    base = [[list(c.token_ids) for c in o.outputs] for o in _generate(llm, NO_DRAFTS, parallel, PROMPTS[:1])[0]]
+    got = [[list(c.token_ids) for c in o.outputs] for o in _generate(llm, None, parallel, PROMPTS[:1])[0]]
+    assert got == base and len(base[0]) == 2

@@ -566,12 +566,13 @@ class LLMEngine:
                 if tracked.mask is not None and tracked.mask.error is not None and params.min_tokens:
                     params = dataclasses.replace(params, min_tokens=0)  # its row allows EOS only: no ban on it
                 # A pending last output (a placeholder) is the previous step's sample of row source[at].
-                sampling[last] = SamplingRow(params, tracked.index, r.request.prompt_token_ids, outputs,
-                                             None if history is None else history.catch_up(outputs), int(source[at]))
+                # A verify row samples each position i after its first i drafts (engine/speculative.py).
+                history = None if history is None else history.catch_up(outputs)  # no drafts with penalties
                 drafts = list(r.token_ids[len(r.token_ids) - r.num_drafts :])
-                for i in range(r.num_drafts):  # position i of the drafts: outputs and drafts[:i] before it
-                    sampling[last - r.num_drafts + i] = SamplingRow(params, tracked.index, r.request.prompt_token_ids,
-                                                                    [*outputs, *drafts[:i]])
+                for i in range(r.num_drafts + 1):
+                    sampling[last - r.num_drafts + i] = SamplingRow(
+                        params, tracked.index, r.request.prompt_token_ids, [*outputs, *drafts[:i]] if i else outputs,
+                        history, int(source[at]), draft_position=i)
         batch = build_sampling_batch(
             sampling, out.logits.shape[0], vocab_size=self.config.vocab_size, eos_token_ids=self.eos_token_ids,
             engine_seed=self.seed, step=self._steps, config=self.sampler_config, token_masks=masks,
@@ -658,8 +659,9 @@ class LLMEngine:
             first = self._logit_row(step.position[request.request_id]) - row.num_drafts
             self._apply_token(tracked, logprob_arrays, first)
             for i, token in enumerate(toks[1:], start=1):  # accepted drafts: the tokens after them
-                if request.status.finished or not self.scheduler.extend(row, token):
+                if request.status.finished:  # stopped: nothing after its stop is emitted
                     break
+                self.scheduler.extend(row, token)
                 self._apply_token(tracked, logprob_arrays, first + i)
             if self.spec_decode_stats is not None:
                 self.spec_decode_stats.record(row.num_drafts, len(toks) - 1)

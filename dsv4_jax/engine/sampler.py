@@ -51,8 +51,9 @@ row of the batch asked for them (`logprobs` not None); otherwise the outputs hol
 
 Randomness: each row's key is folded from threefry key 0 and five words. A row with a seed uses
 (0, seed high, seed low, output tokens so far, 0), so the same seed gives the same tokens
-whatever else shares the batch, and after a preemption; a row without one uses (1, engine seed
-high, engine seed low, engine step, request index). The leading word keeps the two apart.
+whatever else shares the batch, after a preemption and with speculative decoding; a row without
+one uses (1 + i, engine seed high, engine seed low, engine step, request index), where i is the
+position of a speculative verify row (0 otherwise). The leading word keeps the two apart.
 
 Imports: only what the GPU machine has (jax, numpy and this repository).
 """
@@ -216,6 +217,10 @@ class SamplingRow:
     penalty_history: PenaltyHistory | None = None
     # Async scheduling: the previous step's row that samples a last output still a PLACEHOLDER.
     previous_row: int = -1
+    # Speculative decoding: which position of a verify row this is (0: its first; i: after i
+    # drafts). An unseeded row draws each position with its own key (a seeded row's differ by
+    # their output index), so the positions of one row are independent draws.
+    draft_position: int = 0
 
 
 def _split64(value: int) -> tuple[int, int]:
@@ -264,7 +269,7 @@ def build_sampling_batch(
             greedy[i], temperature[i], top_p[i], top_k[i], min_p[i] = (
                 False, p.temperature, p.top_p, 0 if off else p.top_k, p.min_p)
         if p.seed is None:
-            key_words[i] = (1, engine_hi, engine_lo, step % _U32, row.request_index % _U32)
+            key_words[i] = (1 + row.draft_position, engine_hi, engine_lo, step % _U32, row.request_index % _U32)
         else:
             key_words[i] = (0, *_split64(p.seed), len(row.output_token_ids) % _U32, 0)
         num_logprobs[i] = -1 if p.logprobs is None else p.logprobs

@@ -620,10 +620,10 @@ class Scheduler:
                 return
         plan.add(request, n)
 
-    def extend(self, row: ScheduledRow, token: int) -> bool:
+    def extend(self, row: ScheduledRow, token: int) -> None:
         """Speculative decoding, after `update`: the row's next draft was accepted (its position
-        is computed) and `token` follows it. Returns whether the request runs on (False: it
-        reached max_tokens with this token and is finished, "length")."""
+        is computed) and `token` follows it; a request that reaches max_tokens with it is
+        finished ("length", as `update` finishes it)."""
         request = row.request
         request.num_computed_tokens += 1
         request.output_token_ids.append(int(token))
@@ -632,8 +632,6 @@ class Scheduler:
             self._register_blocks(request, row.dp_rank)
         if request.num_output_tokens >= request.max_tokens:
             self.finish(request.request_id, RequestStatus.FINISHED_LENGTH)
-            return False
-        return True
 
     def release_rejected_blocks(self, request: Request) -> None:
         """Give back the blocks a running request's verify row took only for drafts that were
