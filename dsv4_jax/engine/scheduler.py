@@ -634,10 +634,10 @@ class Scheduler:
             self.finish(request.request_id, RequestStatus.FINISHED_LENGTH)
 
     def release_rejected_blocks(self, request: Request) -> None:
-        """Give back the blocks a running request's verify row took only for drafts that were
-        rejected (its blocks then cover its computed positions and the next token's)."""
+        """Give back the blocks a running request's verify row took past its computed positions
+        (for drafts that were rejected): it holds the blocks of what it wrote, as without drafts."""
         if request.status is RequestStatus.RUNNING and request.compressed_blocks:
-            self.block_managers[request.dp_rank].release_blocks_past(request, request.num_tokens)
+            self.block_managers[request.dp_rank].release_blocks_past(request, request.num_computed_tokens)
 
     def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
         """Apply a finished runner step (the oldest not updated): advance each row's request by its
