@@ -32,10 +32,12 @@ differs from vLLM (everything else has vLLM's name, meaning and default):
                                 outlines, lm-format-enforcer
                                 refused
     --trust-remote-code         accepted, does nothing            runs the model repo's code
-    --tokenizer-mode, --enforce-eager, --async-scheduling, --disable-log-stats,
-    --disable-log-requests
+    --speculative-config        method mtp or deepseek_mtp (the   also other methods, and draft
+                                checkpoint's own MTP block), k    models
+                                1..4; runs without async
+                                scheduling
+    --tokenizer-mode, --enforce-eager, --async-scheduling, --disable-log-requests
                                 accepted, change nothing: one warning each
-    --speculative-config        refused: not built yet
     --num-prefix-snapshots      sized from the sequence slots:    (none)
                                 sliding-window and compressor
                                 states the prefix cache keeps,
@@ -43,6 +45,9 @@ differs from vLLM (everything else has vLLM's name, meaning and default):
     --max-waiting-requests      1024 sequences: a longer queue answers 503  (none)
     --no-web-ui                 turns off the browser page        (none)
     any other vLLM flag         refused: not supported by dsv4-jax
+
+vLLM's environment variables read here: VLLM_API_KEY (--api-key's default), VLLM_SERVER_DEV_MODE
+(the development endpoints) and VLLM_LOG_STATS_INTERVAL (seconds between two stats lines, 10).
 
 Like vLLM, flags may be spelled with underscores (`--max_model_len`) and `--max-model-len` /
 `--max-num-batched-tokens` take human-readable sizes (1k = 1000, 1K = 1024, also m/M, g/G).
@@ -68,6 +73,7 @@ from typing import Any, NoReturn, Sequence
 from dsv4_jax.engine.args import BUILTIN_MODEL, DTYPES, EngineArgs
 from dsv4_jax.engine.prefix_cache import HASH_ALGOS
 from dsv4_jax.engine.sampling_params import MAX_LOGPROBS
+from dsv4_jax.engine.speculative import SpeculativeConfig
 from dsv4_jax.engine.structured_outputs import StructuredOutputsConfig
 from dsv4_jax.parallel.distributed import DistributedConfig
 from pallas_kernels.cli import AddArgument, OneLineParser, add_debug_flag
@@ -88,6 +94,8 @@ REASONING_PARSERS = ("deepseek_v4", "")  # "": no reasoning split (everything is
 UVICORN_LOG_LEVELS = ("debug", "info", "warning", "error", "critical", "trace")
 API_KEY_ENV = "VLLM_API_KEY"
 DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"  # vLLM's switch for its development endpoints (POST /reset_prefix_cache)
+LOG_STATS_INTERVAL_ENV = "VLLM_LOG_STATS_INTERVAL"  # vLLM's seconds between two periodic stats lines
+DEFAULT_LOG_STATS_INTERVAL_S = 10.0  # vLLM's, also where the variable is not above 0
 DEFAULT_QUIET_ENDPOINTS = ("/health", "/metrics")
 SIZE_SUFFIXES = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "K": 2**10, "M": 2**20, "G": 2**30}
 
@@ -96,13 +104,10 @@ IGNORED_FLAGS = {
     "--tokenizer-mode": (True, "the tokenizer is always the model's tokenizer.json with the V4 chat encoder"),
     "--enforce-eager": (False, "there are no CUDA graphs to turn off: steps are jit-compiled for fixed shapes"),
     "--async-scheduling": (False, "async scheduling is on by default here (--no-async-scheduling turns it off)"),
-    "--disable-log-stats": (False, "vLLM recipes pass it; logging is set by --uvicorn-log-level"),
     "--disable-log-requests": (False, "vLLM recipes pass it; logging is set by --uvicorn-log-level"),
 }
 # vLLM flags for features not built yet: refused. flag -> (takes a value, what to do instead).
-REFUSED_FLAGS = {
-    "--speculative-config": (True, "speculative decoding (MTP) is not built yet in dsv4-jax; drop the flag"),
-}
+REFUSED_FLAGS: dict[str, tuple[bool, str]] = {}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,6 +134,8 @@ class ServerArgs:
     max_logprobs: int
     max_waiting_requests: int
     no_web_ui: bool
+    disable_log_stats: bool  # no periodic stats line (serve/stats_log.py)
+    log_stats_interval: float  # seconds between two stats lines (VLLM_LOG_STATS_INTERVAL)
     debug: bool
     ignored_flags: tuple[str, ...]  # one warning line per vLLM flag that changes nothing here
 
@@ -235,6 +242,10 @@ def _json_object(text: str, example: str = '{"thinking": false}') -> dict[str, A
 
 def _structured_outputs_json(text: str) -> dict[str, Any]:
     return _json_object(text, '{"enable_in_reasoning": true}')
+
+
+def _speculative_json(text: str) -> dict[str, Any]:
+    return _json_object(text, '{"method": "mtp", "num_speculative_tokens": 2}')
 
 
 # ---- the parser ----------------------------------------------------------------------------------
@@ -352,6 +363,11 @@ def _add_engine_flags(add: AddArgument) -> None:
     add("--num-prefix-snapshots", type=_positive_int, default=None, metavar="N",
         help="sliding-window and compressor states the prefix cache keeps per data-parallel rank, one per "
              "cached block boundary a hit may start from (default: None = sized from the sequence slots)")
+    add("--speculative-config", type=_speculative_json, default=None, metavar="JSON",
+        help="speculative decoding as vLLM's JSON object: method (mtp or deepseek_mtp: the checkpoint's own "
+             "MTP block drafts) and num_speculative_tokens (1 to 4), e.g. "
+             "'{\"method\": \"mtp\", \"num_speculative_tokens\": 2}'; steps are then scheduled one at a time "
+             "(default: None = off)")
     add("--trust-remote-code", action="store_true", default=argparse.SUPPRESS,
         help="accepted for vLLM compatibility and does nothing: no code from a model directory is ever run "
              "(default: off)")
@@ -407,6 +423,10 @@ def _add_server_flags(add: AddArgument) -> None:
         help="sequences (prompts x n) that may wait for a slot; a request that would queue more gets 503 "
              "(default: %(default)s)")
     add("--no-web-ui", action="store_true", help="do not serve the browser chat page (default: off)")
+    add("--disable-log-stats", action="store_true",
+        help=f"no periodic stats line in the log (default: off: every {LOG_STATS_INTERVAL_ENV} seconds, "
+             f"{DEFAULT_LOG_STATS_INTERVAL_S:g} unless set, while requests are served: throughput, running and "
+             "waiting requests, KV cache usage, prefix cache hit rate, speculative decoding acceptance)")
     add("--no-async-scheduling", action="store_true",
         help="schedule each step only after the last one's tokens reach the host (default: off, i.e. the next "
              "step is scheduled while the device runs this one)")
@@ -475,10 +495,11 @@ def parse_args(argv: Sequence[str] | None = None) -> ServerArgs:
     model = _model(namespace)
     attention_backend = _attention_backend(namespace.attention_backend)
     structured_outputs = _structured_outputs_config(namespace)
+    speculative = _speculative_config(namespace)
     ignored = _ignored_flags(namespace)  # warned only once every check has passed
     for line in ignored:
         logger.warning("%s", line)
-    engine = _engine_args(namespace, model or BUILTIN_MODEL, attention_backend, structured_outputs)
+    engine = _engine_args(namespace, model or BUILTIN_MODEL, attention_backend, structured_outputs, speculative)
     if namespace.headless != (namespace.node_rank > 0):
         DistributedConfig(namespace.nnodes, namespace.node_rank, namespace.master_addr, namespace.master_port,
                           namespace.headless)  # its ValueError names --headless / --node-rank
@@ -520,8 +541,17 @@ def _structured_outputs_config(namespace: argparse.Namespace) -> dict[str, Any] 
     return None if config == {"reasoning_parser": StructuredOutputsConfig().reasoning_parser} else config
 
 
+def _speculative_config(namespace: argparse.Namespace) -> dict[str, Any] | None:
+    """--speculative-config, checked now: a bad method, k or key is one line (naming the flag)
+    before anything loads. Whether the checkpoint has an MTP block to draft with is checked with
+    its config.json, before the port opens (`EngineArgs.create_engine_config`)."""
+    config = namespace.speculative_config
+    SpeculativeConfig.parse(config)  # its ValueErrors name --speculative-config
+    return config
+
+
 def _engine_args(namespace: argparse.Namespace, model: str, attention_backend: str | None,
-                 structured_outputs: dict[str, Any] | None) -> EngineArgs:
+                 structured_outputs: dict[str, Any] | None, speculative: dict[str, Any] | None) -> EngineArgs:
     return EngineArgs(
         model=model,
         tokenizer=namespace.tokenizer,
@@ -549,6 +579,7 @@ def _engine_args(namespace: argparse.Namespace, model: str, attention_backend: s
         enable_prefix_caching=namespace.enable_prefix_caching,
         prefix_caching_hash_algo=namespace.prefix_caching_hash_algo,
         num_prefix_snapshots=namespace.num_prefix_snapshots,
+        speculative_config=speculative,
     )
 
 
@@ -573,6 +604,8 @@ def _server_args(namespace: argparse.Namespace, engine: EngineArgs, ignored: tup
         max_logprobs=namespace.max_logprobs,
         max_waiting_requests=namespace.max_waiting_requests,
         no_web_ui=namespace.no_web_ui,
+        disable_log_stats=namespace.disable_log_stats,
+        log_stats_interval=_log_stats_interval(),
         debug=namespace.debug,
         ignored_flags=ignored,
     )
@@ -586,3 +619,14 @@ def _dev_mode() -> bool:
     except ValueError:
         raise ValueError(f"{DEV_MODE_ENV}={text!r} is not an integer (1 serves the development endpoints, "
                          "0 or unset does not)") from None
+
+
+def _log_stats_interval() -> float:
+    """VLLM_LOG_STATS_INTERVAL as vLLM reads it: seconds, a number; 10 when unset or not above 0."""
+    text = os.environ.get(LOG_STATS_INTERVAL_ENV, "").strip()
+    try:
+        value = float(text or DEFAULT_LOG_STATS_INTERVAL_S)
+    except ValueError:
+        raise ValueError(f"{LOG_STATS_INTERVAL_ENV}={text!r} is not a number (seconds between two stats lines; "
+                         f"unset: {DEFAULT_LOG_STATS_INTERVAL_S:g})") from None
+    return value if value > 0 and math.isfinite(value) else DEFAULT_LOG_STATS_INTERVAL_S

@@ -15,6 +15,14 @@ Names, types and bucket boundaries follow vLLM's `PrometheusStatLogger` in `vllm
   `vllm:request_success_total{finished_reason}`, `vllm:num_preemptions_total`,
   `vllm:prefix_cache_queries_total` and `vllm:prefix_cache_hits_total` (prompt tokens looked up in the
   prefix cache, and found; these three read from the scheduler's cumulative counts at scrape time);
+- with speculative decoding on (`--speculative-config`) only, as vLLM's `SpecDecodingProm` in
+  `vllm/v1/spec_decode/metrics.py`, the engine's cumulative counters read at scrape time:
+  `vllm:spec_decode_num_drafts_total` (verify rows that carried drafts),
+  `vllm:spec_decode_num_draft_tokens_total`, `vllm:spec_decode_num_accepted_tokens_total` and
+  `vllm:spec_decode_num_accepted_tokens_per_pos_total{position}` (drafts accepted at draft position
+  0..k-1). The acceptance rate is rate(accepted) / rate(draft tokens), the mean acceptance length
+  1 + rate(accepted) / rate(drafts), position i's acceptance rate rate(per_pos{position=i}) /
+  rate(drafts);
 - histograms: `vllm:time_to_first_token_seconds`, `vllm:inter_token_latency_seconds`,
   `vllm:e2e_request_latency_seconds`, `vllm:request_prompt_tokens`, `vllm:request_generation_tokens`;
   from the engine's timestamps (`RequestOutput.metrics`), as vLLM's FinishedRequestStats:
@@ -92,9 +100,21 @@ def token_count_buckets(max_model_len: int) -> tuple[int, ...]:
         decade *= 10
 
 
+def idle_engine_stats(num_speculative_tokens: int = 0) -> EngineStats:
+    """What `/metrics` reads before the engine serves: nothing running, every count 0, and with
+    speculative decoding configured (k > 0) its series at 0 too, so that rate() sees them from the
+    start (vLLM creates them at start-up)."""
+    if not num_speculative_tokens:
+        return EngineStats(0, 0, 0.0, 0)
+    return EngineStats(0, 0, 0.0, 0, spec_decode_num_drafts_total=0, spec_decode_num_draft_tokens_total=0,
+                       spec_decode_num_accepted_tokens_total=0,
+                       spec_decode_num_accepted_tokens_per_pos_total=(0,) * num_speculative_tokens)
+
+
 class _EngineStatsCollector:
-    """Exposes the engine's gauges and its cumulative counters (preemptions, prefix cache) from one
-    `engine_stats()` call per scrape, so they are never stale and agree with each other."""
+    """Exposes the engine's gauges and its cumulative counters (preemptions, prefix cache, and
+    speculative decoding when on) from one `engine_stats()` call per scrape, so they are never
+    stale and agree with each other."""
 
     def __init__(self, model_name: str, engine_stats: Callable[[], EngineStats]):
         self._model_name = model_name
@@ -114,16 +134,31 @@ class _EngineStatsCollector:
             gauge.add_metric([self._model_name], value)
             yield gauge
         # CounterMetricFamily appends "_total" to the sample name itself: pass the name without it.
-        for name, doc, value in (
+        counters = [
             ("vllm:num_preemptions", "Cumulative number of preemption from the engine.", stats.num_preemptions_total),
             ("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
              stats.prefix_cache_queries_total),
             ("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
              stats.prefix_cache_hits_total),
-        ):
+        ]
+        if stats.spec_decode_enabled:  # vLLM's help texts (SpecDecodingProm)
+            counters += [
+                ("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", stats.spec_decode_num_drafts_total),
+                ("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.",
+                 stats.spec_decode_num_draft_tokens_total),
+                ("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.",
+                 stats.spec_decode_num_accepted_tokens_total),
+            ]
+        for name, doc, value in counters:
             counter = CounterMetricFamily(name, doc, labels=labels)
             counter.add_metric([self._model_name], value)
             yield counter
+        if stats.spec_decode_enabled:
+            per_pos = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                          "Accepted tokens per draft position.", labels=[*labels, "position"])
+            for position, value in enumerate(stats.spec_decode_num_accepted_tokens_per_pos_total):
+                per_pos.add_metric([self._model_name, str(position)], value)
+            yield per_pos
 
 
 @dataclass
@@ -151,6 +186,8 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         self._lock = threading.Lock()
         self._requests: dict[str, _RequestTiming] = {}
+        self._prompt_tokens_total = 0  # vllm:prompt_tokens_total and _generation_, for the stats line
+        self._generation_tokens_total = 0
         self._model_name = model_name
         # Created in the order /metrics lists them.
         self._add_counters()
@@ -253,6 +290,9 @@ class ServerMetrics:
             previous = timing.last_token
             timing.last_token = arrived
             timing.generated += count
+            self._generation_tokens_total += count
+            if previous is None:
+                self._prompt_tokens_total += timing.prompt_tokens
         self._generation_tokens.inc(count)
         if previous is None:
             self._prompt_tokens.inc(timing.prompt_tokens)
@@ -307,6 +347,12 @@ class ServerMetrics:
         observes both when a parent request's last child finishes)."""
         self._n_param.observe(n)
         self._max_generation_tokens.observe(max_generation_tokens)
+
+    def token_totals(self) -> tuple[int, int]:
+        """(prompt, generation) tokens counted so far: `vllm:prompt_tokens_total` and
+        `vllm:generation_tokens_total` as the next scrape reads them (the stats line's throughput)."""
+        with self._lock:
+            return self._prompt_tokens_total, self._generation_tokens_total
 
     def render(self) -> tuple[bytes, str]:
         """(body, content type) of `GET /metrics`: Prometheus text format 0.0.4, which is what vLLM's

@@ -1,7 +1,8 @@
 """`python -m serve`: parse vLLM's flags, check everything that needs no weights (bad values fail
 here with one line and exit status 2), bind the port, then load and warm up the model on a thread
 while `/health` answers 503; serve until SIGTERM / SIGINT, then stop accepting (503), let what runs
-finish for a grace period, abort the rest and exit 0.
+finish for a grace period, abort the rest and exit 0. While it serves, vLLM's stats line goes to the
+log every VLLM_LOG_STATS_INTERVAL seconds (serve/stats_log.py; --disable-log-stats turns it off).
 
 JAX's persistent compilation cache is on for every program (`dsv4_jax.engine.compilation_cache`: under
 `$DSV4_JAX_CACHE/jax-cache`, or `$JAX_COMPILATION_CACHE_DIR`), so a restart's warm-up loads
@@ -220,12 +221,20 @@ def _lifespan(state, server):
     async def lifespan(app):
         from dsv4_jax.engine.async_engine import AsyncLLMEngine
         from dsv4_jax.engine.outputs import EngineStats
-        from serve.metrics import ServerMetrics
+        from serve.metrics import ServerMetrics, idle_engine_stats
+        from serve.stats_log import StatsSample, run_stats_logger
+
+        idle = idle_engine_stats(state.config.num_speculative_tokens)
 
         def stats() -> EngineStats:
-            return EngineStats(0, 0, 0.0, 0) if state.engine is None else state.engine.stats()
+            return idle if state.engine is None else state.engine.stats()
+
+        def sample() -> StatsSample | None:  # the periodic stats line's, once the engine serves
+            return None if state.engine is None else StatsSample(state.engine.stats(), *state.metrics.token_totals())
 
         state.metrics = ServerMetrics(state.model_name, stats, max_model_len=state.max_model_len)
+        stats_log = None if state.args.disable_log_stats else asyncio.create_task(
+            run_stats_logger(sample, state.args.log_stats_interval))
         loop = asyncio.get_running_loop()
         loaded = loop.create_future()
 
@@ -248,6 +257,8 @@ def _lifespan(state, server):
         finally:
             state.accepting = False
             waiter.cancel()
+            if stats_log is not None:
+                stats_log.cancel()
             if state.engine is not None:
                 await state.engine.shutdown(grace_seconds=SHUTDOWN_GRACE_SECONDS)
             logger.info("stopped")

@@ -9,7 +9,7 @@ import re
 from conftest import REPO  # tests/ is on sys.path
 from prometheus_client.parser import text_string_to_metric_families
 
-from serve.metrics import EngineStats, ServerMetrics
+from serve.metrics import ServerMetrics, idle_engine_stats
 
 DASHBOARD = REPO / "docs" / "grafana_dashboard.json"
 MONITORING = REPO / "docs" / "monitoring.md"
@@ -19,9 +19,9 @@ SELECTOR = re.compile(r"(vllm:[A-Za-z0-9_:]+)(\{[^}]*\})?")
 
 
 def exposed() -> tuple[set[str], set[str]]:
-    """(sample names, family names) of one /metrics render, as Prometheus would read them."""
-    stats = EngineStats(num_requests_running=0, num_requests_waiting=0, kv_cache_usage_perc=0.0,
-                        num_preemptions_total=0)
+    """(sample names, family names) of one /metrics render, as Prometheus would read them, from a
+    server with speculative decoding on (k = 2): every series it may expose."""
+    stats = idle_engine_stats(num_speculative_tokens=2)
     body, _ = ServerMetrics("dsv4-tiny", lambda: stats).render()
     families = list(text_string_to_metric_families(body.decode()))
     return {s.name for f in families for s in f.samples}, {f.name for f in families}
@@ -68,3 +68,26 @@ def test_prefix_cache_hit_rate_panel_divides_hits_by_queries():
     assert numerator.startswith("rate(") and denominator.startswith("rate(")
     defaults = panel["fieldConfig"]["defaults"]
     assert (defaults["unit"], defaults["min"], defaults["max"]) == ("percentunit", 0, 1)
+
+
+def test_spec_decode_panel_divides_accepted_by_drafted_overall_and_per_position():
+    """vLLM's acceptance rate, rate(accepted tokens) / rate(draft tokens), and its per-position
+    rate, rate(accepted at position i) / rate(drafts), matched on every label but `position`."""
+    dashboard = json.loads(DASHBOARD.read_text(encoding="utf-8"))
+    (panel,) = [p for p in dashboard["panels"] if p["title"] == "Speculative decoding acceptance"]
+    overall, per_position = panel["targets"]
+    numerator, denominator = overall["expr"].split("\n/\n")
+    assert METRIC_NAME.findall(numerator) == ["vllm:spec_decode_num_accepted_tokens_total"]
+    assert METRIC_NAME.findall(denominator) == ["vllm:spec_decode_num_draft_tokens_total"]
+    numerator, operator, denominator = per_position["expr"].split("\n")
+    assert METRIC_NAME.findall(numerator) == ["vllm:spec_decode_num_accepted_tokens_per_pos_total"]
+    assert operator == "/ ignoring(position) group_left"  # one drafts series over k per-position ones
+    assert METRIC_NAME.findall(denominator) == ["vllm:spec_decode_num_drafts_total"]
+    for expr in (overall["expr"], per_position["expr"]):
+        assert all(part.startswith("rate(") for part in expr.split("\n")[::2]), expr
+    assert "{{position}}" in per_position["legendFormat"]
+    defaults = panel["fieldConfig"]["defaults"]
+    assert (defaults["unit"], defaults["min"], defaults["max"]) == ("percentunit", 0, 1)
+    # Beside the prefix cache panel, overlapping none.
+    boxes = [(p["gridPos"]["x"], p["gridPos"]["y"]) for p in dashboard["panels"]]
+    assert len(set(boxes)) == len(boxes)

@@ -15,16 +15,19 @@ import pytest
 
 from dsv4_jax.engine.args import EngineArgs
 from dsv4_jax.engine.sampling_params import generation_defaults as sampling_defaults
+from dsv4_jax.engine.speculative import SpeculativeConfig
 from dsv4_jax.engine.structured_outputs import StructuredOutputsConfig
 from dsv4_jax.parallel.distributed import DistributedConfig
 from pallas_kernels.cli import run_main
-from serve.args import API_KEY_ENV, DEV_MODE_ENV, IGNORED_FLAGS, ServerArgs, build_parser, node_flags, parse_args
+from serve.args import (API_KEY_ENV, DEV_MODE_ENV, IGNORED_FLAGS, LOG_STATS_INTERVAL_ENV, ServerArgs, build_parser,
+                        node_flags, parse_args)
 
 
 @pytest.fixture(autouse=True)
 def _clean_env(monkeypatch):
     monkeypatch.delenv(API_KEY_ENV, raising=False)
     monkeypatch.delenv(DEV_MODE_ENV, raising=False)
+    monkeypatch.delenv(LOG_STATS_INTERVAL_ENV, raising=False)
     monkeypatch.delenv("DSV4_DEBUG", raising=False)
 
 
@@ -62,6 +65,8 @@ def test_defaults():
     # usage without prompt_tokens_details and no development endpoints, as vLLM.
     assert (e.enable_prefix_caching, e.prefix_caching_hash_algo, e.num_prefix_snapshots) == (None, "sha256", None)
     assert (args.enable_prompt_tokens_details, args.dev_mode) == (False, False)
+    # No speculation; the periodic stats line on every 10 s, as vLLM.
+    assert (e.speculative_config, args.disable_log_stats, args.log_stats_interval) == (None, False, 10.0)
 
 
 def test_every_flag_by_its_vllm_name(tmp_path):
@@ -77,7 +82,8 @@ def test_every_flag_by_its_vllm_name(tmp_path):
         "--max-logprobs", "0", "--max-waiting-requests", "5", "--no-web-ui", "--no-async-scheduling", "--debug",
         "--enable-force-include-usage", "--disable-access-log-for-endpoints", "/health,/v1/models",
         "--disable-uvicorn-access-log", "--enable-prefix-caching", "--prefix-caching-hash-algo", "sha256_cbor",
-        "--num-prefix-snapshots", "12", "--enable-prompt-tokens-details",
+        "--num-prefix-snapshots", "12", "--enable-prompt-tokens-details", "--disable-log-stats",
+        "--speculative-config", '{"method": "deepseek_mtp", "num_speculative_tokens": 3}',
     ]
     assert parse_args(argv) == ServerArgs(
         engine=EngineArgs(
@@ -86,14 +92,15 @@ def test_every_flag_by_its_vllm_name(tmp_path):
             max_num_batched_tokens=512, num_gpu_blocks_override=40, max_model_len=1024, dtype="float32",
             kv_cache_dtype="fp8", attention_backend="pallas_bf16", block_size=384, seed=-7, generation_config="vllm",
             async_scheduling=False, enable_prefix_caching=True, prefix_caching_hash_algo="sha256_cbor",
-            num_prefix_snapshots=12,
+            num_prefix_snapshots=12, speculative_config={"method": "deepseek_mtp", "num_speculative_tokens": 3},
         ),
         model_is_builtin=False, served_model_name=("deepseek-ai/DeepSeek-V4-Flash", "v4"), host="0.0.0.0", port=0,
         enable_auto_tool_choice=True, tool_call_parser="deepseek_v4", reasoning_parser="deepseek_v4", api_key="k",
         uvicorn_log_level="trace", disable_access_log_for_endpoints=("/health", "/v1/models"),
         disable_uvicorn_access_log=True, default_chat_template_kwargs={"thinking": False},
         enable_force_include_usage=True, max_logprobs=0, max_waiting_requests=5, no_web_ui=True, debug=True,
-        ignored_flags=(), enable_prompt_tokens_details=True, dev_mode=False,
+        ignored_flags=(), enable_prompt_tokens_details=True, dev_mode=False, disable_log_stats=True,
+        log_stats_interval=10.0,
     )
     assert parse_args(argv).distributed == DistributedConfig()
 
@@ -205,7 +212,17 @@ def test_every_help_states_the_default():
     (["--quantization", "fp8"], "--quantization"),
     (["--max-model", "10"], "--max-model"),  # no prefix matching of --max-model-len
     (["--dtype", "half"], "--dtype"),
-    (["--speculative-config", '{"method": "mtp"}'], "--speculative-config"),
+    (["--speculative-config", "{method: mtp}"], "--speculative-config"),  # not JSON
+    (["--speculative-config", "[1]"], "--speculative-config"),
+    (["--speculative-config", '{"method": "mtp"}'], "--speculative-config"),  # k missing
+    (["--speculative-config", '{"method": "mtp", "num_speculative_tokens": 0}'], "--speculative-config"),
+    (["--speculative-config", '{"method": "mtp", "num_speculative_tokens": 5}'], "--speculative-config"),
+    (["--speculative-config", '{"method": "mtp", "num_speculative_tokens": "2"}'], "--speculative-config"),
+    (["--speculative-config", '{"method": "eagle", "num_speculative_tokens": 2}'], "--speculative-config"),
+    (["--speculative-config", '{"method": "mtp", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 1}'],
+     "--speculative-config"),  # unknown key
+    (["--speculative-config", '{"method": "mtp", "num_speculative_tokens": 2, "model": "/draft"}'],
+     "--speculative-config"),
     (["--prefix-caching-hash-algo", "md5"], "--prefix-caching-hash-algo"),
     (["--prefix-caching-hash-algo", "builtin"], "--prefix-caching-hash-algo"),  # vLLM's old default, gone there too
     (["--num-prefix-snapshots", "0"], "--num-prefix-snapshots"),
@@ -220,6 +237,17 @@ def test_every_help_states_the_default():
 ])
 def test_bad_command_line_is_one_line_naming_the_flag(argv, named, capsys):
     assert named in _error_line(argv, capsys)
+
+
+@pytest.mark.parametrize("value, why", [
+    ('{"method": "mtp", "num_speculative_tokens": 9}', "from 1 to 4"),
+    ('{"method": "ngram", "num_speculative_tokens": 2}', "mtp, deepseek_mtp"),
+    ('{"method": "mtp", "num_speculative_tokens": 2, "prompt_lookup_max": 4}', "prompt_lookup_max"),
+    ('{"method": "mtp", "num_speculative_tokens": 2', "not valid JSON"),
+])
+def test_a_bad_speculative_config_says_what_is_wrong(value, why, capsys):
+    line = _error_line(["--speculative-config", value], capsys)
+    assert "--speculative-config" in line and why in line
 
 
 def test_half_precision_points_to_bfloat16_or_float32(capsys):
@@ -255,6 +283,40 @@ def test_the_engine_flags_are_the_engine_arguments_llm_takes():
     builds from its keywords (`LLM.from_engine_args` takes the server's as they are)."""
     args = parse_args(["/ckpt", "--max-model-len", "2048", "--seed", "3", "--attention-backend", "xla"])
     assert args.engine == EngineArgs(model="/ckpt", max_model_len=2048, seed=3, attention_backend="xla")
+
+
+@pytest.mark.parametrize("argv", [
+    ["--speculative-config", '{"method": "mtp", "num_speculative_tokens": 2}'],
+    ['--speculative_config={"method": "mtp", "num_speculative_tokens": 2}'],  # vLLM's underscore spelling
+])
+def test_speculative_config_reaches_the_engine_arguments_as_llm_takes_them(argv):
+    """vLLM's JSON, as given, is `EngineArgs.speculative_config` (what `LLM(speculative_config=...)`
+    sets), with no warning: speculation is a real flag now."""
+    args = parse_args(argv)
+    assert args.engine == EngineArgs(speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    assert SpeculativeConfig.parse(args.engine.speculative_config) == SpeculativeConfig("mtp", 2)
+    assert args.ignored_flags == ()
+    k4 = parse_args(["--speculative-config", '{"method": "deepseek_mtp", "num_speculative_tokens": 4}'])
+    assert SpeculativeConfig.parse(k4.engine.speculative_config) == SpeculativeConfig("deepseek_mtp", 4)
+
+
+def test_disable_log_stats_turns_the_stats_line_off_without_a_warning(caplog):
+    with caplog.at_level(logging.WARNING, logger="serve"):
+        args = parse_args(["--disable-log-stats"])
+    assert (args.disable_log_stats, args.ignored_flags, caplog.records) == (True, (), [])
+    assert "--disable-log-stats" not in IGNORED_FLAGS
+
+
+@pytest.mark.parametrize("value, seconds", [("2.5", 2.5), (" 30 ", 30.0), ("0", 10.0), ("-1", 10.0), ("", 10.0),
+                                            ("inf", 10.0)])
+def test_log_stats_interval_is_vllms_environment_variable(value, seconds, monkeypatch):
+    monkeypatch.setenv(LOG_STATS_INTERVAL_ENV, value)
+    assert parse_args([]).log_stats_interval == seconds  # not above 0 (or not finite): vLLM's 10
+
+
+def test_a_log_stats_interval_that_is_not_a_number_is_one_line_naming_it(monkeypatch, capsys):
+    monkeypatch.setenv(LOG_STATS_INTERVAL_ENV, "ten")
+    assert LOG_STATS_INTERVAL_ENV in _error_line([], capsys)
 
 
 def test_parser_flags_and_structured_outputs_config_as_vllm():

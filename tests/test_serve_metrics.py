@@ -7,7 +7,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from dsv4_jax.engine.outputs import RequestMetrics
-from serve.metrics import EngineStats, ServerMetrics, token_count_buckets
+from serve.metrics import EngineStats, ServerMetrics, idle_engine_stats, token_count_buckets
 
 MODEL = "dsv4-tiny"
 IDLE = EngineStats(num_requests_running=0, num_requests_waiting=0, kv_cache_usage_perc=0.0, num_preemptions_total=0)
@@ -16,6 +16,9 @@ IDLE = EngineStats(num_requests_running=0, num_requests_waiting=0, kv_cache_usag
 GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")
 COUNTERS = ("vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:num_preemptions_total",
             "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total")
+SPEC_DECODE_COUNTERS = ("vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_draft_tokens_total",
+                        "vllm:spec_decode_num_accepted_tokens_total",
+                        "vllm:spec_decode_num_accepted_tokens_per_pos_total")
 HISTOGRAMS = (
     "vllm:time_to_first_token_seconds",
     "vllm:inter_token_latency_seconds",
@@ -259,3 +262,81 @@ def test_phases_parameters_and_parents_as_vllm_observes_them():
     assert (value(s, "vllm:request_params_n_count"), value(s, "vllm:request_params_n_sum")) == (1, 2)
     assert value(s, "vllm:request_params_n_bucket", le="1.0") == 0 and value(s, "vllm:request_params_n_bucket", le="2.0") == 1
     assert value(s, "vllm:request_max_num_generation_tokens_sum") == 3
+
+
+def speculating(drafts: int, draft_tokens: int, accepted: int, per_pos: tuple[int, ...]) -> EngineStats:
+    return EngineStats(num_requests_running=1, num_requests_waiting=0, kv_cache_usage_perc=0.5,
+                       num_preemptions_total=0, spec_decode_num_drafts_total=drafts,
+                       spec_decode_num_draft_tokens_total=draft_tokens, spec_decode_num_accepted_tokens_total=accepted,
+                       spec_decode_num_accepted_tokens_per_pos_total=per_pos)
+
+
+def test_spec_decode_counters_are_exposed_only_with_speculation_on():
+    """As vLLM's SpecDecodingProm: no vllm:spec_decode_* series without --speculative-config."""
+    assert not [k for k in scrape(ServerMetrics(MODEL, lambda: IDLE)) if k[0].startswith("vllm:spec_decode")]
+    body, _ = ServerMetrics(MODEL, lambda: IDLE).render()
+    assert "spec_decode" not in body.decode()
+
+
+def test_spec_decode_counters_are_the_engines_with_vllms_names_help_and_position_label():
+    """k = 3: 10 verify rows with drafts, 30 drafts, 17 accepted (9 at position 0, 5 at 1, 3 at 2),
+    read at each scrape; the per-position counter has one series per draft position."""
+    current = [idle_engine_stats(3)]
+    m = ServerMetrics(MODEL, lambda: current[0])
+    s = scrape(m)
+    for name in SPEC_DECODE_COUNTERS[:3]:  # from 0 before anything is drafted, as vLLM creates them
+        assert value(s, name) == 0, name
+    assert [value(s, SPEC_DECODE_COUNTERS[3], position=str(i)) for i in range(3)] == [0, 0, 0]
+    current[0] = speculating(10, 30, 17, (9, 5, 3))
+    s = scrape(m)
+    assert [value(s, name) for name in SPEC_DECODE_COUNTERS[:3]] == [10, 30, 17]
+    per_pos = {dict(labels)["position"]: v for (name, labels), v in s.items() if name == SPEC_DECODE_COUNTERS[3]}
+    assert per_pos == {"0": 9, "1": 5, "2": 3}
+    for (name, labels), _ in s.items():
+        if name == SPEC_DECODE_COUNTERS[3]:
+            assert set(dict(labels)) == {"model_name", "position"} and dict(labels)["model_name"] == MODEL
+    body, _ = m.render()
+    families = {f.name: f for f in text_string_to_metric_families(body.decode())}
+    docs = {name: families[name.removesuffix("_total")].documentation for name in SPEC_DECODE_COUNTERS}
+    assert docs == {  # vLLM's help texts (vllm/v1/spec_decode/metrics.py)
+        "vllm:spec_decode_num_drafts_total": "Number of spec decoding drafts.",
+        "vllm:spec_decode_num_draft_tokens_total": "Number of draft tokens.",
+        "vllm:spec_decode_num_accepted_tokens_total": "Number of accepted tokens.",
+        "vllm:spec_decode_num_accepted_tokens_per_pos_total": "Accepted tokens per draft position.",
+    }
+    assert all(families[n.removesuffix("_total")].type == "counter" for n in SPEC_DECODE_COUNTERS)
+    lines = [line.split("{")[0] for line in body.decode().splitlines() if not line.startswith("#")]
+    assert not [n for n in lines if "_total_total" in n]
+
+
+def test_idle_engine_stats_carry_the_spec_decode_counters_only_when_configured():
+    assert idle_engine_stats() == idle_engine_stats(0) == IDLE
+    idle = idle_engine_stats(2)
+    assert idle.spec_decode_enabled and not IDLE.spec_decode_enabled
+    assert (idle.spec_decode_num_drafts_total, idle.spec_decode_num_accepted_tokens_per_pos_total) == (0, (0, 0))
+
+
+def test_token_totals_are_the_exposed_prompt_and_generation_counters():
+    m = ServerMetrics(MODEL, lambda: IDLE)
+    assert m.token_totals() == (0, 0)
+    m.request_started("a", prompt_tokens=7, now=0.0)
+    assert m.token_totals() == (0, 0)  # the prompt counts with its first token, as in /metrics
+    m.tokens_generated("a", 2, now=1.0)
+    m.tokens_generated("a", 3, now=2.0)
+    s = scrape(m)
+    assert m.token_totals() == (value(s, "vllm:prompt_tokens_total"), value(s, "vllm:generation_tokens_total")) == (7, 5)
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(spec_decode_num_drafts_total=1), r"without spec_decode_num_draft_tokens_total"),
+    (dict(spec_decode_num_drafts_total=-1, spec_decode_num_draft_tokens_total=0,
+          spec_decode_num_accepted_tokens_total=0, spec_decode_num_accepted_tokens_per_pos_total=(0,)),
+     r"spec_decode_num_drafts_total: got -1"),
+    (dict(spec_decode_num_drafts_total=0, spec_decode_num_draft_tokens_total=0,
+          spec_decode_num_accepted_tokens_total=0, spec_decode_num_accepted_tokens_per_pos_total=()),
+     r"per_pos_total: got \(\)"),
+])
+def test_spec_decode_stats_all_or_none_and_not_negative(fields, message):
+    with pytest.raises(ValueError, match=message):
+        EngineStats(num_requests_running=0, num_requests_waiting=0, kv_cache_usage_perc=0.0, num_preemptions_total=0,
+                    **fields)

@@ -214,8 +214,31 @@ def test_async_engine_stats_read_the_schedulers_prefix_cache_counts():
 
     scheduler = types.SimpleNamespace(num_running=2, num_waiting=1, kv_cache_usage=0.25, num_preemptions=3,
                                       prefix_cache_queries=4096, prefix_cache_hits=1024)
-    stats = AsyncLLMEngine(types.SimpleNamespace(scheduler=scheduler, num_compiling=1)).stats()
+    engine = types.SimpleNamespace(scheduler=scheduler, num_compiling=1, spec_decode_stats=None)
+    stats = AsyncLLMEngine(engine).stats()
     assert stats == EngineStats(2, 2, 0.25, 3, prefix_cache_queries_total=4096, prefix_cache_hits_total=1024)
+    assert not stats.spec_decode_enabled  # speculation off: no spec_decode_* counters
+
+
+def test_async_engine_stats_carry_the_engines_spec_decode_counters():
+    """With speculation on, the engine's `SpecDecodeStats` as they are at the read (a copy: the
+    engine's list of per-position counts goes on growing)."""
+    from dsv4_jax.engine.async_engine import AsyncLLMEngine
+    from dsv4_jax.engine.speculative import SpecDecodeStats
+
+    scheduler = types.SimpleNamespace(num_running=1, num_waiting=0, kv_cache_usage=0.5, num_preemptions=0,
+                                      prefix_cache_queries=0, prefix_cache_hits=0)
+    spec = SpecDecodeStats(num_speculative_tokens=2)
+    for drafted, accepted in ((2, 2), (2, 0), (2, 1), (0, 0)):  # the last row carried no draft: not counted
+        spec.record(drafted, accepted)
+    engine = AsyncLLMEngine(types.SimpleNamespace(scheduler=scheduler, num_compiling=0, spec_decode_stats=spec))
+    stats = engine.stats()
+    assert (stats.spec_decode_num_drafts_total, stats.spec_decode_num_draft_tokens_total,
+            stats.spec_decode_num_accepted_tokens_total, stats.spec_decode_num_accepted_tokens_per_pos_total) == (
+        3, 6, 3, (2, 1))
+    spec.record(2, 2)
+    assert stats.spec_decode_num_accepted_tokens_per_pos_total == (2, 1)
+    assert engine.stats().spec_decode_num_accepted_tokens_per_pos_total == (3, 2)
 
 
 def test_async_engine_resets_the_prefix_cache_under_its_lock():

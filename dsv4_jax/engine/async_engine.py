@@ -176,10 +176,18 @@ class AsyncLLMEngine:
         return self.engine.scheduler.num_waiting + self.engine.num_compiling
 
     def stats(self) -> EngineStats:
-        scheduler = self.engine.scheduler
+        """Read without the lock, as a scrape must not wait for a step's host work: each count is
+        a running total that only grows, so a step applied meanwhile only makes some of them newer."""
+        scheduler, spec = self.engine.scheduler, self.engine.spec_decode_stats
+        spec_decode = {} if spec is None else dict(
+            spec_decode_num_drafts_total=spec.num_drafts,
+            spec_decode_num_draft_tokens_total=spec.num_draft_tokens,
+            spec_decode_num_accepted_tokens_total=spec.num_accepted_tokens,
+            spec_decode_num_accepted_tokens_per_pos_total=tuple(spec.accepted_per_position),
+        )
         return EngineStats(scheduler.num_running, self.num_waiting, scheduler.kv_cache_usage,
                            scheduler.num_preemptions, prefix_cache_queries_total=scheduler.prefix_cache_queries,
-                           prefix_cache_hits_total=scheduler.prefix_cache_hits)
+                           prefix_cache_hits_total=scheduler.prefix_cache_hits, **spec_decode)
 
     async def reset_prefix_cache(self) -> bool:
         """Empty the prefix cache: True once done; False, with nothing changed, while a request

@@ -105,14 +105,40 @@ class EngineStats:
     # tokens looked up at each admission, and those found with their state (a hit skips them).
     prefix_cache_queries_total: int = 0
     prefix_cache_hits_total: int = 0
+    # Speculative decoding, cumulative (vLLM's vllm:spec_decode_*; `SpecDecodeStats`): verify rows
+    # that carried drafts, their drafts, the drafts accepted, and those accepted at each draft
+    # position 0..k-1. All None while speculation is off (the series are then not exposed).
+    spec_decode_num_drafts_total: int | None = None
+    spec_decode_num_draft_tokens_total: int | None = None
+    spec_decode_num_accepted_tokens_total: int | None = None
+    spec_decode_num_accepted_tokens_per_pos_total: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
-        for name in ("num_requests_running", "num_requests_waiting", "num_preemptions_total",
-                     "prefix_cache_queries_total", "prefix_cache_hits_total"):
+        counts = ["num_requests_running", "num_requests_waiting", "num_preemptions_total",
+                  "prefix_cache_queries_total", "prefix_cache_hits_total"]
+        spec = [name for name in _SPEC_DECODE_FIELDS if getattr(self, name) is not None]
+        if spec and len(spec) != len(_SPEC_DECODE_FIELDS):
+            raise ValueError(f"EngineStats: got {', '.join(spec)} without "
+                             f"{', '.join(n for n in _SPEC_DECODE_FIELDS if n not in spec)}; "
+                             "allowed: all of the spec_decode_* counters (speculation on) or none")
+        for name in counts + (list(_SPEC_DECODE_COUNTS) if spec else []):
             value = getattr(self, name)
             if value < 0:
                 raise ValueError(f"EngineStats.{name}: got {value}, allowed: an integer >= 0")
+        per_pos = self.spec_decode_num_accepted_tokens_per_pos_total
+        if per_pos is not None and (not per_pos or min(per_pos) < 0):
+            raise ValueError(f"EngineStats.spec_decode_num_accepted_tokens_per_pos_total: got {per_pos!r}, "
+                             "allowed: one integer >= 0 per draft position (num_speculative_tokens of them)")
         if not 0.0 <= self.kv_cache_usage_perc <= 1.0:
             raise ValueError(
                 f"EngineStats.kv_cache_usage_perc: got {self.kv_cache_usage_perc}, allowed: a fraction in [0, 1]"
             )
+
+    @property
+    def spec_decode_enabled(self) -> bool:
+        return self.spec_decode_num_drafts_total is not None
+
+
+_SPEC_DECODE_COUNTS = ("spec_decode_num_drafts_total", "spec_decode_num_draft_tokens_total",
+                       "spec_decode_num_accepted_tokens_total")
+_SPEC_DECODE_FIELDS = (*_SPEC_DECODE_COUNTS, "spec_decode_num_accepted_tokens_per_pos_total")
