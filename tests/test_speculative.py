@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from dsv4_jax import LLM, SamplingParams
+from dsv4_jax.engine.compiles import CompileCounter
 from dsv4_jax.engine.runner import ModelRunner, StepBuckets, StepRow
 from dsv4_jax.presets import get_config
 from dsv4_jax.testing import ReplayDrafter, paged_layout, prefill_logits, write_random_checkpoint
@@ -200,7 +201,7 @@ def test_greedy_speculation_emits_what_decoding_emits_with_every_drafter(llm, mo
     """Without drafts the tokens follow the one-chunk forward; with the MTP block, a drafter whose
     drafts are all kept, one whose drafts are all rejected, one rejected at every position in turn,
     and fewer drafts than k, the tokens are the same (the comparison rule), and the counters say
-    what the drafter did."""
+    what the drafter did; nothing compiles."""
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     base = _tokens(_generate(llm, NO_DRAFTS, params)[0])
     reference = _reference(model, PROMPTS, base)
@@ -215,6 +216,7 @@ def test_greedy_speculation_emits_what_decoding_emits_with_every_drafter(llm, mo
         "two drafts, the second rejected": ReplayDrafter(runs, CONFIG.vocab_size, right=lambda done, k: 1, limit=2),
         "the MTP block": None,
     }
+    counter = CompileCounter()  # from here on: the warmed-up engine only
     for name, drafter in drafters.items():
         outs, (drafts, draft_tokens, accepted, per_position) = _generate(llm, drafter, params)
         _agree(_tokens(outs), base, reference)
@@ -227,6 +229,7 @@ def test_greedy_speculation_emits_what_decoding_emits_with_every_drafter(llm, mo
             assert 0 < accepted < draft_tokens and all(n > 0 for n in per_position), (name, per_position)
         if name == "two drafts, the second rejected":
             assert per_position == [drafts, 0, 0] and draft_tokens == 2 * drafts, (name, per_position)
+    assert counter.compiles == 0  # verify rows run in the buckets compiled at warm-up, and so does the drafter
 
 
 def test_seeded_sampling_gives_the_same_tokens_and_logprobs_with_drafts(llm):
