@@ -293,3 +293,26 @@ def test_prefix_hits_and_parallel_samples_with_the_mtp_drafter(llm):
     base = [[list(c.token_ids) for c in o.outputs] for o in _generate(llm, NO_DRAFTS, parallel, PROMPTS[:1])[0]]
     got = [[list(c.token_ids) for c in o.outputs] for o in _generate(llm, None, parallel, PROMPTS[:1])[0]]
     assert got == base and len(base[0]) == 2
+
+
+def test_an_abort_between_verify_steps_harms_no_other_request(llm):
+    """Two requests speculate with the MTP block; one is aborted after a few steps, its slot and
+    blocks freed, and a new request takes them: the others' tokens are decoding's."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    want = _tokens(_generate(llm, NO_DRAFTS, greedy, PROMPTS[:2])[0])
+    engine = llm.engine
+    engine.drafter = None
+    engine.add_request("kept", PROMPTS[0], greedy)
+    engine.add_request("aborted", PROMPTS[1], greedy)
+    for _ in range(6):
+        engine.step()
+    assert engine.abort("aborted") is not None
+    engine.add_request("after", PROMPTS[1], greedy)
+    done = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = list(out.outputs[0].token_ids)
+    assert done == {"kept": want[0], "after": want[1]}
+    engine.scheduler.check_invariants()
+    assert all(not bm._holders for bm in engine.scheduler.block_managers)
