@@ -75,3 +75,19 @@ def test_verify_rows_emit_the_models_tokens_and_give_back_rejected_blocks():
         assert request.status is RequestStatus.FINISHED_LENGTH
         assert request.output_token_ids == [sampled_token(request.request_id, i) for i in range(request.max_tokens)]
     assert scheduler.num_preemptions > 0 and crossed > 0 and 0 < accepted_total < drafted
+
+
+def test_verify_buckets_are_no_prefill_buckets():
+    """A verify bucket (B, k + 1) of a wide decode bucket holds more tokens than any prefill bucket;
+    the scheduler's chunk limits still come from the prefill buckets (GPU defaults: 1024 sequences)."""
+    import types
+
+    from dsv4_jax.engine.runner import StepBuckets
+
+    buckets = StepBuckets(prefill=((1, 256), (8, 256), (8, 32)), decode=(256, 1024)).with_verify_rows(2)
+    assert buckets.verify == ((256, 3), (1024, 3)) and buckets.pick(300, 3) == (1024, 3)
+    assert buckets.pick(4, 3) == (8, 32) and buckets.pick(2, 200) == (8, 256)
+    layout = types.SimpleNamespace(num_seq_slots=1024, num_compressed_blocks=4096, block_size=256,
+                                   max_blocks_per_seq=16)
+    config = SchedulerConfig.for_runner(buckets, layout, max_num_seqs=1024, max_model_len=4096)
+    assert (config.max_prefill_rows, config.max_prefill_tokens, config.max_decode_rows) == (8, 256, 1024)

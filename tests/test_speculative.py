@@ -99,7 +99,7 @@ def test_verify_steps_with_rejections_at_every_draft_equal_a_non_speculative_run
     full = np.asarray(model(ids))  # [2, T, vocab]
     mtp = np.asarray(model.mtp_logits(model.hidden_streams(ids[:, :-1]), ids[:, 1:]))  # [2, T - 1, vocab]
     plain = ModelRunner(model, layout, buckets=StepBuckets(prefill=((2, 16),), decode=(2,)))
-    assert (2, K + 1) in spec.buckets.prefill
+    assert spec.buckets.verify == ((2, K + 1),)
     blocks = [[0, 2], [1, 3]]
     errors, compared, drafts_checked = [], 0, 0
 
@@ -280,7 +280,8 @@ def test_no_token_after_a_stop_or_past_max_tokens_is_emitted(llm):
 
 def test_prefix_hits_and_parallel_samples_with_the_mtp_drafter(llm):
     """A prompt longer than a block, twice: the second hits its first block (128 cached tokens)
-    and both give decoding's tokens; n = 2 seeded samples equal decoding's."""
+    and both give decoding's tokens; a block completed by accepted drafts is hit by the next turn;
+    n = 2 seeded samples equal decoding's."""
     long_prompt = [np.random.default_rng(4).integers(0, CONFIG.vocab_size, size=150).tolist()]
     greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     want = _tokens(_generate(llm, NO_DRAFTS, greedy, long_prompt)[0])
@@ -289,6 +290,18 @@ def test_prefix_hits_and_parallel_samples_with_the_mtp_drafter(llm):
     second, (drafts, _, _, _) = _generate(llm, None, greedy, long_prompt)
     assert second[0].num_cached_tokens == 128 and drafts > 0
     assert _tokens(first) == want and _tokens(second) == want
+    # A block completed inside accepted drafts is cached with its snapshot (drafts stop at a block
+    # boundary, so some row ends there): a next turn over the output hits it.
+    turn = [np.random.default_rng(6).integers(0, CONFIG.vocab_size, size=100).tolist()]
+    reply = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+    base = _tokens(_generate(llm, NO_DRAFTS, reply, turn)[0])
+    assert llm.reset_prefix_cache()
+    _, (_, draft_tokens, accepted, _) = _generate(llm, ReplayDrafter({tuple(turn[0]): base[0]}, CONFIG.vocab_size),
+                                                  reply, turn)
+    assert accepted == draft_tokens > 30
+    next_turn, _ = _generate(llm, NO_DRAFTS, SamplingParams(temperature=0.0, max_tokens=2),
+                             [turn[0] + base[0][:40] + [1, 2, 3]])
+    assert next_turn[0].num_cached_tokens == 128
     parallel = SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=20, ignore_eos=True)
     base = [[list(c.token_ids) for c in o.outputs] for o in _generate(llm, NO_DRAFTS, parallel, PROMPTS[:1])[0]]
     got = [[list(c.token_ids) for c in o.outputs] for o in _generate(llm, None, parallel, PROMPTS[:1])[0]]

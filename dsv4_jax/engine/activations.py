@@ -50,11 +50,14 @@ class ActivationMemory:
 
 
 def measure_activations(model, layout: PagedCacheLayout, *, buckets: StepBuckets, attention_backend: str,
-                        max_model_len: int, sampler_config: SamplerConfig = SamplerConfig()) -> ActivationMemory:
+                        max_model_len: int, sampler_config: SamplerConfig = SamplerConfig(),
+                        num_speculative_tokens: int = 0) -> ActivationMemory:
     """The `ActivationMemory` of an engine serving `model` (dsv4_jax.weights.loading.CausalLM) with these
     buckets on pools of `layout`: its programs compiled for those pools' shapes, none run and no
-    pool allocated."""
-    runner = ModelRunner(model, layout, attention_backend=attention_backend, buckets=buckets, allocate_cache=False)
+    pool allocated. With speculative decoding, its verify buckets and their k + 1 logits a row too
+    (the MTP drafter's program is not measured)."""
+    runner = ModelRunner(model, layout, attention_backend=attention_backend, buckets=buckets, allocate_cache=False,
+                         num_speculative_tokens=num_speculative_tokens)
     made: list[Sampler] = []
 
     def sampler_for(config: SamplerConfig) -> Sampler:

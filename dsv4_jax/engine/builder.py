@@ -280,7 +280,8 @@ def _measure_activations(config: EngineConfig, model, memory: int, weight_bytes:
     layout = _layout(dataclasses.replace(config, args=dataclasses.replace(config.args, num_gpu_blocks_override=None)),
                      smallest)
     activations = measure_activations(model, layout, buckets=largest_buckets(config.buckets),
-                                      attention_backend=config.kv.attention_backend, max_model_len=config.max_model_len)
+                                      attention_backend=config.kv.attention_backend, max_model_len=config.max_model_len,
+                                      num_speculative_tokens=config.num_speculative_tokens)
     logger.info("activations: %s, measured in %.1fs; the KV cache gets what remains of --gpu-memory-utilization %s "
                 "of %.2f GiB after them and %.2f GiB of weights", activations.describe(), time.perf_counter() - start,
                 config.args.gpu_memory_utilization, memory / 2**30, weight_bytes / 2**30)

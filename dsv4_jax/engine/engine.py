@@ -74,6 +74,7 @@ class _InFlight:
     position: dict[str, int]  # request id -> its row
     prompt_scores: tuple | None = None  # a prefill step's `ModelRunner.prompt_scores`, when some row asked
     seqs: Any = None  # the step's host row arrays (`ModelRunner.build`), for the MTP drafter
+    snapshots: list = dataclasses.field(default_factory=list)  # prefix-cache snapshots the step's rows take
 
 
 @dataclasses.dataclass
@@ -554,7 +555,9 @@ class LLMEngine:
             self.device.call("restore_snapshots", restores)
         out = self.device.call("run", bucket, tokens, seqs, len(rows), token_ids)
         snapshots = [(r.dp_rank, r.slot, r.snapshot, r.end) for r in rows if r.snapshot >= 0]
-        if snapshots:  # rows ending at a block boundary: their state there, before a later step moves on
+        if snapshots and not self._drafts_on_device:
+            # Rows ending at a block boundary: their state there, before a later step moves on (the
+            # MTP drafter writes its window after the step: `_complete` takes them then).
             self.device.call("take_snapshots", snapshots)
         logit_rows = [self._logit_row(at) for at in position]
         masks = self._step_masks(rows, logit_rows, out.logits.shape[0], previous)  # may wait for the previous step
@@ -580,7 +583,7 @@ class LLMEngine:
         self._steps += 1
         sampled = self.device.call("sample", out.logits, batch, None if previous is None else previous.sampled.token_ids)
         return _InFlight(scheduled, out, sampled, {r.request.request_id: at for at, r in zip(position, rows)},
-                         self._launch_prompt_scores(rows, position, out), seqs)
+                         self._launch_prompt_scores(rows, position, out), seqs, snapshots)
 
     def _step_masks(self, rows, position, bucket: int, previous: _InFlight | None) -> np.ndarray | None:
         """The mask rows of a step whose sampling rows include constrained ones (None: none). A
@@ -650,7 +653,11 @@ class LLMEngine:
                 last = self._logit_row(step.position[r.request.request_id])
                 sampled = tokens[last - r.num_drafts : last + 1]
                 emitted[r.request.request_id] = (r, accepted_tokens(sampled, r.token_ids[len(r.token_ids) - r.num_drafts:]))
-        drafts = self._mtp_drafts(step, emitted) if self.num_speculative_tokens and self.drafter is None else None
+        drafts = None
+        if self._drafts_on_device:
+            drafts = self._mtp_drafts(step, emitted)
+            if step.snapshots:  # now with the MTP layer's window of the step's positions
+                self.device.call("take_snapshots", step.snapshots)
         got = self.scheduler.update(scheduled, {rid: toks[0] for rid, (_, toks) in emitted.items()})
         outputs = []
         for request in got:
@@ -672,6 +679,11 @@ class LLMEngine:
                 del self._tracked[request.request_id]
         return outputs
 
+    @property
+    def _drafts_on_device(self) -> bool:
+        """The MTP block drafts (after each step), not a host drafter."""
+        return bool(self.num_speculative_tokens) and self.drafter is None
+
     def _apply_token(self, tracked: _Tracked, logprob_arrays, row: int) -> None:
         """The request's newest output token, sampled at `row` of the step's samples: its logprobs,
         then the stop checks."""
@@ -692,8 +704,8 @@ class LLMEngine:
             if r.request.request_id in emitted:
                 toks = emitted[r.request.request_id][1]
                 ahead = [*r.token_ids[1 : known + len(toks) - 1], toks[-1]]
-            else:  # a prompt chunk that is not the prompt's last: the prompt's next token follows it
-                ahead = [*r.token_ids[1:known], *r.request.prompt_token_ids[r.end : r.end + 1]]
+            else:  # a chunk that does not reach the known tokens' end (a prompt's, or a recompute's)
+                ahead = [*r.token_ids[1:known], *r.request.token_ids(r.end, r.end + 1)]
             next_ids[at, : len(ahead)] = ahead
             draft_at[at] = len(ahead) - 1
         drafts = self.device.call("draft", step.out.streams, step.seqs, next_ids, draft_at)
@@ -873,13 +885,14 @@ class LLMEngine:
             previous = self.sampler(logits, batch).token_ids
             jax.block_until_ready(previous)
         self.sampler.programs.keep()  # each ran above
-        if jax.process_count() > 1:  # host reads of logits gather them first (_host_logits)
-            for logits in self.runner.warmup_logits.values():
+        if jax.process_count() > 1:  # host reads of logits and drafts gather them first (_host_logits, _mtp_drafts)
+            for logits in (*self.runner.warmup_logits.values(), *self.runner.warmup_drafts.values()):
                 jax.block_until_ready(self.runner.gather(logits))
         for b, s in self.runner.buckets.all:  # async scheduling's placeholder filling
             b *= self.runner.dp
             jax.block_until_ready(_fill_placeholders(np.zeros((b, s), np.int32), np.zeros(b, np.int32), previous))
         self.runner.warmup_logits.clear()
+        self.runner.warmup_drafts.clear()
         self.runner.compiles.reset()  # from here on the runner counts what serving compiles: nothing
         progress("sampler", 1, 1)
         return counter.compiles

@@ -65,19 +65,24 @@ logger = logging.getLogger(__name__)
 
 @dataclasses.dataclass(frozen=True)
 class StepBuckets:
-    """Padded step shapes: prefill (rows, tokens per row) pairs and decode row counts."""
+    """Padded step shapes: prefill (rows, tokens per row) pairs and decode row counts; with
+    speculative decoding, verify (rows, k + 1) pairs (`with_verify_rows`), which serve any step
+    they hold but are no prefill bucket (the scheduler sizes its chunks from `prefill`)."""
 
     prefill: tuple[tuple[int, int], ...] = ((4, 64), (8, 256))
     decode: tuple[int, ...] = (8, 32)
+    verify: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self) -> None:
-        for rows, tokens in self.prefill:
+        for rows, tokens in (*self.prefill, *self.verify):
             if not (isinstance(rows, int) and isinstance(tokens, int) and rows >= 1 and tokens >= 2):
                 raise ValueError(f"prefill buckets are (rows >= 1, tokens >= 2) pairs, got {(rows, tokens)!r}")
         if not self.prefill or not self.decode or any(not isinstance(b, int) or b < 1 for b in self.decode):
             raise ValueError(f"need at least one prefill and one decode bucket, got {self!r}")
         object.__setattr__(self, "prefill", tuple(sorted(self.prefill, key=lambda b: (b[0] * b[1], b))))
         object.__setattr__(self, "decode", tuple(sorted(self.decode)))
+        verify = sorted(set(self.verify) - set(self.prefill), key=lambda b: (b[0] * b[1], b))
+        object.__setattr__(self, "verify", tuple(verify))
 
     def pick(self, rows: int, longest: int) -> tuple[int, int]:
         """The smallest bucket (B, S) holding `rows` rows of up to `longest` tokens."""
@@ -85,25 +90,23 @@ class StepBuckets:
             for b in self.decode:
                 if b >= rows:
                     return b, 1
-        for b, s in self.prefill:
+        for b, s in sorted((*self.prefill, *self.verify), key=lambda b: (b[0] * b[1], b)):
             if b >= rows and s >= longest:
                 return b, s
         raise ValueError(
             f"a step of {rows} rows with up to {longest} tokens fits no bucket (prefill {self.prefill}, "
-            f"decode {self.decode}): the scheduler must split it"
+            f"verify {self.verify}, decode {self.decode}): the scheduler must split it"
         )
 
     @property
     def all(self) -> tuple[tuple[int, int], ...]:
-        return (*self.prefill, *((b, 1) for b in self.decode))
+        return (*self.prefill, *self.verify, *((b, 1) for b in self.decode))
 
     def with_verify_rows(self, num_speculative_tokens: int) -> StepBuckets:
-        """These buckets with a (B, k + 1) bucket for each decode bucket B: the verify steps of
+        """These buckets with a (B, k + 1) verify bucket for each decode bucket B: the steps of
         speculative decoding, whose rows are a token and up to k drafts."""
         k = num_speculative_tokens
-        if not k:
-            return self
-        return dataclasses.replace(self, prefill=tuple(dict.fromkeys([*self.prefill, *((b, k + 1) for b in self.decode)])))
+        return dataclasses.replace(self, verify=tuple((b, k + 1) for b in self.decode)) if k else self
 
     def with_min_decode_rows(self, rows: int) -> StepBuckets:
         """These buckets with every decode bucket at least `rows` rows (merging any that meet)."""
@@ -282,14 +285,14 @@ class ModelRunner:
         if num_speculative_tokens and not layout.spare_compressor_windows and (layout.csa_layers or layout.hca_layers):
             raise ValueError("speculative decoding needs a layout with spare_compressor_windows=1 (a rejected draft "
                              "may take a sequence back into the compressor's window before)")
-        buckets = buckets.with_verify_rows(num_speculative_tokens)
         on_cpu = jax.default_backend() == "cpu"
-        self.buckets = buckets.with_min_decode_rows(CPU_MIN_DECODE_ROWS) if on_cpu else buckets
+        widened = buckets.with_min_decode_rows(CPU_MIN_DECODE_ROWS) if on_cpu else buckets
+        self.buckets = widened.with_verify_rows(num_speculative_tokens)
         # On CPUs each step's buffers come from malloc: keep their pages between steps.
         self.keeps_freed_buffers = on_cpu and keep_freed_buffers()
-        if self.buckets != buckets:
+        if widened != buckets:
             logger.info("decode buckets %s run as %s: on CPUs a decode step has at least %d rows",
-                        buckets.decode, self.buckets.decode, CPU_MIN_DECODE_ROWS)
+                        buckets.decode, widened.decode, CPU_MIN_DECODE_ROWS)
         self.backend = get_backend(attention_backend, interpret=interpret)
         # Compiled steps and prompt scoring, read back from disk on a restart (none kept: None).
         self.programs = programs if programs is not None else ProgramCache.default()
@@ -703,6 +706,7 @@ class ModelRunner:
         self.compiles.reset()
         self._touch_interpreter()
         self.warmup_logits: dict[int, jax.Array] = {}  # step rows -> logits laid out as steps give them
+        self.warmup_drafts: dict[int, jax.Array] = {}  # step rows -> MTP drafts as the drafter gives them
         buckets = self.buckets.all
         t0, built = time.perf_counter(), self.programs.built
         self.compile_buckets(on_done=on_compiled)
@@ -714,14 +718,17 @@ class ModelRunner:
                 logits = step.out_info[0]
                 self.warmup_logits[logits.shape[0]] = jax.device_put(np.zeros(logits.shape, logits.dtype),
                                                                      logits.sharding)
+            for key, drafter in self._drafters.items():
+                drafts = drafter.out_info[0]
+                self.warmup_drafts[key[0]] = jax.device_put(np.zeros(drafts.shape, drafts.dtype), drafts.sharding)
         for rank_rows, s in buckets if self.programs.built > built else ():
             b = rank_rows * self.dp
             before = jax.tree.leaves(self.cache)[0]
             with self._naming_the_backend((rank_rows, s)):
                 logits, streams = self._run_padding_step((b, s))
                 if self.mtp_drafts:  # the drafter of padding rows writes nothing either
-                    jax.block_until_ready(self.draft(streams, self.padding_step((b, s))[1], np.zeros((b, s), np.int32),
-                                                     np.zeros(b, np.int32)))
+                    self.warmup_drafts[b] = jax.block_until_ready(self.draft(
+                        streams, self.padding_step((b, s))[1], np.zeros((b, s), np.int32), np.zeros(b, np.int32)))
             self.warmup_logits[logits.shape[0]] = logits  # as steps lay them out: the sampler warms up on these
             if s > 1:  # prompt logprobs come from prefill steps
                 jax.block_until_ready(self.prompt_scores(streams, np.zeros((b, s), np.int32)))

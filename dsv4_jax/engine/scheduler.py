@@ -392,7 +392,7 @@ class Scheduler:
             self._add_decodes(rank, plan, decodes, preempted)
         elif kind == "mixed":
             plan = _StepPlan(c.max_prefill_rows, c.max_num_batched_tokens)
-            self._add_decodes(rank, plan, decodes, preempted)
+            self._add_decodes(rank, plan, decodes, preempted, prefill_row=True)
             self._add_prefills(rank, plan, preempted)
         else:
             plan = _StepPlan(c.max_prefill_rows, c.max_num_batched_tokens)
@@ -406,22 +406,37 @@ class Scheduler:
             self._add_decodes(rank, plan, decodes, preempted)
         return plan
 
-    def _add_decodes(self, rank: int, plan: _StepPlan, decodes: list[Request], preempted: list[str]) -> None:
-        for request in decodes:
+    def _add_decodes(self, rank: int, plan: _StepPlan, decodes: list[Request], preempted: list[str],
+                     prefill_row: bool = False) -> None:
+        """Decode rows, each with its drafts; `prefill_row`: a prefill row follows (a mixed step)."""
+        for i, request in enumerate(decodes):
             if plan.full:
                 return
             if request.status is RequestStatus.RUNNING:  # not preempted by an earlier row
-                self._add_running(rank, plan, request, 1 + self._num_drafts(request, plan), preempted)
+                # Each later row (and the prefill row) keeps a token of the budget: drafts never
+                # take a row from another request.
+                later = min(len(decodes) - i - 1, plan.max_rows - len(plan.chunks) - 1) + prefill_row
+                self._add_running(rank, plan, request, 1 + self._num_drafts(rank, request, plan, later), preempted)
 
-    def _num_drafts(self, request: Request, plan: _StepPlan) -> int:
+    def _num_drafts(self, rank: int, request: Request, plan: _StepPlan, reserved: int) -> int:
         """Drafts a decode row of `request` carries: its proposals, at most k, none that could
-        only follow its last token (max_tokens) or pass max_model_len, within the step's budget."""
+        only follow its last token (max_tokens) or pass max_model_len, within the step's budget
+        less `reserved` tokens, and only in blocks already free (drafts never preempt). With
+        prefix caching, none past the next block boundary: a boundary is then always some row's
+        known end, where its snapshot is taken."""
         c = self.config
         if not c.num_speculative_tokens or not request.draft_token_ids:
             return 0
-        return max(0, min(len(request.draft_token_ids), c.num_speculative_tokens,
-                          request.max_tokens - request.num_output_tokens - 1,
-                          c.max_model_len - request.num_tokens, plan.budget_left - 1))
+        drafts = min(len(request.draft_token_ids), c.num_speculative_tokens,
+                     request.max_tokens - request.num_output_tokens - 1,
+                     c.max_model_len - request.num_tokens, plan.budget_left - 1 - reserved)
+        if self.prefix_caching:
+            end = request.num_tokens  # the row's known end
+            drafts = min(drafts, (end // c.block_size + 1) * c.block_size - end - 1)
+        bm = self.block_managers[rank]
+        while drafts > 0 and bm.blocks_for(request.num_tokens + drafts) - len(request.compressed_blocks) > bm.num_free_blocks:
+            drafts -= 1
+        return max(drafts, 0)
 
     def _add_prefills(self, rank: int, plan: _StepPlan, preempted: list[str], reserved: int = 0) -> None:
         """Running prefills' next chunks, then admissions first come, first served; `reserved`

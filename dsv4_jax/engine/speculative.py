@@ -78,6 +78,12 @@ class SpeculativeConfig:
         if config.num_nextn_predict_layers < 1:
             raise ValueError(f"{FLAG}: the model has no MTP block (num_nextn_predict_layers is 0), so there is "
                              f"nothing to draft with; drop {FLAG}")
+        ratios = [r for r in config.compress_ratios if r]
+        if ratios and self.num_speculative_tokens > min(ratios):
+            # One spare compressor window a slot holds what a rejection goes back to only while
+            # drafts are no longer than a window (model/cache_step.py).
+            raise ValueError(f"{FLAG}: num_speculative_tokens {self.num_speculative_tokens} exceeds the model's "
+                             f"smallest compression ratio {min(ratios)}; pass at most {min(ratios)}")
         if model_dir is not None:
             raw = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
             if any(key.startswith("dspark_") for key in raw):

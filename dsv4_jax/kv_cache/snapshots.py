@@ -14,8 +14,9 @@ first step. Positions before 0 (h < window - 1) are neither copied nor restored.
 are the same in every slot (a position's ring entry depends on the position only), so a snapshot
 goes into any slot.
 
-Memory per snapshot: sliding layers x (window - 1) KV rows, plus 2 x CSA layers x (2 csa_ratio)
-x 2 (kv and score, float32) x (2 head_dim + 2 index_head_dim) bytes (`snapshot_bytes`).
+Memory per snapshot: sliding layers x (window - 1) KV rows, plus CSA layers x (K csa_ratio) x 2
+(kv and score) x 4 (float32) x (2 head_dim + 2 index_head_dim) bytes, K = 2 (3 with speculative
+decoding's spare window; the sliding layers then include the MTP layer) (`snapshot_bytes`).
 """
 
 from __future__ import annotations
@@ -34,8 +35,8 @@ from dsv4_jax.kv_cache.pytrees import pytree_dataclass
 @pytree_dataclass
 class PrefixSnapshots:
     sliding: object  # the sliding planes' pytree, each leaf [sliding layers, snapshots, window - 1, ...]
-    csa_state: object  # CompressorState [CSA layers, snapshots, 2 ratio, 2 head_dim] or None
-    csa_indexer_state: object  # CompressorState [CSA layers, snapshots, 2 ratio, 2 index_head_dim] or None
+    csa_state: object  # CompressorState [CSA layers, snapshots, K ratio, 2 head_dim] or None (K: the cache's)
+    csa_indexer_state: object  # CompressorState [CSA layers, snapshots, K ratio, 2 index_head_dim] or None
 
 
 def snapshot_rows(layout: PagedCacheLayout) -> int:
