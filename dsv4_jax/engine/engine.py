@@ -530,10 +530,14 @@ class LLMEngine:
         """What `finish_step` reads from the device (ready once the launched step has run)."""
         return launched.sampled, launched.prompt_scores
 
-    def _logit_row(self, at: int) -> int:
-        """The row of a step's logits (and samples) holding step row `at`'s last position: each
-        row has num_speculative_tokens + 1 of them (`StepOutput.logits`)."""
-        n = self.num_speculative_tokens + 1
+    def _logits_per_row(self, bucket: tuple[int, int]) -> int:
+        """Logits a step of `bucket` gives each row (`StepOutput.logits`): its last k + 1
+        positions' with speculation, one in decode buckets and without it."""
+        return min(self.num_speculative_tokens + 1, bucket[1])
+
+    def _logit_row(self, at: int, bucket: tuple[int, int]) -> int:
+        """The row of a step's logits (and samples) holding step row `at`'s last position."""
+        n = self._logits_per_row(bucket)
         return at * n + n - 1
 
     def _launch(self, scheduled: SchedulerOutput, previous: _InFlight | None) -> _InFlight:
@@ -559,7 +563,7 @@ class LLMEngine:
             # Rows ending at a block boundary: their state there, before a later step moves on (the
             # MTP drafter writes its window after the step: `_complete` takes them then).
             self.device.call("take_snapshots", snapshots)
-        logit_rows = [self._logit_row(at) for at in position]
+        logit_rows = [self._logit_row(at, out.bucket) for at in position]
         masks = self._step_masks(rows, logit_rows, out.logits.shape[0], previous)  # may wait for the previous step
         sampling = [SamplingRow(_FILLER, 0)] * (max(logit_rows) + 1)  # rows after the last: padding
         for at, last, r in zip(position, logit_rows, rows):
@@ -650,7 +654,7 @@ class LLMEngine:
         emitted = {}
         for r in scheduled.rows:
             if r.is_sampling:
-                last = self._logit_row(step.position[r.request.request_id])
+                last = self._logit_row(step.position[r.request.request_id], step.out.bucket)
                 sampled = tokens[last - r.num_drafts : last + 1]
                 emitted[r.request.request_id] = (r, accepted_tokens(sampled, r.token_ids[len(r.token_ids) - r.num_drafts:]))
         drafts = None
@@ -663,7 +667,7 @@ class LLMEngine:
         for request in got:
             tracked = self._tracked[request.request_id]
             row, toks = emitted[request.request_id]
-            first = self._logit_row(step.position[request.request_id]) - row.num_drafts
+            first = self._logit_row(step.position[request.request_id], step.out.bucket) - row.num_drafts
             self._apply_token(tracked, logprob_arrays, first)
             for i, token in enumerate(toks[1:], start=1):  # accepted drafts: the tokens after them
                 if request.status.finished:  # stopped: nothing after its stop is emitted
@@ -806,7 +810,7 @@ class LLMEngine:
             # A one-token chunk in a decode step: its logits are the step's own, and decode buckets
             # have no compiled scoring (one row of [B, vocab] on the host is cheap).
             logits = self._host_logits(step.out.logits)
-            scored = [_prompt_scores(logits[self._logit_row(i), None], np.asarray(targets),
+            scored = [_prompt_scores(logits[self._logit_row(i, step.out.bucket), None], np.asarray(targets),
                                      tracked.params.prompt_logprobs) for i, tracked, _, targets in wanted]
         else:
             logprob, rank, top_ids, top_logprobs = jax.device_get(step.prompt_scores)
@@ -900,7 +904,7 @@ class LLMEngine:
     def _step_logits(self) -> dict[int, jax.ShapeDtypeStruct]:
         """Step rows -> the logits [rows, vocab] float32 a step of that many rows returns, placed as
         it places them, before any step is built."""
-        rows = {b * self.runner.dp * (self.num_speculative_tokens + 1) for b, _ in self.runner.buckets.all}
+        rows = {b * self.runner.dp * self._logits_per_row((b, s)) for b, s in self.runner.buckets.all}
         placed = self.runner.logits_sharding
         return {b: jax.ShapeDtypeStruct((b, self.config.vocab_size), jnp.float32, sharding=placed) for b in rows}
 

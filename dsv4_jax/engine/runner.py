@@ -135,9 +135,10 @@ class StepRow:
 
 @dataclasses.dataclass(frozen=True)
 class StepOutput:
-    # [B * n, vocab] float32, n = num_speculative_tokens + 1: the logits of each row's last n
-    # positions, row b's last real token at b * n + n - 1 (positions before a row's first repeat
-    # its first; padding rows: garbage). Without speculation [B, vocab], the last token's.
+    # [B * n, vocab] float32, n = min(num_speculative_tokens + 1, S): the logits of each row's
+    # last n positions, row b's last real token at b * n + n - 1 (positions before a row's first
+    # repeat its first; padding rows: garbage). Without speculation, and in decode buckets, n = 1:
+    # [B, vocab], the last token's.
     logits: jax.Array
     streams: jax.Array  # [B, S, hc_mult, hidden] before hc_head, for prompt logprobs and MTP
     rows: int  # real rows (`ModelRunner.row_positions` says where)
@@ -170,6 +171,7 @@ def step_compiler_options() -> dict[str, str]:
 def _step(graphdef, weights_def, options, ctx, num_logits, weights, cache, token_ids, seqs):
     model = nnx.merge(graphdef, jax.tree.unflatten(weights_def, weights))
     streams, cache = model.step(token_ids, seqs, cache, options, ctx)
+    num_logits = min(num_logits, token_ids.shape[1])  # a decode bucket's rows have one position
     back = jnp.arange(num_logits - 1, -1, -1, dtype=jnp.int32)  # the last num_logits positions, in order
     at = jnp.maximum(seqs.lens[:, None] - 1 - back[None, :], 0)
     final = jnp.take_along_axis(streams, at[:, :, None, None], axis=1)  # [B, n, hc, hidden]
