@@ -162,29 +162,27 @@ class BlockManager:
         self._cached.clear()
         self._hash_of.clear()
 
+    def _release(self, block: int) -> None:
+        """One reference to `block` dropped; with none left it is free, or evictable when cached."""
+        self._ref_counts[block] -= 1
+        if self._ref_counts[block] == 0:
+            if block in self._hash_of:
+                self._evictable[block] = None
+            else:
+                self._free_blocks.append(block)
+
     def release_blocks_past(self, request: Request, num_tokens: int) -> None:
         """Release `request`'s blocks past those covering positions [0, num_tokens), last first:
         blocks a verify step took for drafts that were rejected (never cached: not full)."""
         keep = self.blocks_for(num_tokens)
         while len(request.compressed_blocks) > keep:
-            block = request.compressed_blocks.pop()
-            self._ref_counts[block] -= 1
-            if self._ref_counts[block] == 0:
-                if block in self._hash_of:
-                    self._evictable[block] = None
-                else:
-                    self._free_blocks.append(block)
+            self._release(request.compressed_blocks.pop())
 
     def free(self, request: Request) -> None:
         """Release everything `request` holds (its slot and its block references), its last
         block first (what is evicted first, once nobody holds it)."""
         for block in reversed(request.compressed_blocks):
-            self._ref_counts[block] -= 1
-            if self._ref_counts[block] == 0:
-                if block in self._hash_of:
-                    self._evictable[block] = None
-                else:
-                    self._free_blocks.append(block)
+            self._release(block)
         del request.compressed_blocks[:]
         if request.slot is not None:
             self._free_slots.append(request.slot)

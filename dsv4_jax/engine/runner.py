@@ -416,27 +416,25 @@ class ModelRunner:
         """The pure step over (weights, cache, token ids, rows); on a mesh, under a shard_map manual
         over the data axis, every rank's pools side by side and split over it."""
         step = functools.partial(_step, self.graphdef, weights_def, options, self.ctx, self.num_speculative_tokens + 1)
-        if self.mesh is None:
-            return step
-        cache_specs = partition_specs(self._whole_layout(), DATA)
-        rows = P(DATA)
-        seq_specs = StepSequences(rows, rows, rows, rows, rows)
-        return jax.shard_map(
-            step, mesh=self.mesh, in_specs=(_data_specs(self.weights), cache_specs, rows, seq_specs),
-            out_specs=(rows, rows, cache_specs), axis_names={DATA}, check_vma=False,
-        )
+        return self._over_data(step, ("rows", "seqs"), ("rows", "rows"))
 
     def _draft_function(self, weights_def, options) -> Callable:
         """The pure drafter (`_draft`); on a mesh under a shard_map over the data axis, as the step."""
         draft = functools.partial(_draft, self.graphdef, weights_def, options, self.ctx, self.num_speculative_tokens)
+        return self._over_data(draft, ("rows", "rows", "seqs", "rows"), ("rows",))
+
+    def _over_data(self, fn: Callable, inputs: tuple[str, ...], outputs: tuple[str, ...]) -> Callable:
+        """`fn(weights, cache, *inputs) -> (*outputs, cache)`; on a mesh under a shard_map manual over
+        the data axis, every rank's pools side by side and split over it, each input and output
+        split by rows ("rows": an array, "seqs": a StepSequences)."""
         if self.mesh is None:
-            return draft
+            return fn
         cache_specs = partition_specs(self._whole_layout(), DATA)
         rows = P(DATA)
-        seq_specs = StepSequences(rows, rows, rows, rows, rows)
+        spec = {"rows": rows, "seqs": StepSequences(rows, rows, rows, rows, rows)}
         return jax.shard_map(
-            draft, mesh=self.mesh, in_specs=(_data_specs(self.weights), cache_specs, rows, rows, seq_specs, rows),
-            out_specs=(rows, cache_specs), axis_names={DATA}, check_vma=False,
+            fn, mesh=self.mesh, in_specs=(_data_specs(self.weights), cache_specs, *(spec[i] for i in inputs)),
+            out_specs=(*(spec[o] for o in outputs), cache_specs), axis_names={DATA}, check_vma=False,
         )
 
     @property
