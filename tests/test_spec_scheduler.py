@@ -38,7 +38,7 @@ def test_verify_rows_emit_the_models_tokens_and_give_back_rejected_blocks():
         emitted = {}
         for row in output.rows:
             request, bs = row.request, CONFIG.block_size
-            known = len(row.token_ids) - row.num_drafts
+            known = row.num_known
             assert list(row.token_ids[:known]) == request.all_token_ids[row.start : row.start + known]
             assert list(row.token_ids[known:]) == request.draft_token_ids[: row.num_drafts]
             assert len(row.compressed_blocks) == math.ceil((row.start + len(row.token_ids)) / bs)

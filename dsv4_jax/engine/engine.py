@@ -575,7 +575,7 @@ class LLMEngine:
                 # A pending last output (a placeholder) is the previous step's sample of row source[at].
                 # A verify row samples each position i after its first i drafts (engine/speculative.py).
                 history = None if history is None else history.catch_up(outputs)  # no drafts with penalties
-                drafts = list(r.token_ids[len(r.token_ids) - r.num_drafts :])
+                drafts = r.drafts
                 for i in range(r.num_drafts + 1):
                     sampling[last - r.num_drafts + i] = SamplingRow(
                         params, tracked.index, r.request.prompt_token_ids, [*outputs, *drafts[:i]] if i else outputs,
@@ -656,7 +656,7 @@ class LLMEngine:
             if r.is_sampling:
                 last = self._logit_row(step.position[r.request.request_id], step.out.bucket)
                 sampled = tokens[last - r.num_drafts : last + 1]
-                emitted[r.request.request_id] = (r, accepted_tokens(sampled, r.token_ids[len(r.token_ids) - r.num_drafts:]))
+                emitted[r.request.request_id] = (r, accepted_tokens(sampled, r.drafts))
         drafts = None
         if self._drafts_on_device:
             drafts = self._mtp_drafts(step, emitted)
@@ -704,7 +704,7 @@ class LLMEngine:
         next_ids, draft_at = np.zeros(bucket, np.int32), np.zeros(bucket[0], np.int32)
         for r in step.scheduled.rows:
             at = step.position[r.request.request_id]
-            known = len(r.token_ids) - r.num_drafts
+            known = r.num_known
             if r.request.request_id in emitted:
                 toks = emitted[r.request.request_id][1]
                 ahead = [*r.token_ids[1 : known + len(toks) - 1], toks[-1]]

@@ -141,9 +141,18 @@ class ScheduledRow:
     num_drafts: int = 0  # drafts after the known tokens (a verify row)
 
     @property
+    def num_known(self) -> int:
+        """Tokens of the row that are the request's own (the rest are drafts, not known to be right)."""
+        return len(self.token_ids) - self.num_drafts
+
+    @property
+    def drafts(self) -> tuple[int, ...]:
+        return tuple(self.token_ids[self.num_known :])
+
+    @property
     def end(self) -> int:
-        """The position after the row's last known token (its drafts are not known to be right)."""
-        return self.start + len(self.token_ids) - self.num_drafts
+        """The position after the row's last known token."""
+        return self.start + self.num_known
 
     @property
     def dp_rank(self) -> int:
@@ -677,7 +686,7 @@ class Scheduler:
         for row in live:
             request = row.request
             if not taken:
-                request.num_computed_tokens += len(row.token_ids) - row.num_drafts  # drafts: `extend`
+                request.num_computed_tokens += row.num_known  # accepted drafts: `extend`
             if row.is_sampling:
                 token = int(sampled[request.request_id])
                 if taken:  # the placeholder sits right after the row's chunk
